@@ -1,0 +1,131 @@
+"""`python -m bench compare` (the table) and `python -m bench worker` (one system, run by compare)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.model import DTYPES, ModelSpec
+from bench.worker import RESULT_PREFIX, SYSTEMS, emit, train
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RUN_FLAGS = {"batch": 8, "steps": 20, "warmup": 3, "seed": 0}  # with ModelSpec's fields: forwarded to workers
+GiB = 2**30
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"need --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    return args.func(args)
+
+
+def compare(args: argparse.Namespace) -> int:
+    """Run every selected system in its own worker process; print the table, write the JSON."""
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown system(s) {unknown} in --systems; choose from {list(SYSTEMS)}")
+    results = [_run_worker(system, args) for system in systems]
+    ratio = _ratio(results)
+
+    print(format_table(results))
+    if ratio is not None:
+        print(f"ratio-check: protrain tokens/s / compile tokens/s = {ratio:.3f}")
+    if args.out:
+        report = {
+            "command": shlex.join(["python", "-m", "bench", *sys.argv[1:]]),
+            "commit": _git_commit(),
+            "device": next((r["device"] for r in results if "device" in r), None),
+            "torch_version": next((r["torch_version"] for r in results if "torch_version" in r), None),
+            "args": {k: v for k, v in vars(args).items() if k not in ("func", "out")},
+            "ratio_protrain_over_compile": ratio,
+            "results": results,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        log.info("wrote %s", args.out)
+    return 1 if any("error" in r for r in results) else 0
+
+
+def worker(args: argparse.Namespace) -> int:
+    spec = ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
+    try:
+        run = {name: getattr(args, name) for name in ("batch", "steps", "warmup", "dtype", "seed")}
+        result = train(args.system, spec, **run)
+    except Exception as e:
+        emit({"system": args.system, "error": f"{type(e).__name__}: {e}"})
+        raise
+    emit(dataclasses.asdict(result))
+    return 0
+
+
+def format_table(results: list[dict]) -> str:
+    header = ("system", "tokens/s", "step ms", "peak GPU GiB", "peak RSS GiB", "loss first", "loss last", "params M")
+    rows = [header, *(_row(r) for r in results)]
+    widths = [max(len(row[i]) for row in rows if len(row) == len(header)) for i in range(len(header))]
+    # a FAILED row has two cells: zip stops early and its error runs on past the columns
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) for row in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _row(r: dict) -> tuple[str, ...]:
+    if "error" in r:
+        return r["system"], "FAILED: " + " ".join(r["error"].split())  # one line, whatever the message
+    gpu = "-" if r["peak_gpu_bytes"] is None else f"{r['peak_gpu_bytes'] / GiB:.2f}"
+    speed = f"{r['tokens_per_s']:.1f}", f"{r['step_time_s'] * 1e3:.1f}"
+    losses = f"{r['loss_first']:.4f}", f"{r['loss_last']:.4f}"
+    return r["system"], *speed, gpu, f"{r['peak_rss_bytes'] / GiB:.2f}", *losses, f"{r['params'] / 1e6:.1f}"
+
+
+def _run_worker(system: str, args: argparse.Namespace) -> dict:
+    flags = [*dataclasses.asdict(ModelSpec()), *RUN_FLAGS]
+    cmd = [sys.executable, "-m", "bench", "worker", "--system", system, "--dtype", args.dtype]
+    cmd += [arg for name in flags for arg in (f"--{name}", str(getattr(args, name)))]
+    log.info("running %s", shlex.join(cmd))
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)  # stderr (tqdm, logs) passes through
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if not lines:
+        return {"system": system, "error": f"worker exited with code {proc.returncode} and no result; see its stderr"}
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
+
+
+def _ratio(results: list[dict]) -> float | None:
+    by_system = {r["system"]: r for r in results if "error" not in r}
+    if "protrain" in by_system and "compile" in by_system:
+        return by_system["protrain"]["tokens_per_s"] / by_system["compile"]["tokens_per_s"]
+    return None
+
+
+def _git_commit() -> str | None:
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else None  # None before the first commit
+
+
+def _parser() -> argparse.ArgumentParser:
+    sizes = argparse.ArgumentParser(add_help=False)
+    for name, default in {**dataclasses.asdict(ModelSpec()), **RUN_FLAGS}.items():
+        sizes.add_argument(f"--{name}", type=int, default=default, help=f"(default {default})")
+    sizes.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="weight dtype (default bfloat16)")
+
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    sub = parser.add_subparsers(required=True)
+    p = sub.add_parser("compare", parents=[sizes], help="train with each system in its own process; print a table")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
+    p.add_argument("--out", default="out/compare.json", help="where the JSON report goes ('' for none)")
+    p.set_defaults(func=compare)
+    p = sub.add_parser("worker", parents=[sizes], help="one system's run (started by compare)")
+    p.add_argument("--system", choices=list(SYSTEMS), required=True)
+    p.set_defaults(func=worker)
+    return parser

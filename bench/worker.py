@@ -1,0 +1,111 @@
+"""One system's training run, in its own process: build, compile, train, measure, emit one JSON line.
+
+Measured: the median step time over the timed steps (those after `warmup`; the first warmup step
+includes compilation), tokens/s from it, peak GPU memory (`torch.cuda.max_memory_allocated`, reset
+after the model is built), peak host RSS of this process (`ru_maxrss`; inductor's compile workers
+are other processes and not counted), and the loss of the first and last step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import resource
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from bench.model import DTYPES, ModelSpec, build_model, random_batches
+
+log = logging.getLogger(__name__)
+
+SYSTEMS = ("protrain", "compile", "eager")
+RESULT_PREFIX = "BENCH_RESULT "  # marks the worker's result line on stdout; anything else there is ignored
+LR = 1e-4
+
+
+@dataclasses.dataclass
+class Result:
+    system: str
+    device: str
+    torch_version: str
+    params: int
+    tokens_per_s: float
+    step_time_s: float
+    peak_gpu_bytes: int | None
+    peak_rss_bytes: int
+    loss_first: float
+    loss_last: float
+    step_times_s: list[float]
+
+
+def wrap(model: nn.Module, system: str) -> nn.Module:
+    if system == "protrain":
+        return torch.compile(model, backend="protrain")  # the default inductor executor
+    if system == "compile":
+        return torch.compile(model)
+    if system == "eager":
+        return model
+    raise ValueError(f"unknown system {system!r}; choose from {list(SYSTEMS)}")
+
+
+def train(system: str, spec: ModelSpec, *, batch: int, steps: int, warmup: int, dtype: str, seed: int) -> Result:
+    """Train `warmup + steps` AdamW steps of the model under `system` and measure them."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    model = build_model(spec, device, DTYPES[dtype], seed)
+    params = sum(p.numel() for p in model.parameters())
+    log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, **({"fused": True} if cuda else {"foreach": True}))
+    step_model = wrap(model, system)
+    batches = random_batches(spec, batch, warmup + steps, device, seed)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    times, losses = [], []
+    for ids in (bar := tqdm(batches, desc=system, unit="step", file=sys.stderr)):
+        _sync(device)
+        start = time.perf_counter()
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", step_s=f"{times[-1]:.3f}")
+
+    step_time = statistics.median(times[warmup:])
+    return Result(
+        system=system,
+        device=_device_name(device),
+        torch_version=torch.__version__,
+        params=params,
+        tokens_per_s=batch * spec.seq / step_time,
+        step_time_s=step_time,
+        peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
+        loss_first=losses[0],
+        loss_last=losses[-1],
+        step_times_s=times,
+    )
+
+
+def emit(result: dict) -> None:
+    """Write the result line the parent `compare` process reads back."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

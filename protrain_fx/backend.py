@@ -1,0 +1,164 @@
+"""The `protrain` torch.compile backend: capture -> profile -> plan -> passes -> executor, per Dynamo graph.
+
+Dynamo hands each graph (with its real example inputs) to `protrain`. AOTAutograd traces the joint
+forward+backward graph and calls our partitioner (`_Partitioner`) on it, which is where our stages run:
+
+    joint graph --capture--> param map, block map
+               --partition (min-cut, as inductor does)--> forward, backward graphs
+               --profile--> one real iteration, NodeProfile on every node
+               --plan--> Plan --passes--> rewritten forward, backward --executor--> inductor | eager FX
+
+With the inductor executor the partitioner is installed through inductor's `custom_partitioner_fn`
+option, so everything else inductor does (its decompositions, joint-graph and post-grad passes) is
+unchanged. With the eager executor, AOTAutograd runs the graphs as FX modules.
+Graphs compiled without autograd (inference under `torch.no_grad()`) have no joint graph and are
+compiled as they are, with no profile or plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from protrain_fx.capture import BlockMap, ParamEntry, build_block_map, build_param_map, check_inputs
+from protrain_fx.config import ProTrainConfig
+from protrain_fx.debug.dump import Dumper
+from protrain_fx.passes.pipeline import GRAPH_PASSES, JOINT_PASSES, PassContext, run_passes
+from protrain_fx.planner.plan import Plan, resident_plan
+from protrain_fx.profiler.interpreter import profile_iteration
+from protrain_fx.profiler.profile import GraphProfile
+
+log = logging.getLogger(__name__)
+
+MIN_TORCH = (2, 11)
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """Everything the backend learned and decided about one compiled graph, kept for inspection."""
+
+    index: int
+    param_map: dict[str, ParamEntry] = dataclasses.field(default_factory=dict)
+    block_map: BlockMap | None = None
+    profile: GraphProfile | None = None
+    plan: Plan | None = None
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
+    if (major, minor) < MIN_TORCH:
+        raise RuntimeError(f"protrain needs torch >= {'.'.join(map(str, MIN_TORCH))}, found {version}; upgrade torch")
+
+
+class ProTrainBackend:
+    """A torch.compile backend object: `torch.compile(model, backend=ProTrainBackend(options))`.
+
+    `backend="protrain"` makes one per graph; passing an instance keeps every graph's `GraphRecord` in
+    `.graphs`, in compile order, for inspection after the fact.
+    """
+
+    def __init__(self, options: dict[str, Any] | ProTrainConfig | None = None):
+        self.config = ProTrainConfig.from_options(options)
+        self.graphs: list[GraphRecord] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
+        check_torch_version()
+        check_inputs(gm, example_inputs)
+        record = GraphRecord(index=len(self.graphs))
+        self.graphs.append(record)
+        partitioner = _Partitioner(self.config, record, gm, list(example_inputs))
+        log.info(
+            "compiling graph %d (%d nodes) with the %s executor",
+            record.index,
+            len(gm.graph.nodes),
+            self.config.executor,
+        )
+        if self.config.executor == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            patches = {"custom_partitioner_fn": partitioner, "force_disable_caches": True}
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        eager = make_boxed_compiler(lambda g, _: g)
+        return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partitioner)(gm, example_inputs)
+
+
+def make_boxed_compiler(compile_fn):
+    def compiler(gm: fx.GraphModule, example_inputs):
+        return make_boxed_func(compile_fn(gm, example_inputs))
+
+    return compiler
+
+
+def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None, **_: Any):
+    """The registered backend: `torch.compile(model, backend="protrain", options={...})`."""
+    return ProTrainBackend(options)(gm, example_inputs)
+
+
+class _Partitioner(CustomPartitionerFn):
+    """Our stages, run on AOTAutograd's joint graph in place of its partitioner (see the module docstring)."""
+
+    def __init__(self, config: ProTrainConfig, record: GraphRecord, dynamo_gm: fx.GraphModule, example_inputs):
+        self.config = config
+        self.record = record
+        self.dynamo_gm = dynamo_gm
+        self.example_inputs = example_inputs
+
+    def uuid(self) -> None:
+        return None  # never cache: each compile profiles its own graph
+
+    def __deepcopy__(self, memo):
+        return self  # inductor copies its config, which holds us; our inputs are real tensors, not copyable
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
+        record, config = self.record, self.config
+        record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, joint)
+        record.block_map = build_block_map(joint)
+        if record.block_map.family is None and record.param_map:
+            log.warning(
+                "graph %d has %d parameters but no transformer blocks (no repeated `<list>.<i>` modules in "
+                "nn_module_stack): it is planned as one region, so no per-block checkpointing or swapping applies",
+                record.index,
+                len(record.param_map),
+            )
+        dumper = Dumper(config.dump_dir) if config.dump_dir else None
+        if dumper:
+            dumper.write_text("joint.py", joint.print_readable(print_output=False))
+
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        record.profile = profile_iteration(fw, bw, self.example_inputs, record.block_map)
+        record.plan = resident_plan(record.block_map.n_blocks, config.plan)
+        log.info("graph %d plan:\n%s", record.index, record.plan)
+
+        ctx = PassContext(config=config, plan=record.plan, record=record, dumper=dumper)
+        if JOINT_PASSES:
+            joint = run_passes(joint, ctx, JOINT_PASSES, stage="joint")
+            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        fw = run_passes(fw, ctx, GRAPH_PASSES, stage="forward")
+        bw = run_passes(bw, ctx, GRAPH_PASSES, stage="backward")
+        record.forward, record.backward = fw, bw
+        log.debug("graph %d forward:\n%s", record.index, fw.print_readable(print_output=False))
+        log.debug("graph %d backward:\n%s", record.index, bw.print_readable(print_output=False))
+        if dumper:
+            _dump(dumper, record)
+        return fw, bw
+
+
+def _dump(dumper: Dumper, record: GraphRecord) -> None:
+    dumper.write_text("forward.py", record.forward.print_readable(print_output=False))
+    dumper.write_text("backward.py", record.backward.print_readable(print_output=False))
+    dumper.write_text("profile.csv", record.profile.to_csv())
+    dumper.write_json("profile.json", record.profile.to_json())
+    dumper.write_json("params.json", {k: v.to_json() for k, v in record.param_map.items()})
+    dumper.write_json("blocks.json", record.block_map.to_json())
+    dumper.write_json("plan.json", record.plan.to_json())

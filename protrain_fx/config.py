@@ -1,0 +1,74 @@
+"""ProTrainConfig: every option of the backend, validated once. The only place environment variables are read."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+EXECUTORS = ("inductor", "eager")
+DUMP_DIR_ENV = "PROTRAIN_DUMP_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProTrainConfig:
+    """Options of `torch.compile(model, backend="protrain", options={...})`. None is required.
+
+    executor: "inductor" compiles the rewritten graphs with inductor (fast); "eager" runs the FX graphs
+        directly (for debugging and for exact parity checks).
+    plan: plan fields to force instead of searching them, as a dict or the path of a plan JSON file.
+    gpu_memory_bytes: the GPU capacity the planner may assume (default: the device's free memory).
+    dump_dir: where graphs, profiles, maps and plans are written (default: $PROTRAIN_DUMP_DIR, else nothing).
+    """
+
+    executor: str = "inductor"
+    plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    gpu_memory_bytes: int | None = None
+    dump_dir: str | None = None
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | ProTrainConfig | None) -> ProTrainConfig:
+        """Build a config from `torch.compile`'s `options=` dict; unknown keys and wrong types raise ValueError."""
+        if isinstance(options, ProTrainConfig):
+            return options
+        options = dict(options or {})
+        accepted = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise ValueError(f"unknown protrain option(s) {unknown}; accepted options are {accepted}")
+        if "dump_dir" not in options and os.environ.get(DUMP_DIR_ENV):
+            options["dump_dir"] = os.environ[DUMP_DIR_ENV]
+        if "plan" in options:
+            options["plan"] = _load_plan_option(options["plan"])
+        config = cls(**options)
+        config._validate()
+        return config
+
+    def _validate(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"option 'executor' must be one of {list(EXECUTORS)}, got {self.executor!r}")
+        if self.gpu_memory_bytes is not None and (
+            isinstance(self.gpu_memory_bytes, bool) or not isinstance(self.gpu_memory_bytes, int)
+        ):
+            raise ValueError(
+                f"option 'gpu_memory_bytes' must be an int number of bytes, got {type(self.gpu_memory_bytes).__name__}"
+            )
+        if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
+            raise ValueError(f"option 'gpu_memory_bytes' must be positive, got {self.gpu_memory_bytes}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise ValueError(f"option 'dump_dir' must be a path, got {type(self.dump_dir).__name__}")
+
+
+def _load_plan_option(plan: Any) -> dict[str, Any]:
+    """The `plan` option: a dict of forced fields, or the path of a plan JSON file written by a dump."""
+    if isinstance(plan, (str, os.PathLike)):
+        path = Path(plan)
+        if not path.is_file():
+            raise ValueError(f"option 'plan' names {str(path)!r}, which is not a file; pass a dict or a plan.json path")
+        return json.loads(path.read_text())
+    if not isinstance(plan, Mapping):
+        raise ValueError(f"option 'plan' must be a dict of plan fields or a plan.json path, got {type(plan).__name__}")
+    return dict(plan)

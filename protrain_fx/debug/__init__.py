@@ -1,0 +1,1 @@
+"""Debugging aids: dumps of graphs, profiles, maps and plans."""

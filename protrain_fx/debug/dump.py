@@ -1,0 +1,44 @@
+"""Dumps for a user debugging the backend: PROTRAIN_DUMP_DIR=dir (or options={"dump_dir": dir}).
+
+Layout: <dir>/rank<r>/graph<k>/ with forward.py and backward.py (readable Python), joint.py, profile.csv,
+profile.json, params.json, blocks.json, plan.json. Graph numbers count up per rank in compile order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class Dumper:
+    """Writes the files of one compiled graph into the next free graph<k> folder of this rank."""
+
+    def __init__(self, dump_dir: str | os.PathLike):
+        rank_dir = Path(dump_dir) / f"rank{_rank()}"
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        k = 0
+        while True:  # claim a folder atomically: mkdir fails if another graph took it
+            try:
+                (rank_dir / f"graph{k}").mkdir()
+                break
+            except FileExistsError:
+                k += 1
+        self.dir = rank_dir / f"graph{k}"
+        log.info("dumping graph files to %s", self.dir)
+
+    def write_text(self, name: str, text: str) -> None:
+        (self.dir / name).write_text(text)
+
+    def write_json(self, name: str, data: Any) -> None:
+        self.write_text(name, json.dumps(data, indent=2, default=str))

@@ -1,0 +1,59 @@
+"""The pass pipeline: one ordered list per stage, each pass `fn(gm, ctx, *, knobs) -> gm`.
+
+Passes read decisions from the plan and tags in `node.meta`; a pass with nothing tagged returns the graph
+unchanged. Stages:
+  JOINT_PASSES   on the joint forward+backward graph, before partitioning (tagging, e.g. recompute tags)
+  GRAPH_PASSES   on the partitioned forward and backward graphs (rewrites, e.g. inserting runtime ops)
+This version of the backend keeps everything resident, so both lists are empty; the memory passes of the
+later stages are added here, in order.
+With a dump directory, the graph after each pass is written as readable Python (`<stage>_<i>_<pass>.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import fx
+
+from protrain_fx.config import ProTrainConfig
+from protrain_fx.planner.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What every pass may read: the options, the plan and the capture record of the graph."""
+
+    config: ProTrainConfig
+    plan: Plan
+    record: Any  # protrain_fx.backend.GraphRecord
+    dumper: Any = None  # protrain_fx.debug.dump.Dumper or None
+
+
+Pass = Callable[..., fx.GraphModule]
+
+JOINT_PASSES: tuple[Pass, ...] = ()
+GRAPH_PASSES: tuple[Pass, ...] = ()
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *, stage: str) -> fx.GraphModule:
+    """Apply `passes` in order; an error names the failing pass and those that ran before it."""
+    done: list[str] = []
+    for i, pass_fn in enumerate(passes):
+        name = pass_fn.__name__
+        try:
+            gm = pass_fn(gm, ctx)
+            gm.graph.lint()
+        except Exception as e:
+            raise RuntimeError(
+                f"protrain pass {name!r} failed on the {stage} graph (after {done or 'no passes'})"
+            ) from e
+        done.append(name)
+        if ctx.dumper is not None:
+            ctx.dumper.write_text(f"{stage}_{i}_{name}.py", gm.print_readable(print_output=False))
+        log.debug("%s: ran %s", stage, name)
+    return gm

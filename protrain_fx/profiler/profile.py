@@ -1,0 +1,101 @@
+"""The profile: plain, JSON-serializable records of one measured training iteration of one graph."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+from typing import Any
+
+
+@dataclasses.dataclass
+class NodeProfile:
+    """What one FX node cost in the profiled iteration.
+
+    intra_delta_bytes: peak allocated during the op minus allocated just before it (transient spike).
+    inter_delta_bytes: peak allocated between the previous node's end and this node's start, minus
+        allocated at the previous node's end (memory used by work outside the nodes, e.g. frees and
+        anything the interpreter does between ops).
+    output_bytes: bytes of new storages the op returned (views of inputs count 0).
+    saved_bytes: bytes of this node's output kept for backward (forward nodes; 0 elsewhere).
+    """
+
+    name: str
+    target: str
+    graph: str  # forward | backward
+    region: str  # pre | block | post | outside
+    block: int | None
+    latency_s: float
+    allocated_before: int
+    intra_delta_bytes: int
+    inter_delta_bytes: int
+    output_bytes: int
+    saved_for_backward: bool = False
+    saved_bytes: int = 0
+
+
+@dataclasses.dataclass
+class BlockProfile:
+    """Per transformer block totals."""
+
+    block: int
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    saved_bytes: int = 0
+    max_transient_bytes: int = 0
+
+
+@dataclasses.dataclass
+class GraphProfile:
+    """One measured forward + backward iteration of one compiled graph."""
+
+    device: str
+    forward_s: float
+    backward_s: float
+    peak_bytes: int  # highest allocated during the iteration (allocator peak on CUDA, tracker peak on CPU)
+    baseline_bytes: int  # allocated before the forward started (parameters, inputs, ...)
+    saved_bytes: int  # activation bytes kept from forward to backward (parameters and inputs excluded)
+    nodes: list[NodeProfile]
+    blocks: list[BlockProfile]
+
+    @property
+    def iteration_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    def node(self, name: str, graph: str) -> NodeProfile:
+        return next(n for n in self.nodes if n.name == name and n.graph == graph)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GraphProfile:
+        data = dict(data)
+        data["nodes"] = [NodeProfile(**n) for n in data["nodes"]]
+        data["blocks"] = [BlockProfile(**b) for b in data["blocks"]]
+        return cls(**data)
+
+    def to_csv(self) -> str:
+        buf = io.StringIO()
+        fields = [f.name for f in dataclasses.fields(NodeProfile)]
+        writer = csv.DictWriter(buf, fieldnames=fields)
+        writer.writeheader()
+        for node in self.nodes:
+            writer.writerow(dataclasses.asdict(node))
+        return buf.getvalue()
+
+
+def aggregate_blocks(nodes: list[NodeProfile]) -> list[BlockProfile]:
+    """Sum node profiles into per-block totals, in block order."""
+    blocks: dict[int, BlockProfile] = {}
+    for node in nodes:
+        if node.block is None:
+            continue
+        b = blocks.setdefault(node.block, BlockProfile(block=node.block))
+        if node.graph == "forward":
+            b.forward_s += node.latency_s
+            b.saved_bytes += node.saved_bytes
+        else:
+            b.backward_s += node.latency_s
+        b.max_transient_bytes = max(b.max_transient_bytes, node.intra_delta_bytes)
+    return [blocks[k] for k in sorted(blocks)]

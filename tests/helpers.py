@@ -1,0 +1,37 @@
+"""Training loops shared by the parity tests."""
+
+from __future__ import annotations
+
+import copy
+
+import models
+import torch
+
+import protrain_fx
+
+
+def train(model, kind: str, steps: int, *, seed: int = 0, lr: float = 1e-2, device="cpu", autocast=None):
+    """`steps` AdamW steps on fixed batches; returns the losses. Dropout RNG is seeded once, like a user would."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    torch.manual_seed(seed)
+    losses = []
+    for step in range(steps):
+        batch = {k: v.to(device) for k, v in models.batch(kind, seed=step).items()}
+        with torch.autocast(device_type=torch.device(device).type, dtype=autocast, enabled=autocast is not None):
+            loss = models.loss_of(kind, model(**batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().float().cpu())
+    return losses
+
+
+def eager_and_protrain(kind: str, steps: int, options=None, *, device="cpu", autocast=None, **model_kw):
+    """Train the same model eagerly and through the protrain backend; return (eager, protrain, backend, model)."""
+    ref = models.build(kind, **model_kw).to(device)
+    model = copy.deepcopy(ref)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager"} if options is None else options)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    eager_losses = train(ref, kind, steps, device=device, autocast=autocast)
+    protrain_losses = train(compiled, kind, steps, device=device, autocast=autocast)
+    return (eager_losses, ref), (protrain_losses, model), backend

@@ -1,0 +1,121 @@
+"""Small models for the tests: our toy transformer and tiny Hugging Face decoders built from configs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 96
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.dropout(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        return x + self.dropout(self.mlp(self.norm2(x)))
+
+
+class ToyTransformer(nn.Module):
+    """A GPT-style decoder: embedding, a ModuleList of blocks, a head tied to the embedding."""
+
+    def __init__(self, dim: int = 32, layers: int = 3, heads: int = 4, dropout: float = 0.0, seq: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.ModuleList(ToyBlock(dim, heads, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids) + self.pos[: input_ids.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())  # next-token loss
+
+
+def hf_model(kind: str, layers: int = 2, dropout: float = 0.0) -> nn.Module:
+    """A tiny Hugging Face causal LM of `kind` (gpt2, opt, llama, mistral), random weights, no download."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig
+
+    if kind == "gpt2":
+        cfg = GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=layers,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+        )
+    elif kind == "opt":
+        cfg = OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            ffn_dim=64,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+            dropout=dropout,
+        )
+    elif kind == "llama":
+        cfg = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            attention_dropout=dropout,
+        )
+    elif kind == "mistral":
+        cfg = MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            sliding_window=16,
+            attention_dropout=dropout,
+        )
+    else:
+        raise ValueError(f"unknown model kind {kind!r}")
+    cfg._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+MODEL_KINDS = ("toy", "gpt2", "opt", "llama", "mistral")
+
+
+def build(kind: str, seed: int = 0, **kw) -> nn.Module:
+    torch.manual_seed(seed)
+    return ToyTransformer(**kw) if kind == "toy" else hf_model(kind, **kw)
+
+
+def batch(kind: str, batch_size: int = 2, seq: int = 16, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch_size, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def loss_of(kind: str, out) -> torch.Tensor:
+    return out if kind == "toy" else out.loss

@@ -1,0 +1,136 @@
+"""Options are validated, and what the backend cannot handle fails with a message that says what to do."""
+
+import json
+import subprocess
+import sys
+
+import models
+import pytest
+import torch
+from torch import nn
+
+import protrain_fx
+from protrain_fx.backend import check_torch_version
+from protrain_fx.capture import check_inputs
+from protrain_fx.config import ProTrainConfig
+
+
+def test_defaults():
+    config = ProTrainConfig.from_options(None)
+    assert config.executor == "inductor" and config.gpu_memory_bytes is None and dict(config.plan) == {}
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"exector": "eager"}, r"unknown protrain option\(s\) \['exector'\]; accepted options are \['executor'"),
+        ({"executor": "tvm"}, r"option 'executor' must be one of \['inductor', 'eager'\]"),
+        ({"gpu_memory_bytes": "8GB"}, r"option 'gpu_memory_bytes' must be an int"),
+        ({"gpu_memory_bytes": -1}, r"must be positive"),
+        ({"plan": 3}, r"option 'plan' must be a dict"),
+        ({"plan": "/nonexistent/plan.json"}, r"not a file"),
+    ],
+)
+def test_bad_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        ProTrainConfig.from_options(options)
+
+
+def test_bad_option_through_torch_compile():
+    compiled = torch.compile(models.build("toy"), backend="protrain", options={"bogus": 1})
+    with pytest.raises(Exception, match="unknown protrain option"):
+        compiled(**models.batch("toy"))
+
+
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        ({"n_swapp": 1}, r"unknown plan field\(s\) \['n_swapp'\]"),
+        ({"block_modes": ["none", "fast", "none"]}, r"unknown mode\(s\) \['fast'\]"),
+        ({"block_modes": ["none"]}, r"has 1 entries but the graph has 3 blocks"),
+        ({"n_checkpoint": 2}, r"only keeps everything resident"),
+    ],
+)
+def test_bad_forced_plan(plan, message):
+    compiled = torch.compile(
+        models.build("toy"), backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan})
+    )
+    with pytest.raises(Exception, match=message):
+        compiled(**models.batch("toy"))
+
+
+def test_plan_json_replays(tmp_path):
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "dump_dir": str(tmp_path)})
+    torch.compile(models.build("toy"), backend=backend)(**models.batch("toy")).backward()
+    plan_file = tmp_path / "rank0" / "graph0" / "plan.json"
+    again = protrain_fx.ProTrainBackend({"executor": "eager", "plan": str(plan_file)})
+    torch.compile(models.build("toy"), backend=again)(**models.batch("toy")).backward()
+    assert again.graphs[0].plan == backend.graphs[0].plan
+
+
+def test_dynamic_shapes_rejected():
+    compiled = torch.compile(
+        models.build("toy"), backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=True
+    )
+    with pytest.raises(Exception, match="dynamic=False"):
+        compiled(**models.batch("toy"))
+
+
+def test_parameters_and_inputs_on_different_devices():
+    param = nn.Parameter(torch.empty(4, 4, device="meta"))
+    with pytest.raises(ValueError, match="parameters are on meta but inputs are on \\['cpu'\\]"):
+        check_inputs(torch.fx.symbolic_trace(lambda x: x), [param, torch.ones(4, 4)])
+    other = nn.Parameter(torch.empty(4, 4))
+    with pytest.raises(ValueError, match="parameters are on several devices"):
+        check_inputs(torch.fx.symbolic_trace(lambda x: x), [param, other])
+
+
+def test_unsupported_torch_version():
+    with pytest.raises(RuntimeError, match=r"needs torch >= 2.11, found 2.5.1"):
+        check_torch_version("2.5.1+cu121")
+    check_torch_version("2.14.0a0+git")
+
+
+def test_model_without_blocks_warns_and_trains(caplog):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    backend = protrain_fx.ProTrainBackend({"executor": "eager"})
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()
+    assert "no transformer blocks" in caplog.text
+    assert backend.graphs[0].plan.n_block == 0
+
+
+def test_backend_found_by_entry_point_without_import():
+    code = (
+        "import torch, sys\n"
+        "assert 'protrain' in torch._dynamo.list_backends()\n"
+        "assert 'protrain_fx' not in sys.modules\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        "torch.compile(m, backend='protrain', options={'executor': 'eager'})(torch.randn(2, 4)).sum().backward()\n"
+        "assert 'protrain_fx' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_dump_dir_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROTRAIN_DUMP_DIR", str(tmp_path))
+    compiled = torch.compile(models.build("gpt2"), backend="protrain", options={"executor": "eager"})
+    compiled(**models.batch("gpt2")).loss.backward()
+    graphs = sorted(p.name for p in (tmp_path / "rank0").iterdir())
+    assert graphs == ["graph0", "graph1"]  # GPT-2: model and loss
+    g0 = tmp_path / "rank0" / "graph0"
+    for name in [
+        "forward.py",
+        "backward.py",
+        "joint.py",
+        "profile.csv",
+        "profile.json",
+        "params.json",
+        "blocks.json",
+        "plan.json",
+    ]:
+        assert (g0 / name).stat().st_size > 0, name
+    assert "def forward" in (g0 / "forward.py").read_text()
+    params = json.loads((g0 / "params.json").read_text())
+    assert "transformer.wte.weight" in {e["name"] for e in params.values()}
+    assert json.loads((g0 / "blocks.json").read_text())["family"]["type_name"] == "GPT2Block"

@@ -1,0 +1,129 @@
+"""The profiling interpreter and the CPU memory tracker."""
+
+import json
+
+import models
+import pytest
+import torch
+from torch import fx
+
+import protrain_fx
+from protrain_fx.capture import build_block_map
+from protrain_fx.profiler.interpreter import ProfilingInterpreter
+from protrain_fx.profiler.memory import CpuMemoryTracker
+from protrain_fx.profiler.profile import GraphProfile
+
+
+def test_cpu_tracker_hand_built_sequence():
+    n = 1000  # fp32: 4000 bytes a tensor
+    with CpuMemoryTracker() as tracker:
+        a = torch.ones(n)  # 4000
+        b = a * 2  # 8000
+        v = b.view(10, 100)  # a view: no new storage
+        del a  # 4000
+        c = torch.cat([b, b])  # 4000 + 8000 = 12000 (peak)
+        del b  # v still holds b's storage: 12000
+        del v  # 8000
+        assert tracker.allocated() == 8000
+        assert tracker.peak() == 12000
+        tracker.reset_peak()
+        d = c.sum()  # 8000 + 4
+        del c, d
+        assert tracker.allocated() == 0
+        assert tracker.peak() == 8004
+
+
+def test_interpreter_intra_and_inter_deltas():
+    def f(x):
+        y = x * 2  # 4000 new
+        z = torch.cat([y, y])  # 8000 new, y freed after
+        return z.sum()
+
+    gm = fx.symbolic_trace(f)
+    block_map = build_block_map(gm)
+    with CpuMemoryTracker() as tracker:
+        x = torch.ones(1000)
+        tracker.track([x])
+        interp = ProfilingInterpreter(
+            gm, tracker=tracker, graph_kind="forward", block_map=block_map, device=torch.device("cpu")
+        )
+        interp.run(x)
+    mul, cat, total = interp.records
+    assert (mul.allocated_before, mul.intra_delta_bytes, mul.output_bytes) == (4000, 4000, 4000)
+    assert (cat.allocated_before, cat.intra_delta_bytes, cat.output_bytes) == (8000, 8000, 8000)
+    # y is freed between cat and sum: sum starts from x + z
+    assert total.allocated_before == 12000 and total.inter_delta_bytes == 0
+    assert interp.peak_bytes == 16000  # x + y + z while cat runs
+    timing = ProfilingInterpreter(gm, graph_kind="forward", block_map=block_map, device=torch.device("cpu"))
+    timing.run(torch.ones(1000))
+    assert [r.name for r in timing.records] == ["mul", "cat", "sum_1"]
+    assert all(r.latency_s > 0 for r in timing.records)
+
+
+def _saved_bytes_by_hooks(kind, layers):
+    """Activation bytes autograd keeps for backward, seen by saved-tensor hooks (parameters and inputs excluded)."""
+    model = models.build(kind, layers=layers)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager"})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    batch = models.batch(kind)
+    compiled(**batch)
+    known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *batch.values()]}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in known:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled(**batch)
+    return sum(seen.values()), backend.graphs
+
+
+@pytest.mark.parametrize("kind", ["toy", "llama"])
+def test_block_saved_bytes_equal_what_forward_saves(kind):
+    measured, graphs = _saved_bytes_by_hooks(kind, layers=3)
+    profile = graphs[0].profile
+    assert profile.saved_bytes == measured
+    per_block = [b.saved_bytes for b in profile.blocks]
+    assert len(per_block) == 3
+    # one block more adds exactly one block's saved bytes
+    fewer, _ = _saved_bytes_by_hooks(kind, layers=2)
+    assert per_block[1] == per_block[2] == measured - fewer
+    assert per_block[0] > 0
+    # node-level records add up to the block totals
+    for b in profile.blocks:
+        assert b.saved_bytes == sum(n.saved_bytes for n in profile.nodes if n.block == b.block and n.graph == "forward")
+        assert b.forward_s > 0 and b.backward_s > 0
+
+
+def test_profile_roundtrips_json_and_csv():
+    _, graphs = _saved_bytes_by_hooks("toy", layers=2)
+    profile = graphs[0].profile
+    again = GraphProfile.from_json(json.loads(json.dumps(profile.to_json())))
+    assert again == profile
+    lines = profile.to_csv().splitlines()
+    assert lines[0].startswith("name,target,graph,region,block,latency_s")
+    assert len(lines) == len(profile.nodes) + 1
+    assert profile.peak_bytes >= profile.baseline_bytes + profile.saved_bytes
+    record = graphs[0]
+    for gm in (record.forward, record.backward):
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                assert node.meta["protrain"] is profile.node(node.name, node.meta["protrain"].graph)
+
+
+def test_profiling_leaves_rng_untouched():
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    model = models.build("toy", dropout=0.5)
+    torch.set_rng_state(before)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=False)
+    batch = models.batch("toy")
+    state = torch.get_rng_state()
+    compiled(**batch)  # compiles and profiles, then runs the step once
+    after_compiled = torch.get_rng_state()
+    torch.set_rng_state(state)
+    model(**batch)
+    assert torch.equal(after_compiled, torch.get_rng_state())
