@@ -29,7 +29,14 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from protrain_fx.capture import BlockMap, ParamEntry, build_block_map, build_param_map, check_inputs
+from protrain_fx.capture import (
+    BlockMap,
+    ParamEntry,
+    build_block_map,
+    build_param_map,
+    check_inputs,
+    find_frame_roots,
+)
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import Dumper
 from protrain_fx.passes.pipeline import GRAPH_PASSES, JOINT_PASSES, PassContext, run_passes
@@ -122,12 +129,13 @@ class _Partitioner(CustomPartitionerFn):
 
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
         record, config = self.record, self.config
-        record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, joint)
-        record.block_map = build_block_map(joint)
+        roots = find_frame_roots(self.dynamo_gm, self.example_inputs)
+        record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, joint, roots)
+        record.block_map = build_block_map(joint, roots)
         if record.block_map.family is None and record.param_map:
             log.warning(
-                "graph %d has %d parameters but no transformer blocks (no repeated `<list>.<i>` modules in "
-                "nn_module_stack): it is planned as one region, so no per-block checkpointing or swapping applies",
+                "graph %d has %d parameters but its model has no transformer blocks (no ModuleList of repeated "
+                "modules): it is planned as one region, so no per-block checkpointing or swapping applies",
                 record.index,
                 len(record.param_map),
             )

@@ -1,21 +1,28 @@
-"""Capture: what each compiled graph holds, read once from the graphs themselves.
+"""Capture: what each compiled graph holds, read once from the graphs and the model they come from.
 
 Two maps are built per graph and kept on its `GraphRecord`:
 
 - the parameter map: each parameter placeholder -> the `nn.Parameter`, its qualified name and its first use
   in execution order. Parameters are matched to Dynamo's example inputs by identity (a tied weight is one
-  input, so one entry); the qualified name is read off the placeholder's Dynamo source, whose prefix differs
-  between torch versions (`L['self']...` vs `L['args'][0]...`), so only the part after it is kept.
+  input, so one entry).
 - the block map: each node of the joint (forward + backward) graph -> the transformer block it belongs to.
-  Blocks are found from `nn_module_stack` with no per-model code: the children `<parent>.<i>` of one module
-  list, all of one type. Hugging Face models name that type in `_no_split_modules`, which wins when present;
-  otherwise the family with the most indices does. Backward nodes carry the stack of the forward op they
-  differentiate; nodes with no stack take the block of their inputs (see `_inherited_block`).
+
+Both need to know where the compiled frame sits in the model. A graph break can start a graph inside a
+decoder layer (OPT on torch 2.11 compiles each layer as its own graph, with the layer as `L['self']`), so
+Dynamo's sources and module stacks are relative to the frame's locals. `find_frame_roots` walks up from one
+parameter of each local through the modules holding it (`_parameters`, then `_modules` of each parent) to
+the outermost module, the model, which gives every source its full qualified name.
+The blocks are then read off the model with no per-model code: the `ModuleList` (or `Sequential`) of
+repeated children of one type with modules inside; Hugging Face models name that type in
+`_no_split_modules`, which wins when present, otherwise the longest list does. A node belongs to block `i`
+when its `nn_module_stack` passes through `<list>.<i>`; backward nodes carry the stack of the forward op
+they differentiate; nodes with no stack take the block of their inputs (see `_inherited_block`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import re
 from collections.abc import Sequence
@@ -23,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +41,23 @@ _SOURCE_TOKEN = re.compile(r"\['([^'\]]+)'\]|\.(\w+)|\[(\d+)\]")
 _CONTAINER_TOKENS = {"_modules", "_parameters", "_buffers"}
 
 
-def qualified_name(source_text: str) -> str:
-    """`L['args'][0]._modules['model']._modules['layers']._modules['0']._parameters['weight']` -> `model.layers.0.weight`.
+def _split_source(source_text: str) -> tuple[str, str]:
+    """`L['self']._modules['fc1']._parameters['weight']` -> (`L['self']`, `fc1.weight`).
 
     Also accepts Dynamo's short module paths such as `L['self'].model.layers[0].mlp`.
     """
-    rest = _SOURCE_PREFIX.sub("", source_text)
+    match = _SOURCE_PREFIX.match(source_text)
+    prefix = match.group(0) if match else ""
+    rest = source_text[len(prefix) :]
     tokens = [next(g for g in m.groups() if g is not None) for m in _SOURCE_TOKEN.finditer(rest)]
-    return ".".join(t for t in tokens if t not in _CONTAINER_TOKENS)
+    return prefix, ".".join(t for t in tokens if t not in _CONTAINER_TOKENS)
+
+
+def qualified_name(source_text: str, roots: dict[str, str] | None = None) -> str:
+    """The qualified name in the model of a Dynamo source; `roots` maps a frame local to its path in the model."""
+    prefix, rest = _split_source(source_text)
+    root = (roots or {}).get(prefix, "")
+    return ".".join(p for p in (root, rest) if p)
 
 
 def _source_text(placeholder: fx.Node) -> str | None:
@@ -50,6 +67,69 @@ def _source_text(placeholder: fx.Node) -> str | None:
         return None
     name = source.name
     return name() if callable(name) else str(name)
+
+
+def _holder(obj: Any, attr: str) -> tuple[nn.Module, str] | None:
+    """The module whose `attr` dict (`_parameters` or `_modules`) holds `obj`, and its key there.
+
+    obj <- the `attr` dict <- the module's `__dict__` <- the module, found through `gc.get_referrers`.
+    """
+    for d in gc.get_referrers(obj):
+        if not isinstance(d, dict):
+            continue
+        for instance_dict in gc.get_referrers(d):
+            if not isinstance(instance_dict, dict) or instance_dict.get(attr) is not d:
+                continue
+            for owner in gc.get_referrers(instance_dict):
+                # torch.compile's wrapper also holds the module: names are the model's own, as in its state_dict
+                if (
+                    isinstance(owner, nn.Module)
+                    and owner.__dict__ is instance_dict
+                    and not isinstance(owner, OptimizedModule)
+                ):
+                    key = next((k for k, v in d.items() if v is obj), None)
+                    if key is not None:
+                        return owner, key
+    return None
+
+
+def _locate(param: nn.Parameter) -> tuple[nn.Module, str] | None:
+    """(outermost module holding `param`, the parameter's qualified name in it)."""
+    found = _holder(param, "_parameters")
+    if found is None:
+        return None
+    module, name = found
+    parts = [name]
+    while (up := _holder(module, "_modules")) is not None:
+        module, key = up
+        parts.append(key)
+    return module, ".".join(reversed(parts))
+
+
+@dataclasses.dataclass
+class FrameRoots:
+    """Where the compiled frame's locals sit in the model (see the module docstring)."""
+
+    model: nn.Module | None = None
+    paths: dict[str, str] = dataclasses.field(default_factory=dict)  # source prefix -> path in the model
+
+
+def find_frame_roots(dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any]) -> FrameRoots:
+    roots = FrameRoots()
+    placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
+    for ph, value in zip(placeholders, example_inputs):
+        text = _source_text(ph)
+        if not isinstance(value, nn.Parameter) or text is None:
+            continue
+        prefix, relative = _split_source(text)
+        if prefix in roots.paths:
+            continue
+        located = _locate(value)
+        if located is None or not located[1].endswith(relative):
+            continue
+        roots.model, full = located
+        roots.paths[prefix] = full[: len(full) - len(relative)].rstrip(".")
+    return roots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +149,9 @@ class ParamEntry:
 
 
 def build_param_map(
-    dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any], joint: fx.GraphModule
+    dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any], joint: fx.GraphModule, roots: FrameRoots
 ) -> dict[str, ParamEntry]:
-    """Parameter map of one graph: AOT primal placeholder name -> ParamEntry (with `.param` kept aside)."""
+    """Parameter map of one graph: AOT primal placeholder name -> ParamEntry."""
     dynamo_phs = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
     primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     assert len(dynamo_phs) == len(example_inputs), "Dynamo placeholders and example inputs differ in number"
@@ -88,7 +168,7 @@ def build_param_map(
         entries[primal.name] = ParamEntry(
             index=i,
             placeholder=primal.name,
-            name=qualified_name(source) if source else ph.name,
+            name=qualified_name(source, roots.paths) if source else ph.name,
             shape=tuple(value.shape),
             dtype=str(value.dtype).removeprefix("torch."),
             first_use=users[0].name if users else None,
@@ -99,11 +179,11 @@ def build_param_map(
 
 @dataclasses.dataclass(frozen=True)
 class BlockFamily:
-    """The repeated blocks of a model: `<parent>.<index>` modules of one type."""
+    """The repeated blocks of a model: the children `<parent>.<i>` of one module list, all of one type."""
 
     parent: str  # e.g. model.layers
     type_name: str  # e.g. LlamaDecoderLayer
-    indices: tuple[int, ...]  # block indices seen in this graph
+    n_blocks: int  # blocks in the model (a graph may hold only some of them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +196,11 @@ class BlockMap:
 
     @property
     def n_blocks(self) -> int:
-        return len(self.family.indices) if self.family else 0
+        return self.family.n_blocks if self.family else 0
+
+    @property
+    def blocks_in_graph(self) -> list[int]:
+        return sorted({b for b in self.block.values() if b is not None})
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -125,50 +209,47 @@ class BlockMap:
         }
 
 
-def _stack_entries(node: fx.Node) -> list[tuple[tuple[str, ...], type | None]]:
-    """The node's module stack, outermost first, as (path tokens, module type)."""
+def find_block_family(model: nn.Module | None) -> BlockFamily | None:
+    """The model's block list (see the module docstring), or None."""
+    if model is None:
+        return None
+    no_split = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
+    candidates = []
+    for name, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
+            continue
+        types = {type(child) for child in container}
+        if len(types) != 1 or not any(True for _ in container[0].children()):
+            continue  # mixed types (Sequential(Linear, ReLU, ...)) or leaf modules are no transformer blocks
+        type_name = types.pop().__name__
+        score = (type_name in no_split, len(container), -name.count("."))
+        candidates.append((score, name, type_name, len(container)))
+    if not candidates:
+        return None
+    (named, _, _), parent, type_name, n = max(candidates)
+    if not named and n < 2:
+        return None
+    return BlockFamily(parent=parent, type_name=type_name, n_blocks=n)
+
+
+def _stack_paths(node: fx.Node, roots: FrameRoots) -> list[tuple[str, ...]]:
+    """The node's module stack, outermost first, as qualified path tokens."""
     stack = node.meta.get("nn_module_stack") or {}
-    entries = []
+    paths = []
     for value in stack.values():
-        path, typ = value if isinstance(value, tuple) else (value, None)
-        if isinstance(typ, str):  # some versions keep the type's qualified name
-            typ = None
-        entries.append((tuple(qualified_name(str(path)).split(".")) if path else (), typ))
-    return entries
+        path = value[0] if isinstance(value, tuple) else value
+        name = qualified_name(str(path), roots.paths)
+        paths.append(tuple(name.split(".")) if name else ())
+    return paths
+
+
+def _in_family(path: tuple[str, ...], parent: tuple[str, ...]) -> bool:
+    """Whether a module path passes through `<parent>.<i>`."""
+    return len(path) > len(parent) and path[: len(parent)] == parent and path[len(parent)].isdigit()
 
 
 def _is_backward(node: fx.Node) -> bool:
     return node.meta.get("partitioner_tag") == "is_backward"
-
-
-def _find_family(nodes: Sequence[fx.Node]) -> BlockFamily | None:
-    families: dict[tuple[tuple[str, ...], str], set[int]] = {}
-    types_under: dict[tuple[str, ...], set[str]] = {}  # parent -> types of its indexed children
-    has_submodules: set[tuple[str, ...]] = set()  # indexed modules with modules of their own inside
-    no_split: set[str] = set()
-    for node in nodes:
-        entries = _stack_entries(node)
-        for depth, (path, typ) in enumerate(entries):
-            if typ is not None:
-                no_split.update(getattr(typ, "_no_split_modules", None) or ())
-            if path and path[-1].isdigit() and typ is not None:
-                families.setdefault((path[:-1], typ.__name__), set()).add(int(path[-1]))
-                types_under.setdefault(path[:-1], set()).add(typ.__name__)
-                if depth + 1 < len(entries):
-                    has_submodules.add(path[:-1])
-    # a block list holds one type of module with modules inside (not e.g. Sequential(Linear, ReLU, Linear))
-    families = {key: idx for key, idx in families.items() if len(types_under[key[0]]) == 1 and key[0] in has_submodules}
-    if not families:
-        return None
-
-    def score(item):
-        (parent, type_name), indices = item
-        return (type_name in no_split, len(indices), -len(parent))
-
-    (parent, type_name), indices = max(families.items(), key=score)
-    if type_name not in no_split and len(indices) < 2:
-        return None
-    return BlockFamily(parent=".".join(parent), type_name=type_name, indices=tuple(sorted(indices)))
 
 
 def _inherited_block(node: fx.Node, block: dict[str, int | None], backward: bool, previous: int | None) -> int | None:
@@ -181,58 +262,52 @@ def _inherited_block(node: fx.Node, block: dict[str, int | None], backward: bool
     return min(inputs) if backward else max(inputs)
 
 
-def build_block_map(joint: fx.GraphModule) -> BlockMap:
+def _module_order(model: nn.Module | None) -> dict[tuple[str, ...], int]:
+    if model is None:
+        return {}
+    return {tuple(name.split(".")) if name else (): i for i, (name, _) in enumerate(model.named_modules())}
+
+
+def build_block_map(joint: fx.GraphModule, roots: FrameRoots) -> BlockMap:
     """Map every node of the joint graph to its transformer block (see the module docstring)."""
+    family = find_block_family(roots.model)
     nodes = [n for n in joint.graph.nodes if n.op not in ("placeholder", "output")]
-    family = _find_family(nodes)
-    parent = tuple(family.parent.split(".")) if family else None
-    block: dict[str, int | None] = {}
-    module_region: dict[tuple[str, ...], str] = {}  # innermost non-block module path -> pre/post (forward order)
-    seen_block = False
-    previous: dict[bool, int | None] = {False: None, True: None}
+    block: dict[str, int | None] = {n.name: None for n in joint.graph.nodes}
+    region: dict[str, str] = {n.name: (PRE if n.op == "placeholder" else POST) for n in joint.graph.nodes}
+    if family is None:
+        region.update({n.name: OUTSIDE for n in nodes})
+        log.info("no transformer blocks in a graph of %d nodes; it is one region", len(nodes))
+        return BlockMap(family=None, region=region, block=block)
+
+    parent = tuple(family.parent.split(".")) if family.parent else ()
+    order = _module_order(roots.model)
+    parent_order = order.get(parent, 0)
+    previous_block: dict[bool, int | None] = {False: None, True: None}
+    seen_block = {False: False, True: False}  # forward runs pre, blocks, post; backward post, blocks, pre
     for node in nodes:
         backward = _is_backward(node)
-        idx = None
-        entries = _stack_entries(node)
-        for path, _ in entries:
-            if parent and len(path) == len(parent) + 1 and path[:-1] == parent and path[-1].isdigit():
-                idx = int(path[-1])
-        if idx is None and not entries:
-            idx = _inherited_block(node, block, backward, previous[backward])
-        block[node.name] = idx
-        previous[backward] = idx
-        if not backward:
-            seen_block |= idx is not None
-            if idx is None and entries:
-                module_region.setdefault(entries[-1][0], POST if seen_block else PRE)
-
-    region: dict[str, str] = {}
-    for node in joint.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            region[node.name] = PRE if node.op == "placeholder" else POST
-            block[node.name] = None
-            continue
-        if family is None:
-            region[node.name] = OUTSIDE
-        elif block[node.name] is not None:
+        paths = _stack_paths(node, roots)
+        idx = next((int(p[len(parent)]) for p in paths if _in_family(p, parent)), None)
+        if idx is None and not paths:
+            idx = _inherited_block(node, block, backward, previous_block[backward])
+        block[node.name] = previous_block[backward] = idx
+        seen_block[backward] |= idx is not None
+        inner = paths[-1] if paths else None
+        if idx is not None:
             region[node.name] = BLOCK
+        elif inner in order and inner[: len(parent)] != parent[: len(inner)]:
+            # a module outside the block list: before or after the list in the model
+            region[node.name] = PRE if order[inner] < parent_order else POST
         else:
-            entries = _stack_entries(node)
-            region[node.name] = module_region.get(entries[-1][0], POST) if entries else POST
-    # forward nodes with no stack before the first block node are "pre", after it "post"
-    if family is not None:
-        seen = False
-        for node in nodes:
-            if _is_backward(node):
-                continue
-            if block[node.name] is not None:
-                seen = True
-            elif not _stack_entries(node):
-                region[node.name] = POST if seen else PRE
-    if family is None:
-        log.info("no transformer blocks in a graph of %d nodes; it is one region", len(nodes))
-    else:
-        log.info("found %d blocks of %s under %s", len(family.indices), family.type_name, family.parent or "<root>")
+            # no module, or one holding the list: by position relative to the blocks in execution order
+            region[node.name] = (PRE if backward else POST) if seen_block[backward] else (POST if backward else PRE)
+    log.info(
+        "graph holds blocks %s of %d %s blocks under %s",
+        BlockMap(family, region, block).blocks_in_graph,
+        family.n_blocks,
+        family.type_name,
+        family.parent or "<root>",
+    )
     return BlockMap(family=family, region=region, block=block)
 
 

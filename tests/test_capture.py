@@ -39,8 +39,7 @@ def test_block_map_finds_every_block(kind, layers):
     assert block_map.n_blocks == layers
     regions = set(block_map.region.values())
     assert {PRE, BLOCK, POST} <= regions
-    fw_blocks = {b for n, b in block_map.block.items() if b is not None}
-    assert fw_blocks == set(range(layers))
+    assert block_map.blocks_in_graph == list(range(layers))
 
 
 def test_block_map_covers_backward_in_reverse_order():
@@ -70,3 +69,20 @@ def test_param_map_matches_named_parameters(kind):
     model, backend = compile_once(kind)
     names = {e.name for g in backend.graphs for e in g.param_map.values()}
     assert names == {n for n, _ in model.named_parameters()}
+
+
+def test_graph_rooted_inside_a_block():
+    """A graph break can make a decoder layer its own graph (OPT on torch 2.11): compiling one layer alone
+    gives the same situation. Sources are relative to the layer; names and block come from the model."""
+    model = models.build("llama", layers=3)
+    layer = model.model.layers[1]
+    backend = protrain_fx.ProTrainBackend({"executor": "eager"})
+    compiled = torch.compile(layer, backend=backend, dynamic=False)
+    hidden = torch.randn(2, 16, 32, requires_grad=True)
+    cos_sin = model.model.rotary_emb(hidden, torch.arange(16)[None])
+    compiled(hidden, position_embeddings=cos_sin)[0].sum().backward()
+    record = backend.graphs[0]
+    assert record.block_map.family.parent == "model.layers" and record.block_map.n_blocks == 3
+    assert record.block_map.blocks_in_graph == [1]
+    names = {e.name for e in record.param_map.values()}
+    assert names == {f"model.layers.1.{n}" for n, _ in layer.named_parameters()}

@@ -31,7 +31,8 @@ def test_inductor_bf16_parity(kind):
     plain = models.build(kind).cuda()
     plain_losses = train(torch.compile(plain, dynamic=False), kind, 5, device="cuda", autocast=torch.bfloat16)
     torch.testing.assert_close(torch.stack(losses), torch.stack(plain_losses), rtol=BF16_RTOL, atol=1e-3)
-    assert all(g.profile is not None and g.profile.device.startswith("cuda") for g in backend.graphs)
+    profiled = [g for g in backend.graphs if g.profile is not None]  # graphs needing no grad have no backward
+    assert profiled and all(g.profile.device.startswith("cuda") for g in profiled)
 
 
 @pytest.mark.parametrize("kind", ["toy", "llama"])
@@ -40,13 +41,13 @@ def test_eager_executor_bf16_bitwise(kind):
     assert [x.item() for x in losses] == [x.item() for x in eager_losses]
 
 
-def _llama(hidden=1024, layers=8):
+def _llama(hidden=2048, layers=16):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=32000,
         hidden_size=hidden,
-        intermediate_size=hidden * 11 // 4,
+        intermediate_size=hidden * 11 // 4,  # 2048 -> 5632: the ~1B model of the benchmark
         num_hidden_layers=layers,
         num_attention_heads=hidden // 128,
         max_position_embeddings=1024,

@@ -8,8 +8,8 @@ import torch
 from torch import fx
 
 import protrain_fx
-from protrain_fx.capture import build_block_map
-from protrain_fx.profiler.interpreter import ProfilingInterpreter
+from protrain_fx.capture import FrameRoots, build_block_map
+from protrain_fx.profiler.interpreter import ProfilingInterpreter, TimedGraph
 from protrain_fx.profiler.memory import CpuMemoryTracker
 from protrain_fx.profiler.profile import GraphProfile
 
@@ -40,13 +40,11 @@ def test_interpreter_intra_and_inter_deltas():
         return z.sum()
 
     gm = fx.symbolic_trace(f)
-    block_map = build_block_map(gm)
+    block_map = build_block_map(gm, FrameRoots())
     with CpuMemoryTracker() as tracker:
         x = torch.ones(1000)
         tracker.track([x])
-        interp = ProfilingInterpreter(
-            gm, tracker=tracker, graph_kind="forward", block_map=block_map, device=torch.device("cpu")
-        )
+        interp = ProfilingInterpreter(gm, tracker=tracker, graph_kind="forward", block_map=block_map)
         interp.run(x)
     mul, cat, total = interp.records
     assert (mul.allocated_before, mul.intra_delta_bytes, mul.output_bytes) == (4000, 4000, 4000)
@@ -54,8 +52,8 @@ def test_interpreter_intra_and_inter_deltas():
     # y is freed between cat and sum: sum starts from x + z
     assert total.allocated_before == 12000 and total.inter_delta_bytes == 0
     assert interp.peak_bytes == 16000  # x + y + z while cat runs
-    timing = ProfilingInterpreter(gm, graph_kind="forward", block_map=block_map, device=torch.device("cpu"))
-    timing.run(torch.ones(1000))
+    timing = TimedGraph(gm, graph_kind="forward", block_map=block_map, device=torch.device("cpu"))
+    assert timing.boxed_run([torch.ones(1000)]) == 2 * 2 * 1000
     assert [r.name for r in timing.records] == ["mul", "cat", "sum_1"]
     assert all(r.latency_s > 0 for r in timing.records)
 

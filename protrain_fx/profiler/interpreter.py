@@ -1,12 +1,17 @@
-"""ProfilingInterpreter: run a partitioned forward and backward graph once with real tensors and measure each node.
+"""Profile one training iteration of a partitioned forward and backward graph, node by node, with real tensors.
 
-It only measures and writes `node.meta["protrain"]` (a `NodeProfile`); it never changes a graph. One
-iteration is run at the user's batch size, under `torch.no_grad()` (the graphs already hold the backward)
-and with the RNG state restored afterwards, so profiling leaves training bit-for-bit unchanged.
+Nothing here changes a graph: it measures and writes `node.meta["protrain"]` (a `NodeProfile`). Iterations
+run at the user's batch size, under `torch.no_grad()` (the graphs already hold the backward) and with the
+RNG state restored afterwards, so profiling leaves training bit-for-bit unchanged.
 
-Latency: on CUDA, an event after every node and one synchronization at the end; a node's latency is the
-time from the previous node's end event to its own, so the latencies add up to the iteration's wall time.
-On CPU, `time.perf_counter` around the node.
+Memory and time come from separate iterations, because reading allocator statistics costs more than a
+small kernel takes:
+- memory: `ProfilingInterpreter`, an `fx.Interpreter` that reads a memory tracker around every node
+  (intra- and inter-op deltas, output bytes, saved-for-backward bytes);
+- time: `TimedGraph`, a copy of the graph with a clock mark after every node, run as compiled Python (an
+  interpreter adds tens of microseconds per node, more than many kernels take). On CUDA the marks are
+  events and a short GPU sleep first lets the CPU queue kernels ahead, so consecutive marks measure the
+  GPU time of each node's kernels; on CPU they are `time.perf_counter` readings.
 """
 
 from __future__ import annotations
@@ -40,8 +45,28 @@ def _storages(values: Any) -> dict[int, int]:
     return out
 
 
+_CALL_OPS = ("call_function", "call_method", "call_module")
+# ~0.1 s at H100/H200 clocks: enough for the CPU to queue a graph's kernels ahead of the GPU
+_PREFILL_CYCLES = 200_000_000
+
+
+def _new_record(node: fx.Node, graph_kind: str, block_map: BlockMap) -> NodeProfile:
+    return NodeProfile(
+        name=node.name,
+        target=str(node.target),
+        graph=graph_kind,
+        region=block_map.region.get(node.name, OUTSIDE),
+        block=block_map.block.get(node.name),
+        latency_s=0.0,
+        allocated_before=0,
+        intra_delta_bytes=0,
+        inter_delta_bytes=0,
+        output_bytes=0,
+    )
+
+
 class _Clock:
-    """Per-node timestamps: CUDA events on a GPU, perf_counter on CPU."""
+    """Timestamps: CUDA events on a GPU, perf_counter on CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -57,62 +82,63 @@ class _Clock:
 
     def intervals(self) -> list[float]:
         """Seconds between consecutive marks."""
+        pairs = zip(self.marks, self.marks[1:])
         if self.cuda:
             torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+            return [a.elapsed_time(b) / 1e3 for a, b in pairs]
+        return [b - a for a, b in pairs]
+
+
+class TimedGraph:
+    """Times each node of a graph: a copy with `clock.mark()` after every node, run as compiled Python."""
+
+    def __init__(self, gm: fx.GraphModule, *, graph_kind: str, block_map: BlockMap, device: torch.device):
+        self.clock = _Clock(device)
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        self.records: list[NodeProfile] = []
+        for node in gm.graph.nodes:
+            env[node] = graph.node_copy(node, env.__getitem__)
+            if node.op in _CALL_OPS:
+                graph.call_function(self.clock.mark)
+                self.records.append(_new_record(node, graph_kind, block_map))
+        self.module = fx.GraphModule(gm, graph)
+
+    def boxed_run(self, args: list[Any]) -> Any:
+        if self.clock.cuda:
+            torch.cuda._sleep(_PREFILL_CYCLES)
+        self.clock.mark()
+        out = self.module(*args)
+        args.clear()
+        for record, seconds in zip(self.records, self.clock.intervals()):
+            record.latency_s = seconds
+        return out
 
 
 class ProfilingInterpreter(fx.Interpreter):
-    """Runs one graph, recording a NodeProfile per call node (see the module docstring).
+    """Runs one graph and records the memory behaviour of each node (see the module docstring)."""
 
-    With a memory `tracker` it measures memory; without one it only timestamps nodes. The two are separate
-    runs because reading allocator statistics costs more than a small kernel takes, which would distort the
-    timing.
-    """
-
-    def __init__(self, gm: fx.GraphModule, *, graph_kind: str, block_map: BlockMap, device: torch.device, tracker=None):
+    def __init__(self, gm: fx.GraphModule, *, graph_kind: str, block_map: BlockMap, tracker):
         super().__init__(gm, garbage_collect_values=True)
         self.tracker = tracker
         self.graph_kind = graph_kind
         self.block_map = block_map
-        self.clock = None if tracker else _Clock(device)
         self.records: list[NodeProfile] = []
-        self.peak_bytes = 0  # highest allocation seen during the run (memory runs)
+        self.peak_bytes = 0  # highest allocation seen during the run
         self._after_previous = 0
 
     def run(self, *args, **kwargs):
-        if self.tracker:
-            self._after_previous = self.tracker.allocated()
-            self.tracker.reset_peak()
-        else:
-            self.clock.mark()
+        self._after_previous = self.tracker.allocated()
+        self.tracker.reset_peak()
         out = super().run(*args, **kwargs)
-        if self.clock:
-            for record, seconds in zip(self.records, self.clock.intervals()):
-                record.latency_s = seconds
+        self.env.clear()  # the interpreter keeps the output node's value; the caller owns it now
         return out
 
     def run_node(self, node: fx.Node) -> Any:
-        if node.op in ("placeholder", "output", "get_attr"):
+        if node.op not in _CALL_OPS:
             return super().run_node(node)
-        record = NodeProfile(
-            name=node.name,
-            target=str(node.target),
-            graph=self.graph_kind,
-            region=self.block_map.region.get(node.name, OUTSIDE),
-            block=self.block_map.block.get(node.name),
-            latency_s=0.0,
-            allocated_before=0,
-            intra_delta_bytes=0,
-            inter_delta_bytes=0,
-            output_bytes=0,
-        )
+        record = _new_record(node, self.graph_kind, self.block_map)
         self.records.append(record)
-        if self.tracker is None:
-            out = super().run_node(node)
-            self.clock.mark()
-            return out
         tracker = self.tracker
         record.allocated_before = before = tracker.allocated()
         record.inter_delta_bytes = max(0, tracker.peak() - self._after_previous)
@@ -140,7 +166,7 @@ def profile_iteration(
 ) -> GraphProfile:
     """Run `fw` then `bw` on `primals` (the graph's real inputs) and return the GraphProfile.
 
-    Memory and time are measured in separate iterations (see ProfilingInterpreter); on CUDA an untimed
+    Memory and time are measured in separate iterations (see the module docstring); on CUDA an untimed
     iteration runs first, so first-use costs (kernel loading, library handles and workspaces) stay out of
     the measurement as they stay out of every later training step. Each node's NodeProfile is also written
     into `node.meta["protrain"]` of `fw` and `bw`.
@@ -215,16 +241,22 @@ def _iteration(
         if tracker:
             tracker.track(t for t in primals if isinstance(t, torch.Tensor))
             baseline = tracker.allocated()
-        fw_run = ProfilingInterpreter(fw, graph_kind="forward", block_map=block_map, device=device, tracker=tracker)
+        fw_run = _runner(fw, "forward", block_map, device, tracker)
         outs = fw_run.boxed_run(list(primals))
         values = dict(zip((n.name for n in fw_outputs), tree_leaves(outs)))
-        saved_bytes = _mark_saved(fw_run.records, values, saved_names, _storages(list(primals)))
+        saved_bytes = _mark_saved(fw_run.records, values, saved_names, _storages(list(primals))) if tracker else 0
         bw_args = [values[n.name] if n.name in saved_names else _tangent(n) for n in bw_placeholders]
         del outs, values
-        bw_run = ProfilingInterpreter(bw, graph_kind="backward", block_map=block_map, device=device, tracker=tracker)
+        bw_run = _runner(bw, "backward", block_map, device, tracker)
         bw_run.boxed_run(bw_args)
-    peak = max(baseline, fw_run.peak_bytes, bw_run.peak_bytes)
+    peak = max(baseline, fw_run.peak_bytes, bw_run.peak_bytes) if tracker else 0
     return fw_run.records + bw_run.records, baseline, peak, saved_bytes
+
+
+def _runner(gm: fx.GraphModule, graph_kind: str, block_map: BlockMap, device: torch.device, tracker):
+    if tracker is None:
+        return TimedGraph(gm, graph_kind=graph_kind, block_map=block_map, device=device)
+    return ProfilingInterpreter(gm, graph_kind=graph_kind, block_map=block_map, tracker=tracker)
 
 
 def _mark_saved(
