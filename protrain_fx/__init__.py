@@ -4,8 +4,10 @@ model = torch.compile(model, backend="protrain")            # the backend is fou
 model = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}))  # inspectable
 """
 
+from protrain_fx import optim
 from protrain_fx.backend import GraphRecord, ProTrainBackend, protrain
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.planner.plan import Plan
+from protrain_fx.runtime.state import full_state_dict
 
-__all__ = ["GraphRecord", "Plan", "ProTrainBackend", "ProTrainConfig", "protrain"]
+__all__ = ["GraphRecord", "Plan", "ProTrainBackend", "ProTrainConfig", "full_state_dict", "optim", "protrain"]

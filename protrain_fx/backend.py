@@ -17,6 +17,7 @@ compiled as they are, with no profile or plan.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -40,7 +41,8 @@ from protrain_fx.capture import (
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import Dumper
 from protrain_fx.passes.pipeline import GRAPH_PASSES, JOINT_PASSES, PassContext, run_passes
-from protrain_fx.planner.plan import Plan, resident_plan
+from protrain_fx.planner.plan import CHUNK_FIELDS, Plan, make_plan
+from protrain_fx.runtime.adopt import build_manager, model_layout, model_manager, wants_chunks
 from protrain_fx.profiler.interpreter import profile_iteration
 from protrain_fx.profiler.profile import GraphProfile
 
@@ -144,15 +146,33 @@ class _Partitioner(CustomPartitionerFn):
             dumper.write_text("joint.py", joint.print_readable(print_output=False))
 
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        record.profile = profile_iteration(fw, bw, self.example_inputs, record.block_map)
-        record.plan = resident_plan(record.block_map.n_blocks, config.plan)
+        params = [self.example_inputs[e.index] for e in record.param_map.values()]
+        manager = model_manager(roots.model)
+        with manager.materialized(params) if manager else contextlib.nullcontext():
+            record.profile = profile_iteration(fw, bw, self.example_inputs, record.block_map)
+        if manager is None and wants_chunks(params):
+            layout = model_layout(roots, record, self.example_inputs, config.plan)
+            record.plan = make_plan(record.block_map.n_blocks, config.plan, layout)
+            manager = build_manager(roots.model, layout, record.plan)
+        else:
+            # a graph without parameters (a loss after a graph break) has no chunk decisions to check
+            forced = config.plan if params else {k: v for k, v in config.plan.items() if k not in CHUNK_FIELDS}
+            record.plan = make_plan(record.block_map.n_blocks, forced, manager.layout if manager else None)
         log.info("graph %d plan:\n%s", record.index, record.plan)
 
-        ctx = PassContext(config=config, plan=record.plan, record=record, dumper=dumper)
+        ctx = PassContext(
+            config=config,
+            plan=record.plan,
+            record=record,
+            dumper=dumper,
+            manager=manager,
+            example_inputs=self.example_inputs,
+        )
         if JOINT_PASSES:
             joint = run_passes(joint, ctx, JOINT_PASSES, stage="joint")
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         fw = run_passes(fw, ctx, GRAPH_PASSES, stage="forward")
+        ctx = dataclasses.replace(ctx, forward_placeholders=[n for n in fw.graph.nodes if n.op == "placeholder"])
         bw = run_passes(bw, ctx, GRAPH_PASSES, stage="backward")
         record.forward, record.backward = fw, bw
         log.debug("graph %d forward:\n%s", record.index, fw.print_readable(print_output=False))

@@ -48,7 +48,7 @@ def test_bad_option_through_torch_compile():
         ({"n_swapp": 1}, r"unknown plan field\(s\) \['n_swapp'\]"),
         ({"block_modes": ["none", "fast", "none"]}, r"unknown mode\(s\) \['fast'\]"),
         ({"block_modes": ["none"]}, r"has 1 entries but the graph has 3 blocks"),
-        ({"n_checkpoint": 2}, r"only keeps everything resident"),
+        ({"n_checkpoint": 2}, r"does not checkpoint or swap activations yet"),
     ],
 )
 def test_bad_forced_plan(plan, message):

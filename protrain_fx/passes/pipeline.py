@@ -4,8 +4,7 @@ Passes read decisions from the plan and tags in `node.meta`; a pass with nothing
 unchanged. Stages:
   JOINT_PASSES   on the joint forward+backward graph, before partitioning (tagging, e.g. recompute tags)
   GRAPH_PASSES   on the partitioned forward and backward graphs (rewrites, e.g. inserting runtime ops)
-This version of the backend keeps everything resident, so both lists are empty; the memory passes of the
-later stages are added here, in order.
+Graph passes now: the chunk passes (passes/chunks.py); the activation passes come in later versions.
 With a dump directory, the graph after each pass is written as readable Python (`<stage>_<i>_<pass>.py`).
 """
 
@@ -19,6 +18,7 @@ from typing import Any
 from torch import fx
 
 from protrain_fx.config import ProTrainConfig
+from protrain_fx.passes.chunks import chunk_gather_pass, chunk_tag_pass, grad_reduce_pass
 from protrain_fx.planner.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -32,16 +32,21 @@ class PassContext:
     plan: Plan
     record: Any  # protrain_fx.backend.GraphRecord
     dumper: Any = None  # protrain_fx.debug.dump.Dumper or None
+    manager: Any = None  # the model's protrain_fx.runtime.chunks.ChunkManager, None when not chunked
+    example_inputs: Sequence[Any] = ()  # the graph's real inputs (parameters by position)
+    stage: str = ""  # joint | forward | backward: the graph being rewritten
+    forward_placeholders: Sequence[fx.Node] = ()  # the forward graph's inputs, for backward passes
 
 
 Pass = Callable[..., fx.GraphModule]
 
 JOINT_PASSES: tuple[Pass, ...] = ()
-GRAPH_PASSES: tuple[Pass, ...] = ()
+GRAPH_PASSES: tuple[Pass, ...] = (chunk_tag_pass, chunk_gather_pass, grad_reduce_pass)
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *, stage: str) -> fx.GraphModule:
     """Apply `passes` in order; an error names the failing pass and those that ran before it."""
+    ctx = dataclasses.replace(ctx, stage=stage)
     done: list[str] = []
     for i, pass_fn in enumerate(passes):
         name = pass_fn.__name__
@@ -50,7 +55,8 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *, 
             gm.graph.lint()
         except Exception as e:
             raise RuntimeError(
-                f"protrain pass {name!r} failed on the {stage} graph (after {done or 'no passes'})"
+                f"protrain pass {name!r} failed on the {stage} graph (after {done or 'no passes'}): "
+                f"{type(e).__name__}: {e}"
             ) from e
         done.append(name)
         if ctx.dumper is not None:

@@ -1,8 +1,8 @@
 """The plan: every memory decision for one compiled graph, made once and frozen.
 
 Later stages only read it. It is JSON-serializable so it can be dumped and replayed
-(`options={"plan": "plan.json"}`). This version of the backend applies no memory optimization: the only
-plan it carries out keeps everything resident (all chunks persistent, no block checkpointed or swapped).
+(`options={"plan": "plan.json"}`). This version carries out the chunk fields (`n_persist`, `n_buffer`,
+forced by the user; all chunks persistent by default) and no activation checkpointing or swapping.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
+
+from protrain_fx.planner.chunking import ChunkLayout
 
 BLOCK_MODES = ("none", "checkpoint", "swap")
 
@@ -45,13 +47,22 @@ class Plan:
 
 
 PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
+CHUNK_FIELDS = ("n_persist", "n_buffer", "n_chunk", "chunk_bytes")
 
 
-def resident_plan(n_block: int, forced: Mapping[str, Any] | None = None) -> Plan:
-    """The everything-resident plan for a graph of `n_block` blocks, after checking the user's forced fields.
+def _int_field(forced: Mapping[str, Any], key: str, default: int) -> int:
+    value = forced.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"options['plan'][{key!r}] must be a non-negative int, got {value!r}")
+    return value
 
-    Forced fields are accepted when they agree with a resident plan; anything that asks for offloading,
-    checkpointing or swapping is refused with a clear error, since this version does not carry it out.
+
+def make_plan(n_block: int, forced: Mapping[str, Any] | None = None, layout: ChunkLayout | None = None) -> Plan:
+    """The plan for a graph of `n_block` blocks, after checking the user's forced fields.
+
+    Without a chunk layout (parameters not managed in chunks) everything stays where it is. With one, the
+    forced `n_persist` and `n_buffer` are taken, and by default every chunk is persistent. Activation
+    checkpointing and swapping are not carried out yet: asking for them is refused with a clear error.
     """
     forced = dict(forced or {})
     unknown = sorted(set(forced) - set(PLAN_FIELDS))
@@ -63,15 +74,34 @@ def resident_plan(n_block: int, forced: Mapping[str, Any] | None = None) -> Plan
         raise ValueError(f"options['plan']['block_modes'] has unknown mode(s) {bad}; modes are {list(BLOCK_MODES)}")
     if len(modes) != n_block:
         raise ValueError(f"options['plan']['block_modes'] has {len(modes)} entries but the graph has {n_block} blocks")
-    for key in ("n_swap", "n_checkpoint", "n_buffer", "n_chunk", "chunk_bytes"):
-        value = forced.get(key, 0)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"options['plan'][{key!r}] must be a non-negative int, got {value!r}")
-    asked = {k: v for k, v in forced.items() if k in ("n_swap", "n_checkpoint", "n_buffer", "n_chunk") and v}
+    asked = {k: forced[k] for k in ("n_swap", "n_checkpoint") if _int_field(forced, k, 0)}
     asked.update({"block_modes": modes} if any(m != "none" for m in modes) else {})
     if asked:
         raise ValueError(
-            f"options['plan'] asks for {asked}, but this version of protrain only keeps everything resident "
-            "(no chunk offload, checkpointing or swapping yet); drop those fields"
+            f"options['plan'] asks for {asked}, but this version of protrain does not checkpoint or swap "
+            "activations yet; drop those fields"
         )
-    return Plan(n_block=n_block, block_modes=modes)
+    if layout is None:
+        chunked = {k: forced[k] for k in ("n_buffer", "n_chunk", "chunk_bytes") if _int_field(forced, k, 0)}
+        if "n_persist" in forced and forced.get("n_chunk", 1) != 0:  # (a replayed unchunked plan has n_chunk 0)
+            chunked["n_persist"] = _int_field(forced, "n_persist", 0)
+        if chunked:
+            raise ValueError(
+                f"options['plan'] asks for {chunked}, but parameters are managed in chunks only when the model "
+                "is trained with protrain_fx.optim.AdamW; create that optimizer before the first step"
+            )
+        return Plan(n_block=n_block, block_modes=modes)
+    n_persist = _int_field(forced, "n_persist", layout.n_chunk)
+    if n_persist > layout.n_chunk:
+        raise ValueError(f"options['plan']['n_persist']={n_persist} exceeds the model's {layout.n_chunk} chunks")
+    n_buffer = _int_field(forced, "n_buffer", 0 if n_persist == layout.n_chunk else min(2, layout.n_chunk - n_persist))
+    if n_persist < layout.n_chunk and n_buffer < 1:
+        raise ValueError("options['plan']['n_buffer'] must be at least 1 when some chunks are not persistent")
+    return Plan(
+        n_persist=n_persist,
+        n_buffer=n_buffer,
+        n_chunk=layout.n_chunk,
+        n_block=n_block,
+        chunk_bytes=layout.chunk_bytes,
+        block_modes=modes,
+    )

@@ -1,0 +1,172 @@
+"""Chunk passes: read parameters of offloaded chunks through gather/release, hand gradients to the chunks.
+
+`chunk_tag_pass` decides (from the ChunkManager built for the plan) and writes `node.meta["protrain_param"]`
+on each parameter placeholder; the two rewrite passes act on those tags only and leave a graph with no
+tagged placeholder unchanged.
+
+chunk_gather_pass (forward and backward graphs), for each offloaded chunk c:
+
+    before:  w1 = placeholder; w2 = placeholder; ...; y = mm(x, w1); z = mm(y, w2)
+    after:   buf = protrain.gather(m, c)
+             w1' = view(slice(buf, 0, o1, o1 + n1), shape1); w2' = ...
+             y = mm(x, w1'); z = mm(y, w2')
+             protrain.release(m, c, [z])          # after the last reader of any parameter of c
+
+grad_reduce_pass (backward graph), for each chunk c (persistent ones too):
+
+    before:  return (g1, g2, ...)                 # gradients of the primals, in primal order
+    after:   protrain.reduce_grads(m, c, [i1, i2], [g1, g2])   # after the chunk's last gradient
+             return (None, None, ...)             # the chunk owns its gradients; param.grad stays None
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+from torch import fx
+
+TAG = "protrain_param"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamTag:
+    manager: int  # handle of the ChunkManager (runtime/ops.py)
+    index: int  # the parameter's index in the manager
+    chunk: int
+    offset: int
+    numel: int
+    persistent: bool
+
+
+def chunk_tag_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Tag the parameter placeholders of a forward or backward graph with their chunk (names are AOT primal names)."""
+    manager = ctx.manager
+    if manager is None:
+        return gm
+    for node in gm.graph.nodes:
+        entry = ctx.record.param_map.get(node.name) if node.op == "placeholder" else None
+        if entry is None:
+            continue
+        param = ctx.example_inputs[entry.index]
+        slot = manager.slot_of(param)
+        node.meta[TAG] = ParamTag(
+            manager=manager.handle,
+            index=manager.index[id(param)],
+            chunk=slot.chunk,
+            offset=slot.offset,
+            numel=slot.numel,
+            persistent=manager.is_persistent(param),
+        )
+    return gm
+
+
+def _readers(placeholders: list[fx.Node]) -> list[fx.Node]:
+    """Nodes computing with the parameters (the output node only passes a saved parameter on)."""
+    return [u for p in placeholders for u in p.users if u.op != "output"]
+
+
+def _tensor_outputs(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The tensors these nodes produce (a tuple-valued node through its getitem users): release's inputs."""
+    out = []
+    for n in nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            out.append(n)
+        elif isinstance(val, (tuple, list)):
+            out.extend(u for u in n.users if isinstance(u.meta.get("val"), torch.Tensor))
+    return out
+
+
+def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Route every read of an offloaded parameter through its chunk's gather (see the module docstring)."""
+    graph = gm.graph
+    by_chunk: dict[int, list[fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        tag = node.meta.get(TAG)
+        if node.op == "placeholder" and tag is not None and not tag.persistent and node.users:
+            by_chunk[tag.chunk].append(node)
+    if not by_chunk:
+        return gm
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    readers_of: dict[int, list[fx.Node]] = {}
+    by_chunk = {c: phs for c, phs in by_chunk.items() if _readers(phs)}
+    for chunk, placeholders in sorted(by_chunk.items(), key=lambda kv: min(map(order.__getitem__, _readers(kv[1])))):
+        first = min(_readers(placeholders), key=order.__getitem__)
+        tag = placeholders[0].meta[TAG]
+        with graph.inserting_before(first):
+            buf = graph.call_function(torch.ops.protrain.gather.default, (tag.manager, chunk))
+            readers_of[chunk] = []
+            for ph in placeholders:
+                t = ph.meta[TAG]
+                piece = graph.call_function(torch.ops.aten.slice.Tensor, (buf, 0, t.offset, t.offset + t.numel))
+                view = graph.call_function(torch.ops.aten.view.default, (piece, list(ph.meta["val"].shape)))
+                view.meta["val"] = ph.meta.get("val")
+                # the graph's output keeps the placeholder: a forward that saves a parameter for backward
+                # hands over the parameter itself, and the backward gathers it again
+                users = [u for u in ph.users if u.op != "output"]
+                ph.replace_all_uses_with(view, delete_user_cb=lambda u: u.op != "output")
+                readers_of[chunk].extend(users)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for chunk, readers in readers_of.items():
+        deps = _tensor_outputs(readers)
+        last = max(readers + deps, key=order.__getitem__)
+        tag = by_chunk[chunk][0].meta[TAG]
+        with graph.inserting_after(last):
+            graph.call_function(torch.ops.protrain.release.default, (tag.manager, chunk, deps))
+    _check_buffers(graph, ctx)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _check_buffers(graph: fx.Graph, ctx) -> None:
+    """A plan with fewer chunk buffers than the graph holds chunks at once cannot run: say so at compile time."""
+    live: set[int] = set()
+    worst: tuple[int, str, list[int]] = (0, "", [])
+    for node in graph.nodes:
+        if node.target is torch.ops.protrain.gather.default:
+            live.add(node.args[1])
+            if len(live) > worst[0]:
+                worst = (len(live), node.name, sorted(live))
+        elif node.target is torch.ops.protrain.release.default:
+            live.discard(node.args[1])
+    if worst[0] > ctx.manager.n_buffer:
+        raise ValueError(
+            f"the plan has n_buffer={ctx.manager.n_buffer} chunk buffers, but the {ctx.stage} graph uses chunks "
+            f"{worst[2]} at once (at {worst[1]}); force options={{'plan': {{'n_buffer': {worst[0]}}}}} or more"
+        )
+
+
+def grad_reduce_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Hand each chunk's gradients to the ChunkManager and return None for them (see the module docstring)."""
+    graph = gm.graph
+    if ctx.stage != "backward":
+        return gm
+    output = next(n for n in graph.nodes if n.op == "output")
+    grads = list(output.args[0])
+    primals = [n for n in ctx.forward_placeholders]
+    assert len(grads) == len(primals), f"backward returns {len(grads)} gradients for {len(primals)} primals"
+    by_chunk: dict[int, list[tuple[int, int, fx.Node]]] = defaultdict(list)
+    for position, (primal, grad) in enumerate(zip(primals, grads)):
+        tag = primal.meta.get(TAG)
+        if tag is not None and isinstance(grad, fx.Node):
+            by_chunk[tag.chunk].append((position, tag.index, grad))
+    if not by_chunk:
+        return gm
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for chunk, items in by_chunk.items():
+        last = max((g for _, _, g in items), key=order.__getitem__)
+        manager = primals[items[0][0]].meta[TAG].manager
+        with graph.inserting_after(last):
+            graph.call_function(
+                torch.ops.protrain.reduce_grads.default,
+                (manager, chunk, [i for _, i, _ in items], [g for _, _, g in items]),
+            )
+        for position, _, _ in items:
+            grads[position] = None
+    output.args = (tuple(grads),)
+    graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,291 @@
+"""ChunkManager: owns the parameters, gradients and optimizer states of one model, in chunks (paper §3.1).
+
+Layout (planner/chunking.py) decides which parameter is where; the plan decides `n_persist` and
+`n_buffer`. Then:
+
+- persistent chunks (the first `n_persist`): the chunk's parameters are views of one flat device tensor
+  (compute dtype), with an fp32 master copy, an fp32 gradient and AdamW states on the device, updated by
+  torch's fused AdamW in `step()`. Gradients are all-reduced across ranks.
+- non-persistent chunks: each rank holds its shard (parameters in compute dtype, fp32 master, fp32
+  gradient) in one host arena allocated once at its exact size (pinned with `cudaHostRegister` on CUDA,
+  not the power-of-two host allocator). The parameters' own storage is emptied (`resize_(0)`): the
+  compiled graphs read them through `gather`, which copies this rank's shard into one of `n_buffer`
+  device buffers and all-gathers the rest. `release` makes the buffer reusable; a chunk still in a buffer
+  when gathered again (backward right after forward) is not copied again. Gradients are reduce-scattered,
+  copied to the host shard, and the CPU AdamW step of that shard (torch's fused CPU kernel) starts at once
+  on a worker thread, overlapping the rest of the backward.
+
+Gradients never reach `param.grad`: the rewritten backward hands them to `reduce_grads` and returns None
+for those parameters, and `protrain_fx.optim.AdamW` steps from the manager.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from protrain_fx.planner.chunking import ChunkLayout, Slot
+from protrain_fx.runtime import ops
+
+log = logging.getLogger(__name__)
+
+MANAGER_ATTR = "_protrain_chunk_manager"  # set on each managed nn.Parameter: the manager that owns it
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class ChunkManager:
+    """See the module docstring. One per model; shared by all its compiled graphs."""
+
+    def __init__(self, params: Sequence[nn.Parameter], layout: ChunkLayout, *, n_persist: int, n_buffer: int):
+        if not 0 <= n_persist <= layout.n_chunk:
+            raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
+        if n_persist < layout.n_chunk and n_buffer < 1:
+            raise ValueError(f"plan n_buffer={n_buffer}: non-persistent chunks need at least 1 buffer")
+        self.rank, self.world_size = _world()
+        assert layout.world_size == self.world_size, "chunk layout was made for another world size"
+        self.layout = layout
+        self.params = list(params)
+        self.slots: list[Slot] = list(layout.slots)
+        self.n_persist = n_persist
+        self.n_buffer = n_buffer if n_persist < layout.n_chunk else 0
+        self.device = self.params[0].device
+        self.dtype = self.params[0].dtype
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
+        self._pending: dict[int, concurrent.futures.Future] = {}  # offloaded chunk -> its CPU AdamW step
+        self._version: dict[int, int] = {}  # chunk -> updates published (written by the worker thread)
+        self._buffered_version: dict[int, int] = {}  # chunk -> version its buffered copy holds
+        self._unstepped: set[int] = set()  # offloaded chunks whose gradient came before an optimizer was known
+        owner = next((p.__dict__.get("_protrain_optimizer") for p in self.params), None)
+        self.optimizer = owner() if owner is not None else None  # the protrain_fx.optim.AdamW stepping us
+        self._build()
+        for p in self.params:
+            p.__dict__[MANAGER_ATTR] = self
+        self.handle = ops.register(self)
+
+    # ----- storage -----------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        n, elems, shard = self.layout.n_chunk, self.layout.chunk_elems, self.layout.shard_elems
+        fp32 = self.dtype == torch.float32
+        self.flat: dict[int, torch.Tensor] = {}  # persistent: chunk -> device params
+        self.master: dict[int, torch.Tensor] = {}  # chunk -> fp32 master (device: whole chunk; host: shard)
+        self.grad: dict[int, torch.Tensor] = {}  # chunk -> fp32 gradient (device: whole chunk; host: shard)
+        self.host_params: dict[int, torch.Tensor] = {}  # non-persistent: chunk -> host shard, compute dtype
+        for c in range(self.n_persist):
+            self.flat[c] = torch.zeros(elems, dtype=self.dtype, device=self.device)
+            self.master[c] = self.flat[c] if fp32 else torch.zeros(elems, dtype=torch.float32, device=self.device)
+            self.grad[c] = torch.zeros(elems, dtype=torch.float32, device=self.device)
+        offloaded = list(range(self.n_persist, n))
+        per_chunk = shard * (self.dtype.itemsize + (0 if fp32 else 4) + 4)
+        self.arena = torch.empty(per_chunk * len(offloaded), dtype=torch.uint8)
+        if self.device.type == "cuda" and self.arena.numel():
+            torch.cuda.cudart().cudaHostRegister(self.arena.data_ptr(), self.arena.numel(), 0)
+        at = 0
+        for c in offloaded:
+            self.host_params[c] = self.arena[at : at + shard * self.dtype.itemsize].view(self.dtype)
+            at += shard * self.dtype.itemsize
+            if fp32:
+                self.master[c] = self.host_params[c]
+            else:
+                self.master[c] = self.arena[at : at + shard * 4].view(torch.float32)
+                at += shard * 4
+            self.grad[c] = self.arena[at : at + shard * 4].view(torch.float32)
+            at += shard * 4
+        self.arena.zero_()
+        self.buffers = [torch.empty(elems, dtype=self.dtype, device=self.device) for _ in range(self.n_buffer)]
+        self._resident: dict[int, int] = {}  # chunk -> buffer holding it
+        self._in_use: set[int] = set()  # chunks gathered and not released yet
+        self._released: list[int] = []  # released chunks still in a buffer, least recent first
+        self._adopt()
+        log.info(
+            "chunks: %d of %.1f MiB (%d persistent on %s, %d offloaded to a %.1f MiB host arena, %d buffers)",
+            n,
+            self.layout.chunk_bytes / 2**20,
+            self.n_persist,
+            self.device,
+            len(offloaded),
+            self.arena.numel() / 2**20,
+            self.n_buffer,
+        )
+
+    def _slot_range(self, slot: Slot) -> tuple[int, int]:
+        return slot.offset, slot.offset + slot.numel
+
+    def _shard_bounds(self) -> tuple[int, int]:
+        shard = self.layout.shard_elems
+        return self.rank * shard, (self.rank + 1) * shard
+
+    def _adopt(self) -> None:
+        """Move every parameter's values into its chunk; offloaded parameters keep their shape, not their storage."""
+        lo, hi = self._shard_bounds()
+        with torch.no_grad():
+            for p, slot in zip(self.params, self.slots):
+                a, b = self._slot_range(slot)
+                values = p.detach().reshape(-1)
+                if slot.chunk < self.n_persist:
+                    self.flat[slot.chunk][a:b].copy_(values)
+                    if self.master[slot.chunk] is not self.flat[slot.chunk]:
+                        self.master[slot.chunk][a:b].copy_(values)
+                    p.data = self.flat[slot.chunk][a:b].view(p.shape)
+                    continue
+                s, e = max(a, lo), min(b, hi)  # this rank's part of the parameter
+                if s < e:
+                    self.host_params[slot.chunk][s - lo : e - lo].copy_(values[s - a : e - a])
+                    if self.master[slot.chunk] is not self.host_params[slot.chunk]:
+                        self.master[slot.chunk][s - lo : e - lo].copy_(values[s - a : e - a])
+                p.untyped_storage().resize_(0)
+
+    def is_persistent(self, p: nn.Parameter) -> bool:
+        return self.slots[self.index[id(p)]].chunk < self.n_persist
+
+    def slot_of(self, p: nn.Parameter) -> Slot:
+        return self.slots[self.index[id(p)]]
+
+    # ----- gather / release --------------------------------------------------------------------------
+
+    def gather(self, chunk: int) -> torch.Tensor:
+        """The chunk's parameters, whole, in a device buffer (copied in unless still resident)."""
+        assert chunk >= self.n_persist, f"chunk {chunk} is persistent: its parameters are read directly"
+        self._in_use.add(chunk)
+        self.wait_for_update(chunk)
+        if chunk in self._released:
+            self._released.remove(chunk)
+        if chunk in self._resident and self._buffered_version.get(chunk) == self._version.get(chunk, 0):
+            return self.buffers[self._resident[chunk]]
+        slot = self._resident.pop(chunk, None)
+        slot = self._free_buffer(chunk) if slot is None else slot
+        buffer = self.buffers[slot]
+        lo, hi = self._shard_bounds()
+        self._buffered_version[chunk] = self._version.get(chunk, 0)
+        if self.world_size == 1:
+            buffer.copy_(self.host_params[chunk], non_blocking=True)
+        else:
+            buffer[lo:hi].copy_(self.host_params[chunk], non_blocking=True)
+            dist.all_gather_into_tensor(buffer, buffer[lo:hi].clone())
+        self._resident[chunk] = slot
+        return buffer
+
+    def _free_buffer(self, chunk: int) -> int:
+        used = set(self._resident.values())
+        free = [i for i in range(self.n_buffer) if i not in used]
+        if free:
+            return free[0]
+        if not self._released:
+            raise RuntimeError(
+                f"chunk {chunk} needs a buffer but all {self.n_buffer} hold chunks in use "
+                f"{sorted(self._in_use)}; the plan needs more chunk buffers (n_buffer)"
+            )
+        evicted = self._released.pop(0)
+        return self._resident.pop(evicted)
+
+    def release(self, chunk: int) -> None:
+        """The graph is done with the chunk for now; its buffer may be reused (least recently released first)."""
+        self._in_use.discard(chunk)
+        if chunk in self._resident and chunk not in self._released:
+            self._released.append(chunk)
+
+    def reset_buffers(self) -> None:
+        """Forget buffered chunks, e.g. after their host values changed outside a step."""
+        self._resident.clear()
+        self._released.clear()
+        self._in_use.clear()
+
+    # ----- gradients and the optimizer ---------------------------------------------------------------
+
+    def reduce_grads(self, chunk: int, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
+        """Add a chunk's gradients into its fp32 gradient; offloaded chunks then start their CPU AdamW step."""
+        flat = torch.zeros(self.layout.chunk_elems, dtype=torch.float32, device=self.device)
+        for p, g in zip(params, grads):
+            a, b = self._slot_range(self.slot_of(p))
+            flat[a:b].copy_(g.reshape(-1))
+        if chunk < self.n_persist:
+            if self.world_size > 1:
+                dist.all_reduce(flat)
+                flat /= self.world_size
+            self.grad[chunk].add_(flat)
+            return
+        shard = flat
+        if self.world_size > 1:
+            shard = torch.empty(self.layout.shard_elems, dtype=torch.float32, device=self.device)
+            dist.reduce_scatter_tensor(shard, flat)
+            shard /= self.world_size
+        self.grad[chunk].add_(shard.to("cpu"))
+        if self.optimizer is not None:
+            self._pending[chunk] = self._pool.submit(self.optimizer.step_chunk, self, chunk)
+        else:
+            self._unstepped.add(chunk)
+
+    def take_unstepped(self) -> list[int]:
+        chunks, self._unstepped = sorted(self._unstepped), set()
+        return chunks
+
+    def wait_for_update(self, chunk: int | None = None) -> None:
+        """Block until the CPU optimizer step of `chunk` (of every chunk if None) is done."""
+        for c in [chunk] if chunk is not None else list(self._pending):
+            future = self._pending.pop(c, None)
+            if future is not None:
+                future.result()
+
+    def zero_grad(self) -> None:
+        for g in self.grad.values():
+            g.zero_()
+
+    def param_pieces(self, chunk: int) -> list[tuple[int, int, int]]:
+        """(param index, start, end) of this rank's piece of a chunk, in piece coordinates."""
+        lo, hi = (0, self.layout.chunk_elems) if chunk < self.n_persist else self._shard_bounds()
+        pieces = []
+        for i, slot in enumerate(self.slots):
+            if slot.chunk != chunk:
+                continue
+            a, b = self._slot_range(slot)
+            s, e = max(a, lo), min(b, hi)
+            if s < e:
+                pieces.append((i, s - lo, e - lo))
+        return pieces
+
+    def publish(self, chunk: int) -> None:
+        """After an update: copy the fp32 master into the parameters' compute-dtype copy."""
+        target = self.flat[chunk] if chunk < self.n_persist else self.host_params[chunk]
+        if target is not self.master[chunk]:
+            target.copy_(self.master[chunk])
+        self._version[chunk] = self._version.get(chunk, 0) + 1  # a buffered copy is stale now
+
+    @contextlib.contextmanager
+    def materialized(self, params: Sequence[nn.Parameter]) -> Iterator[None]:
+        """Give offloaded parameters their values back for a while (profiling a graph compiled after adoption)."""
+        offloaded = [p for p in params if id(p) in self.index and not self.is_persistent(p)]
+        with torch.no_grad(), unset_fake_temporarily():
+            for p in offloaded:
+                slot = self.slot_of(p)
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+                p.copy_(self.full_values(slot.chunk)[slot.offset : slot.offset + slot.numel].view(p.shape))
+        try:
+            yield
+        finally:
+            with unset_fake_temporarily():
+                for p in offloaded:
+                    p.untyped_storage().resize_(0)
+
+    def full_values(self, chunk: int) -> torch.Tensor:
+        """The chunk's current parameters, whole, on the host (a collective when sharded)."""
+        if chunk < self.n_persist:
+            return self.flat[chunk].to("cpu")
+        if self.world_size == 1:
+            return self.host_params[chunk].clone()
+        lo, hi = self._shard_bounds()
+        out = torch.empty(self.layout.chunk_elems, dtype=self.dtype, device=self.device)
+        dist.all_gather_into_tensor(out, self.host_params[chunk].to(self.device))
+        return out.to("cpu")

@@ -1,0 +1,77 @@
+"""The runtime ops the rewritten graphs call: `torch.library` custom ops with fake implementations.
+
+    buf  = protrain.gather(manager, chunk)                     # chunk's parameters, whole, in a device buffer
+    w    = aten.view(aten.slice(buf, 0, offset, offset + numel), shape)   # a parameter, read from the buffer
+    protrain.release(manager, chunk, [last users of the chunk])          # after its last use
+    protrain.reduce_grads(manager, chunk, [param indices], [grads])      # after the chunk's last gradient
+
+Ordering comes from data dependencies: every read of a parameter goes through its chunk's `gather`
+output, `release` takes the outputs of the chunk's last readers as arguments, and `reduce_grads` takes
+the gradients. `release` and `reduce_grads` return nothing and are registered as side-effecting, so no
+compiler removes them.
+
+Custom ops are process-wide and take only tensors and numbers, so a graph names its ChunkManager by an
+integer handle. `_MANAGERS` is that handle table: a weak mapping (a manager lives as long as its model's
+parameters), written only when a manager registers. It is the one piece of module-level state in the
+package, because torch.library gives an op no other way to reach an object.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+from torch.fx.node import has_side_effect
+
+_MANAGERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+def register(manager) -> int:
+    """Give a ChunkManager the integer handle its graphs pass to the ops."""
+    handle = next(_HANDLES)
+    _MANAGERS[handle] = manager
+    return handle
+
+
+def _manager(handle: int):
+    manager = _MANAGERS.get(handle)
+    assert manager is not None, f"protrain chunk manager {handle} is gone (its model was deleted)"
+    return manager
+
+
+@torch.library.custom_op("protrain::gather", mutates_args=())
+def gather(manager: int, chunk: int) -> torch.Tensor:
+    return _manager(manager).gather(chunk)
+
+
+@gather.register_fake
+def _(manager: int, chunk: int) -> torch.Tensor:
+    m = _manager(manager)
+    return torch.empty(m.layout.chunk_elems, dtype=m.dtype, device=m.device)
+
+
+@torch.library.custom_op("protrain::release", mutates_args=())
+def release(manager: int, chunk: int, after: list[torch.Tensor]) -> None:
+    _manager(manager).release(chunk)
+
+
+@release.register_fake
+def _(manager: int, chunk: int, after: list[torch.Tensor]) -> None:
+    return None
+
+
+@torch.library.custom_op("protrain::reduce_grads", mutates_args=())
+def reduce_grads(manager: int, chunk: int, params: list[int], grads: list[torch.Tensor]) -> None:
+    m = _manager(manager)
+    m.reduce_grads(chunk, [m.params[i] for i in params], grads)
+
+
+@reduce_grads.register_fake
+def _(manager: int, chunk: int, params: list[int], grads: list[torch.Tensor]) -> None:
+    return None
+
+
+has_side_effect(torch.ops.protrain.release.default)
+has_side_effect(torch.ops.protrain.reduce_grads.default)
