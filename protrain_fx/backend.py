@@ -42,9 +42,9 @@ from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import Dumper
 from protrain_fx.passes.pipeline import GRAPH_PASSES, JOINT_PASSES, PassContext, run_passes
 from protrain_fx.planner.plan import CHUNK_FIELDS, Plan, make_plan
-from protrain_fx.runtime.adopt import build_manager, model_layout, model_manager, wants_chunks
 from protrain_fx.profiler.interpreter import profile_iteration
 from protrain_fx.profiler.profile import GraphProfile
+from protrain_fx.runtime.adopt import build_manager, model_layout, model_manager, wants_chunks
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ same batch, so the averaged gradient (g + g) / 2 is exactly g.
 
 import copy
 
+import models
 import pytest
 import torch
 
-import models
 import protrain_fx
 from protrain_fx.runtime.adopt import model_manager
 
