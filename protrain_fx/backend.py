@@ -45,6 +45,7 @@ from protrain_fx.planner.plan import CHUNK_FIELDS, Plan, make_plan
 from protrain_fx.profiler.interpreter import profile_iteration
 from protrain_fx.profiler.profile import GraphProfile
 from protrain_fx.runtime.adopt import build_manager, model_layout, model_manager, wants_chunks
+from protrain_fx.runtime.ops import register_inductor_lowering
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class ProTrainBackend:
         if self.config.executor == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
+            register_inductor_lowering()
             patches = {"custom_partitioner_fn": partitioner, "force_disable_caches": True}
             return compile_fx(gm, example_inputs, config_patches=patches)
         eager = make_boxed_compiler(lambda g, _: g)

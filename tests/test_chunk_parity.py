@@ -23,7 +23,7 @@ PLANS = {
 }
 
 
-def run(kind, plan, steps=STEPS, **model_kw):
+def run(kind, plan, steps=STEPS, exact=True, **model_kw):
     ref = models.build(kind, **model_kw)
     model = copy.deepcopy(ref)
     groups = lambda m: [  # noqa: E731 - no decay on biases and norms, as users do
@@ -46,7 +46,10 @@ def run(kind, plan, steps=STEPS, **model_kw):
             s.step()
             if m is ref:
                 ref_loss = loss.item()
-        assert loss.item() == ref_loss, f"step {step}: {loss.item()} != {ref_loss}"
+        if exact:
+            assert loss.item() == ref_loss, f"step {step}: {loss.item()} != {ref_loss}"
+        else:
+            assert loss.item() == pytest.approx(ref_loss, rel=1e-5), f"step {step}"
     return ref, model, backend
 
 
@@ -109,3 +112,25 @@ def test_optimizer_without_compile_equals_torch_adamw():
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
     with pytest.raises(ValueError, match="betas in \\[0, 1\\)"):
         protrain_fx.optim.AdamW(model.parameters(), betas=(0.9, 1.5))
+
+
+def test_chunked_training_through_inductor():
+    """The gather/release/reduce ops go through inductor as fallback kernels; fused kernels round differently
+    from eager, so the same tolerance as the unchunked inductor test: losses 1e-4, parameters steps * lr."""
+    ref = models.build("toy")
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": {"n_persist": 2, "n_buffer": 2}}))
+    for step in range(3):
+        losses = []
+        for m, o in ((ref, ref_opt), (compiled, opt)):
+            loss = m(**models.batch("toy", seed=step))
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    state = protrain_fx.full_state_dict(model)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=3 * 1e-2)

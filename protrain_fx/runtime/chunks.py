@@ -219,14 +219,22 @@ class ChunkManager:
             return
         shard = flat
         if self.world_size > 1:
-            shard = torch.empty(self.layout.shard_elems, dtype=torch.float32, device=self.device)
-            dist.reduce_scatter_tensor(shard, flat)
-            shard /= self.world_size
+            shard = self._reduce_scatter(flat) / self.world_size
         self.grad[chunk].add_(shard.to("cpu"))
         if self.optimizer is not None:
             self._pending[chunk] = self._pool.submit(self.optimizer.step_chunk, self, chunk)
         else:
             self._unstepped.add(chunk)
+
+    def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        """Sum of `flat` over ranks, this rank's shard of it (gloo has no reduce-scatter: all-reduce, then slice)."""
+        if dist.get_backend() == "gloo":
+            dist.all_reduce(flat)
+            lo, hi = self._shard_bounds()
+            return flat[lo:hi]
+        shard = torch.empty(self.layout.shard_elems, dtype=flat.dtype, device=self.device)
+        dist.reduce_scatter_tensor(shard, flat)
+        return shard
 
     def take_unstepped(self) -> list[int]:
         chunks, self._unstepped = sorted(self._unstepped), set()

@@ -75,3 +75,21 @@ def _(manager: int, chunk: int, params: list[int], grads: list[torch.Tensor]) ->
 
 has_side_effect(torch.ops.protrain.release.default)
 has_side_effect(torch.ops.protrain.reduce_grads.default)
+
+
+def register_inductor_lowering() -> None:
+    """Lower `gather` as a fallback kernel whose output inductor never reuses for another buffer: it is one
+    of the manager's chunk buffers, whose contents must survive until the chunk is gathered again."""
+    from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
+    from torch._inductor.virtualized import V
+
+    op = torch.ops.protrain.gather.default
+    if op in lowerings:
+        return
+    fallback = fallback_handler(op, add_to_fallback_set=False)
+
+    @register_lowering(op, type_promotion_kind=None)
+    def _gather(*args, **kwargs):
+        out = fallback(*args, **kwargs)
+        V.graph.never_reuse_buffers.add(out.get_name())
+        return out

@@ -63,33 +63,39 @@ class AdamW(torch.optim.Optimizer):
                     seen[id(m)] = m
         return list(seen.values())
 
-    def _inner_for(self, manager, chunk: int) -> torch.optim.AdamW:
+    def _inner_for(self, manager, chunk: int) -> torch.optim.AdamW | None:
+        """None when this rank's piece of the chunk is all padding."""
         key = (id(manager), chunk)
         with self._lock:
-            inner = self._inner.get(key)
-            if inner is None:
-                groups: dict[int, list[torch.Tensor]] = {}
-                index = self._group_index()
-                master, grad = manager.master[chunk], manager.grad[chunk]
-                for i, start, end in manager.param_pieces(chunk):
-                    view = master[start:end]
-                    view.grad = grad[start:end]
-                    groups.setdefault(index[id(manager.params[i])], []).append(view)
-                inner = torch.optim.AdamW(
-                    [{"params": views, **{k: self.param_groups[g][k] for k in _HYPER}} for g, views in groups.items()],
-                    fused=True,
-                )
-                inner.outer_groups = list(groups)
-                self._inner[key] = inner
+            if key not in self._inner:
+                self._inner[key] = self._build_inner(manager, chunk)
+            return self._inner[key]
+
+    def _build_inner(self, manager, chunk: int) -> torch.optim.AdamW | None:
+        groups: dict[int, list[torch.Tensor]] = {}
+        index = self._group_index()
+        master, grad = manager.master[chunk], manager.grad[chunk]
+        for i, start, end in manager.param_pieces(chunk):
+            view = master[start:end]
+            view.grad = grad[start:end]
+            groups.setdefault(index[id(manager.params[i])], []).append(view)
+        if not groups:
+            return None
+        inner = torch.optim.AdamW(
+            [{"params": views, **{k: self.param_groups[g][k] for k in _HYPER}} for g, views in groups.items()],
+            fused=True,
+        )
+        inner.outer_groups = list(groups)
         return inner
 
     @torch.no_grad()
     def step_chunk(self, manager, chunk: int) -> None:
         """Update one chunk piece (the manager calls this on its worker thread for offloaded chunks)."""
         inner = self._inner_for(manager, chunk)
-        for group, g in zip(inner.param_groups, inner.outer_groups):
-            group.update({k: self.param_groups[g][k] for k in _HYPER})
-        inner.step()
+        if inner is not None:
+            for group, g in zip(inner.param_groups, inner.outer_groups):
+                group.update({k: self.param_groups[g][k] for k in _HYPER})
+            inner.step()
         manager.publish(chunk)
 
     @torch.no_grad()
