@@ -62,7 +62,7 @@ def worker(args: argparse.Namespace) -> int:
     spec = ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
     try:
         run = {name: getattr(args, name) for name in ("batch", "steps", "warmup", "dtype", "seed")}
-        result = train(args.system, spec, **run)
+        result = train(args.system, spec, plan=json.loads(args.plan), **run)
     except Exception as e:
         emit({"system": args.system, "error": f"{type(e).__name__}: {e}"})
         raise
@@ -91,7 +91,7 @@ def _row(r: dict) -> tuple[str, ...]:
 
 def _run_worker(system: str, args: argparse.Namespace) -> dict:
     flags = [*dataclasses.asdict(ModelSpec()), *RUN_FLAGS]
-    cmd = [sys.executable, "-m", "bench", "worker", "--system", system, "--dtype", args.dtype]
+    cmd = [sys.executable, "-m", "bench", "worker", "--system", system, "--dtype", args.dtype, "--plan", args.plan]
     cmd += [arg for name in flags for arg in (f"--{name}", str(getattr(args, name)))]
     log.info("running %s", shlex.join(cmd))
     proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)  # stderr (tqdm, logs) passes through
@@ -118,11 +118,14 @@ def _parser() -> argparse.ArgumentParser:
     for name, default in {**dataclasses.asdict(ModelSpec()), **RUN_FLAGS}.items():
         sizes.add_argument(f"--{name}", type=int, default=default, help=f"(default {default})")
     sizes.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="weight dtype (default bfloat16)")
+    sizes.add_argument(
+        "--plan", default="{}", help="JSON plan fields forced on protrain-chunks, e.g. '{\"n_persist\": 4}'"
+    )
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(required=True)
     p = sub.add_parser("compare", parents=[sizes], help="train with each system in its own process; print a table")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
+    p.add_argument("--systems", default="protrain,compile,eager", help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--out", default="out/compare.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=compare)
     p = sub.add_parser("worker", parents=[sizes], help="one system's run (started by compare)")

@@ -24,7 +24,7 @@ from bench.model import DTYPES, ModelSpec, build_model, random_batches
 
 log = logging.getLogger(__name__)
 
-SYSTEMS = ("protrain", "compile", "eager")
+SYSTEMS = ("protrain", "protrain-chunks", "compile", "eager")
 RESULT_PREFIX = "BENCH_RESULT "  # marks the worker's result line on stdout; anything else there is ignored
 LR = 1e-4
 
@@ -44,9 +44,11 @@ class Result:
     step_times_s: list[float]
 
 
-def wrap(model: nn.Module, system: str) -> nn.Module:
+def wrap(model: nn.Module, system: str, plan: dict | None = None) -> nn.Module:
     if system == "protrain":
         return torch.compile(model, backend="protrain")  # the default inductor executor
+    if system == "protrain-chunks":  # model states in chunks (protrain_fx.optim.AdamW), plan forced by --plan
+        return torch.compile(model, backend="protrain", options={"plan": plan or {}})
     if system == "compile":
         return torch.compile(model)
     if system == "eager":
@@ -54,15 +56,30 @@ def wrap(model: nn.Module, system: str) -> nn.Module:
     raise ValueError(f"unknown system {system!r}; choose from {list(SYSTEMS)}")
 
 
-def train(system: str, spec: ModelSpec, *, batch: int, steps: int, warmup: int, dtype: str, seed: int) -> Result:
+def train(
+    system: str,
+    spec: ModelSpec,
+    *,
+    batch: int,
+    steps: int,
+    warmup: int,
+    dtype: str,
+    seed: int,
+    plan: dict | None = None,
+) -> Result:
     """Train `warmup + steps` AdamW steps of the model under `system` and measure them."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     model = build_model(spec, device, DTYPES[dtype], seed)
     params = sum(p.numel() for p in model.parameters())
     log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, **({"fused": True} if cuda else {"foreach": True}))
-    step_model = wrap(model, system)
+    if system == "protrain-chunks":
+        import protrain_fx
+
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=LR)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, **({"fused": True} if cuda else {"foreach": True}))
+    step_model = wrap(model, system, plan)
     batches = random_batches(spec, batch, warmup + steps, device, seed)
     if cuda:
         torch.cuda.empty_cache()
