@@ -73,7 +73,8 @@ def test_offloaded_parameters_hold_no_storage_and_arena_is_exact():
     assert plan.n_chunk == manager.layout.n_chunk and plan.chunk_bytes == manager.layout.chunk_bytes
     offloaded = [p for p in manager.params if not manager.is_persistent(p)]
     assert offloaded and all(p.untyped_storage().nbytes() == 0 for p in offloaded)
-    per_chunk = manager.layout.shard_elems * (4 + 4)  # fp32 parameters (= master) and fp32 gradient
+    # fp32 parameters (= master), fp32 gradient, fp32 staging area for the gradient copy
+    per_chunk = manager.layout.shard_elems * (4 + 4 + 4)
     assert manager.arena.numel() == per_chunk * (manager.layout.n_chunk - manager.n_persist)
     assert len(manager.buffers) == 1
 

@@ -84,12 +84,15 @@ class ChunkManager:
         self.master: dict[int, torch.Tensor] = {}  # chunk -> fp32 master (device: whole chunk; host: shard)
         self.grad: dict[int, torch.Tensor] = {}  # chunk -> fp32 gradient (device: whole chunk; host: shard)
         self.host_params: dict[int, torch.Tensor] = {}  # non-persistent: chunk -> host shard, compute dtype
+        self.staging: dict[int, torch.Tensor] = {}  # non-persistent: chunk -> host gradient shard as copied
         for c in range(self.n_persist):
             self.flat[c] = torch.zeros(elems, dtype=self.dtype, device=self.device)
             self.master[c] = self.flat[c] if fp32 else torch.zeros(elems, dtype=torch.float32, device=self.device)
             self.grad[c] = torch.zeros(elems, dtype=torch.float32, device=self.device)
         offloaded = list(range(self.n_persist, n))
-        per_chunk = shard * (self.dtype.itemsize + (0 if fp32 else 4) + 4)
+        # per offloaded chunk: parameters (compute dtype), fp32 master (unless that is the parameters), fp32
+        # gradient, and a staging area (compute dtype) the device copies the gradient shard into
+        per_chunk = shard * (2 * self.dtype.itemsize + (0 if fp32 else 4) + 4)
         self.arena = torch.empty(per_chunk * len(offloaded), dtype=torch.uint8)
         if self.device.type == "cuda" and self.arena.numel():
             torch.cuda.cudart().cudaHostRegister(self.arena.data_ptr(), self.arena.numel(), 0)
@@ -104,6 +107,8 @@ class ChunkManager:
                 at += shard * 4
             self.grad[c] = self.arena[at : at + shard * 4].view(torch.float32)
             at += shard * 4
+            self.staging[c] = self.arena[at : at + shard * self.dtype.itemsize].view(self.dtype)
+            at += shard * self.dtype.itemsize
         self.arena.zero_()
         self.buffers = [torch.empty(elems, dtype=self.dtype, device=self.device) for _ in range(self.n_buffer)]
         self._resident: dict[int, int] = {}  # chunk -> buffer holding it
@@ -206,23 +211,41 @@ class ChunkManager:
     # ----- gradients and the optimizer ---------------------------------------------------------------
 
     def reduce_grads(self, chunk: int, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
-        """Add a chunk's gradients into its fp32 gradient; offloaded chunks then start their CPU AdamW step."""
-        flat = torch.zeros(self.layout.chunk_elems, dtype=torch.float32, device=self.device)
+        """Add a chunk's gradients into its fp32 gradient; offloaded chunks then start their CPU AdamW step.
+
+        Offloaded: the gradient shard (compute dtype) is copied to the pinned staging area without blocking;
+        the worker thread waits for that copy, adds it into the fp32 gradient and steps the chunk, while the
+        device goes on with the backward.
+        """
+        persistent = chunk < self.n_persist
+        flat = torch.zeros(
+            self.layout.chunk_elems, dtype=torch.float32 if persistent else self.dtype, device=self.device
+        )
         for p, g in zip(params, grads):
             a, b = self._slot_range(self.slot_of(p))
             flat[a:b].copy_(g.reshape(-1))
-        if chunk < self.n_persist:
+        if persistent:
             if self.world_size > 1:
                 dist.all_reduce(flat)
                 flat /= self.world_size
             self.grad[chunk].add_(flat)
             return
-        shard = flat
-        if self.world_size > 1:
-            shard = self._reduce_scatter(flat) / self.world_size
-        self.grad[chunk].add_(shard.to("cpu"))
+        shard = self._reduce_scatter(flat) / self.world_size if self.world_size > 1 else flat
+        self.staging[chunk].copy_(shard, non_blocking=True)
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        self.wait_for_update(chunk)
+        self._pending[chunk] = self._pool.submit(self._offloaded_grad_ready, chunk, copied)
+
+    def _offloaded_grad_ready(self, chunk: int, copied) -> None:
+        """On the worker thread: take the staged gradient in, then step the chunk if an optimizer is known."""
+        if copied is not None:
+            copied.synchronize()
+        self.grad[chunk].add_(self.staging[chunk])
         if self.optimizer is not None:
-            self._pending[chunk] = self._pool.submit(self.optimizer.step_chunk, self, chunk)
+            self.optimizer.step_chunk(self, chunk)
         else:
             self._unstepped.add(chunk)
 
