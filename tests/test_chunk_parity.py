@@ -135,3 +135,11 @@ def test_chunked_training_through_inductor():
     state = protrain_fx.full_state_dict(model)
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=3 * 1e-2)
+
+
+def test_host_memory_checked_before_allocating(monkeypatch):
+    from protrain_fx.runtime import chunks
+
+    monkeypatch.setattr(chunks, "_available_host_bytes", lambda: 1000)
+    with pytest.raises(Exception, match=r"need 0\.\d+ GiB of host memory .* but 0\.00 GiB is available"):
+        run("toy", {"n_persist": 0, "n_buffer": 3}, steps=1)

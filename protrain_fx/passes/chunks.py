@@ -8,6 +8,7 @@ chunk_gather_pass (forward and backward graphs), for each offloaded chunk c:
 
     before:  w1 = placeholder; w2 = placeholder; ...; y = mm(x, w1); z = mm(y, w2)
     after:   buf = protrain.gather(m, c)
+             protrain.prefetch(m, c_next, buf)    # the chunk gathered next in this graph, on the copy stream
              w1' = view(slice(buf, 0, o1, o1 + n1), shape1); w2' = ...
              y = mm(x, w1'); z = mm(y, w2')
              protrain.release(m, c, [z])          # after the last reader of any parameter of c
@@ -108,6 +109,10 @@ def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 users = [u for u in ph.users if u.op != "output"]
                 ph.replace_all_uses_with(view, delete_user_cb=lambda u: u.op != "output")
                 readers_of[chunk].extend(users)
+    gathers = [n for n in graph.nodes if n.target is torch.ops.protrain.gather.default]
+    for gather, following in zip(gathers, gathers[1:]):
+        with graph.inserting_after(gather):
+            graph.call_function(torch.ops.protrain.prefetch.default, (following.args[0], following.args[1], gather))
     order = {n: i for i, n in enumerate(graph.nodes)}
     for chunk, readers in readers_of.items():
         deps = _tensor_outputs(readers)

@@ -45,6 +45,29 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_host_memory(needed: int) -> None:
+    """Fail before allocating anything when the host cannot hold the offloaded chunks."""
+    available = _available_host_bytes()
+    if available is not None and needed > available:
+        raise ValueError(
+            f"the offloaded chunks need {needed / 2**30:.2f} GiB of host memory (parameters, fp32 master and "
+            f"gradient shards, AdamW states) but {available / 2**30:.2f} GiB is available; keep more chunks on the "
+            "GPU (options={'plan': {'n_persist': ...}}), use more ranks, or free host memory"
+        )
+
+
 class ChunkManager:
     """See the module docstring. One per model; shared by all its compiled graphs."""
 
@@ -93,6 +116,7 @@ class ChunkManager:
         # per offloaded chunk: parameters (compute dtype), fp32 master (unless that is the parameters), fp32
         # gradient, and a staging area (compute dtype) the device copies the gradient shard into
         per_chunk = shard * (2 * self.dtype.itemsize + (0 if fp32 else 4) + 4)
+        _check_host_memory(per_chunk * len(offloaded) + 8 * shard * len(offloaded))  # + CPU AdamW's two states
         self.arena = torch.empty(per_chunk * len(offloaded), dtype=torch.uint8)
         if self.device.type == "cuda" and self.arena.numel():
             torch.cuda.cudart().cudaHostRegister(self.arena.data_ptr(), self.arena.numel(), 0)
@@ -111,6 +135,10 @@ class ChunkManager:
             at += shard * self.dtype.itemsize
         self.arena.zero_()
         self.buffers = [torch.empty(elems, dtype=self.dtype, device=self.device) for _ in range(self.n_buffer)]
+        cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None  # host-to-device chunk copies
+        self._freed = [torch.cuda.current_stream(self.device).record_event() for _ in self.buffers] if cuda else []
+        self._ready: dict[int, torch.cuda.Event] = {}  # chunk -> its copy into a buffer is done
         self._resident: dict[int, int] = {}  # chunk -> buffer holding it
         self._in_use: set[int] = set()  # chunks gathered and not released yet
         self._released: list[int] = []  # released chunks still in a buffer, least recent first
@@ -162,26 +190,60 @@ class ChunkManager:
     # ----- gather / release --------------------------------------------------------------------------
 
     def gather(self, chunk: int) -> torch.Tensor:
-        """The chunk's parameters, whole, in a device buffer (copied in unless still resident)."""
+        """The chunk's parameters, whole, in a device buffer (copied in unless still resident or prefetched)."""
         assert chunk >= self.n_persist, f"chunk {chunk} is persistent: its parameters are read directly"
         self._in_use.add(chunk)
         self.wait_for_update(chunk)
         if chunk in self._released:
             self._released.remove(chunk)
-        if chunk in self._resident and self._buffered_version.get(chunk) == self._version.get(chunk, 0):
-            return self.buffers[self._resident[chunk]]
-        slot = self._resident.pop(chunk, None)
-        slot = self._free_buffer(chunk) if slot is None else slot
+        if not self._is_current(chunk):
+            slot = self._resident.pop(chunk, None)
+            self._load(chunk, self._free_buffer(chunk) if slot is None else slot)
+        ready = self._ready.pop(chunk, None)
+        if ready is not None:  # loaded on the copy stream: compute waits for that copy only
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        return self.buffers[self._resident[chunk]]
+
+    def prefetch(self, chunk: int) -> None:
+        """Start loading `chunk` ahead of its gather if a buffer is free (or holds a released chunk) and its
+        update is done; otherwise do nothing and let the gather load it."""
+        pending = self._pending.get(chunk)
+        if chunk in self._in_use or self._is_current(chunk) or (pending is not None and not pending.done()):
+            return
+        self.wait_for_update(chunk)
+        used = set(self._resident.values())
+        free = [i for i in range(self.n_buffer) if i not in used]
+        if free:
+            slot = free[0]
+        elif self._released:
+            slot = self._resident.pop(self._released.pop(0))
+        else:
+            return
+        self._resident.pop(chunk, None)
+        self._load(chunk, slot)
+
+    def _is_current(self, chunk: int) -> bool:
+        return chunk in self._resident and self._buffered_version.get(chunk) == self._version.get(chunk, 0)
+
+    def _load(self, chunk: int, slot: int) -> None:
+        """Copy the chunk into buffer `slot` (H2D of this rank's shard, then all-gather). On CUDA the copy runs
+        on the copy stream once compute is done with the buffer's previous chunk (the event its release
+        recorded), so it overlaps compute; the event recorded after it is what the gather waits for."""
         buffer = self.buffers[slot]
         lo, hi = self._shard_bounds()
         self._buffered_version[chunk] = self._version.get(chunk, 0)
-        if self.world_size == 1:
-            buffer.copy_(self.host_params[chunk], non_blocking=True)
-        else:
-            buffer[lo:hi].copy_(self.host_params[chunk], non_blocking=True)
-            dist.all_gather_into_tensor(buffer, buffer[lo:hi].clone())
         self._resident[chunk] = slot
-        return buffer
+        stream = self._copy_stream
+        if stream is not None:
+            stream.wait_event(self._freed[slot])
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if self.world_size == 1:
+                buffer.copy_(self.host_params[chunk], non_blocking=True)
+            else:
+                buffer[lo:hi].copy_(self.host_params[chunk], non_blocking=True)
+                dist.all_gather_into_tensor(buffer, buffer[lo:hi].clone())
+            if stream is not None:
+                self._ready[chunk] = stream.record_event()
 
     def _free_buffer(self, chunk: int) -> int:
         used = set(self._resident.values())
@@ -201,12 +263,15 @@ class ChunkManager:
         self._in_use.discard(chunk)
         if chunk in self._resident and chunk not in self._released:
             self._released.append(chunk)
+            if self._copy_stream is not None:  # a copy into this buffer must wait for the reads queued so far
+                self._freed[self._resident[chunk]] = torch.cuda.current_stream(self.device).record_event()
 
     def reset_buffers(self) -> None:
         """Forget buffered chunks, e.g. after their host values changed outside a step."""
         self._resident.clear()
         self._released.clear()
         self._in_use.clear()
+        self._ready.clear()
 
     # ----- gradients and the optimizer ---------------------------------------------------------------
 

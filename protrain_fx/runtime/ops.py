@@ -1,6 +1,7 @@
 """The runtime ops the rewritten graphs call: `torch.library` custom ops with fake implementations.
 
     buf  = protrain.gather(manager, chunk)                     # chunk's parameters, whole, in a device buffer
+    protrain.prefetch(manager, next_chunk, buf)                # start loading the next chunk on the copy stream
     w    = aten.view(aten.slice(buf, 0, offset, offset + numel), shape)   # a parameter, read from the buffer
     protrain.release(manager, chunk, [last users of the chunk])          # after its last use
     protrain.reduce_grads(manager, chunk, [param indices], [grads])      # after the chunk's last gradient
@@ -52,6 +53,16 @@ def _(manager: int, chunk: int) -> torch.Tensor:
     return torch.empty(m.layout.chunk_elems, dtype=m.dtype, device=m.device)
 
 
+@torch.library.custom_op("protrain::prefetch", mutates_args=())
+def prefetch(manager: int, chunk: int, after: torch.Tensor) -> None:
+    _manager(manager).prefetch(chunk)
+
+
+@prefetch.register_fake
+def _(manager: int, chunk: int, after: torch.Tensor) -> None:
+    return None
+
+
 @torch.library.custom_op("protrain::release", mutates_args=())
 def release(manager: int, chunk: int, after: list[torch.Tensor]) -> None:
     _manager(manager).release(chunk)
@@ -73,6 +84,7 @@ def _(manager: int, chunk: int, params: list[int], grads: list[torch.Tensor]) ->
     return None
 
 
+has_side_effect(torch.ops.protrain.prefetch.default)
 has_side_effect(torch.ops.protrain.release.default)
 has_side_effect(torch.ops.protrain.reduce_grads.default)
 
