@@ -90,6 +90,7 @@ class ChunkManager:
         self._pending: dict[int, concurrent.futures.Future] = {}  # offloaded chunk -> its CPU AdamW step
         self._version: dict[int, int] = {}  # chunk -> updates published (written by the worker thread)
         self._buffered_version: dict[int, int] = {}  # chunk -> version its buffered copy holds
+        self.has_grad: set[int] = set()  # chunks whose gradient holds this step's values
         self._unstepped: set[int] = set()  # offloaded chunks whose gradient came before an optimizer was known
         owner = next((p.__dict__.get("_protrain_optimizer") for p in self.params), None)
         self.optimizer = owner() if owner is not None else None  # the protrain_fx.optim.AdamW stepping us
@@ -283,6 +284,8 @@ class ChunkManager:
         device goes on with the backward.
         """
         persistent = chunk < self.n_persist
+        accumulate = chunk in self.has_grad  # the first gradient of a step overwrites: zero_grad never memsets
+        self.has_grad.add(chunk)
         flat = torch.zeros(
             self.layout.chunk_elems, dtype=torch.float32 if persistent else self.dtype, device=self.device
         )
@@ -293,7 +296,7 @@ class ChunkManager:
             if self.world_size > 1:
                 dist.all_reduce(flat)
                 flat /= self.world_size
-            self.grad[chunk].add_(flat)
+            self.grad[chunk].add_(flat) if accumulate else self.grad[chunk].copy_(flat)
             return
         shard = self._reduce_scatter(flat) / self.world_size if self.world_size > 1 else flat
         self.staging[chunk].copy_(shard, non_blocking=True)
@@ -302,13 +305,16 @@ class ChunkManager:
             copied = torch.cuda.Event()
             copied.record()
         self.wait_for_update(chunk)
-        self._pending[chunk] = self._pool.submit(self._offloaded_grad_ready, chunk, copied)
+        self._pending[chunk] = self._pool.submit(self._offloaded_grad_ready, chunk, copied, accumulate)
 
-    def _offloaded_grad_ready(self, chunk: int, copied) -> None:
+    def _offloaded_grad_ready(self, chunk: int, copied, accumulate: bool) -> None:
         """On the worker thread: take the staged gradient in, then step the chunk if an optimizer is known."""
         if copied is not None:
             copied.synchronize()
-        self.grad[chunk].add_(self.staging[chunk])
+        if accumulate:
+            self.grad[chunk].add_(self.staging[chunk])
+        else:
+            self.grad[chunk].copy_(self.staging[chunk])
         if self.optimizer is not None:
             self.optimizer.step_chunk(self, chunk)
         else:
@@ -336,8 +342,8 @@ class ChunkManager:
                 future.result()
 
     def zero_grad(self) -> None:
-        for g in self.grad.values():
-            g.zero_()
+        """Forget this step's gradients; the next one overwrites each chunk's fp32 gradient (no memset)."""
+        self.has_grad.clear()
 
     def param_pieces(self, chunk: int) -> list[tuple[int, int, int]]:
         """(param index, start, end) of this rank's piece of a chunk, in piece coordinates."""

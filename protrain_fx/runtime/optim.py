@@ -111,7 +111,8 @@ class AdamW(torch.optim.Optimizer):
             for chunk in manager.take_unstepped():  # gradients that arrived before the optimizer was known
                 self.step_chunk(manager, chunk)
             for chunk in range(manager.n_persist):
-                self.step_chunk(manager, chunk)
+                if chunk in manager.has_grad:  # like torch's AdamW, a parameter without gradient is not updated
+                    self.step_chunk(manager, chunk)
         self._step_plain()
         return loss
 
