@@ -74,8 +74,8 @@ def hf_model(kind: str, layers: int = 2, dropout: float = 0.0) -> nn.Module:
             word_embed_proj_dim=32,
             dropout=dropout,
         )
-    elif kind == "llama":
-        cfg = LlamaConfig(
+    elif kind in ("llama", "mistral"):
+        common = dict(
             vocab_size=VOCAB,
             hidden_size=32,
             intermediate_size=64,
@@ -85,18 +85,7 @@ def hf_model(kind: str, layers: int = 2, dropout: float = 0.0) -> nn.Module:
             max_position_embeddings=64,
             attention_dropout=dropout,
         )
-    elif kind == "mistral":
-        cfg = MistralConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            sliding_window=16,
-            attention_dropout=dropout,
-        )
+        cfg = LlamaConfig(**common) if kind == "llama" else MistralConfig(**common, sliding_window=16)
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     cfg._attn_implementation = "eager"

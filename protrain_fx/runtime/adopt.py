@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from protrain_fx.capture import FrameRoots
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
 from protrain_fx.planner.plan import Plan
-from protrain_fx.runtime.chunks import ChunkManager, _world
+from protrain_fx.runtime.chunks import ChunkManager, rank_and_world_size
 from protrain_fx.runtime.optim import OPTIMIZER_ATTR
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def model_layout(roots: FrameRoots, record, example_inputs: Sequence[Any], force
     family = record.block_map.family
     parent = family.parent if family else None
     infos = [ParamInfo(name=n, numel=p.numel(), block=_block_of(n, parent)) for n, p in ordered]
-    _, world_size = _world()
+    _, world_size = rank_and_world_size()
     layout = search_layout(infos, ordered[0][1].element_size(), world_size, chunk_bytes=forced.get("chunk_bytes"))
     log.info(
         "chunk layout: %d chunks of %.2f MiB, %.2f MiB padding",

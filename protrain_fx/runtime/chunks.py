@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 MANAGER_ATTR = "_protrain_chunk_manager"  # set on each managed nn.Parameter: the manager that owns it
 
 
-def _world() -> tuple[int, int]:
+def rank_and_world_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -76,7 +76,7 @@ class ChunkManager:
             raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
         if n_persist < layout.n_chunk and n_buffer < 1:
             raise ValueError(f"plan n_buffer={n_buffer}: non-persistent chunks need at least 1 buffer")
-        self.rank, self.world_size = _world()
+        self.rank, self.world_size = rank_and_world_size()
         assert layout.world_size == self.world_size, "chunk layout was made for another world size"
         self.layout = layout
         self.params = list(params)
@@ -155,7 +155,8 @@ class ChunkManager:
             self.n_buffer,
         )
 
-    def _slot_range(self, slot: Slot) -> tuple[int, int]:
+    @staticmethod
+    def _slot_range(slot: Slot) -> tuple[int, int]:
         return slot.offset, slot.offset + slot.numel
 
     def _shard_bounds(self) -> tuple[int, int]:
@@ -266,13 +267,6 @@ class ChunkManager:
             self._released.append(chunk)
             if self._copy_stream is not None:  # a copy into this buffer must wait for the reads queued so far
                 self._freed[self._resident[chunk]] = torch.cuda.current_stream(self.device).record_event()
-
-    def reset_buffers(self) -> None:
-        """Forget buffered chunks, e.g. after their host values changed outside a step."""
-        self._resident.clear()
-        self._released.clear()
-        self._in_use.clear()
-        self._ready.clear()
 
     # ----- gradients and the optimizer ---------------------------------------------------------------
 
@@ -387,7 +381,6 @@ class ChunkManager:
             return self.flat[chunk].to("cpu")
         if self.world_size == 1:
             return self.host_params[chunk].clone()
-        lo, hi = self._shard_bounds()
         out = torch.empty(self.layout.chunk_elems, dtype=self.dtype, device=self.device)
         dist.all_gather_into_tensor(out, self.host_params[chunk].to(self.device))
         return out.to("cpu")
