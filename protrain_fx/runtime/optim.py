@@ -11,7 +11,8 @@ whose gradients are views of the chunk's fp32 gradient, grouped like the outer p
 - Parameters no manager owns (the model was not compiled with protrain) are updated like
   `torch.optim.AdamW` would, from `param.grad`.
 Hyperparameters are read from the param groups when a chunk steps, so a scheduler's change applies from
-the next backward on.
+the next backward on. `state_dict()` / `load_state_dict()` use torch's AdamW format (per parameter `step`,
+`exp_avg`, `exp_avg_sq`); loaded states are placed when the inner optimizers are built.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ class AdamW(torch.optim.Optimizer):
                 "lr, eps and weight_decay must be >= 0 and betas in [0, 1)"
             )
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self._inner: dict[tuple[int, int], torch.optim.AdamW] = {}
+        self._inner: dict[tuple[int, int], torch.optim.AdamW | None] = {}
         self._plain: torch.optim.AdamW | None = None
+        self._loaded: dict[int, dict] = {}  # id(param) -> state from load_state_dict, not yet placed
         self._lock = threading.Lock()
         me = weakref.ref(self)
         for group in self.param_groups:
@@ -75,10 +77,13 @@ class AdamW(torch.optim.Optimizer):
         groups: dict[int, list[torch.Tensor]] = {}
         index = self._group_index()
         master, grad = manager.master[chunk], manager.grad[chunk]
-        for i, start, end in manager.param_pieces(chunk):
+        pieces = manager.param_pieces(chunk)
+        views_in_order = []
+        for i, start, end in pieces:
             view = master[start:end]
             view.grad = grad[start:end]
             groups.setdefault(index[id(manager.params[i])], []).append(view)
+            views_in_order.append(view)
         if not groups:
             return None
         inner = torch.optim.AdamW(
@@ -86,6 +91,8 @@ class AdamW(torch.optim.Optimizer):
             fused=True,
         )
         inner.outer_groups = list(groups)
+        inner.param_of = {id(v): manager.params[i] for v, (i, _, _) in zip(views_in_order, pieces)}
+        self._place_loaded(inner)
         return inner
 
     @torch.no_grad()
@@ -127,6 +134,8 @@ class AdamW(torch.optim.Optimizer):
                 fused=all(p.device.type in ("cuda", "cpu") for ps in groups for p in ps),
             )
             self._plain.outer_groups = [i for i, ps in enumerate(groups) if ps]
+            self._plain.param_of = {id(p): p for ps in groups for p in ps}
+            self._place_loaded(self._plain)
         for group, g in zip(self._plain.param_groups, self._plain.outer_groups):
             group.update({k: self.param_groups[g][k] for k in _HYPER})
         self._plain.step()
@@ -136,3 +145,77 @@ class AdamW(torch.optim.Optimizer):
         for manager in self._managers():
             manager.wait_for_update()
             manager.zero_grad()
+
+    # ----- state_dict ---------------------------------------------------------------------------------
+
+    def _inner_optimizers(self) -> list[torch.optim.AdamW]:
+        return [o for o in [*self._inner.values(), self._plain] if o is not None]
+
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """torch's AdamW format: per parameter index `step`, `exp_avg`, `exp_avg_sq` (fp32, parameter-shaped, on
+        the CPU), and the param groups. One process only for now: with ranks, a parameter's states are split
+        across them."""
+        managers = self._managers()
+        if any(m.world_size > 1 for m in managers):
+            raise ValueError(
+                "AdamW.state_dict() of a model sharded across ranks is not supported yet: every rank holds only "
+                "its shard of the optimizer states"
+            )
+        for manager in managers:
+            manager.wait_for_update()
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        state: dict[int, dict] = {}
+        for inner in self._inner_optimizers():
+            for group in inner.param_groups:
+                for view in group["params"]:
+                    st = inner.state.get(view)
+                    if not st:
+                        continue
+                    p = inner.param_of[id(view)]
+                    state[index[id(p)]] = {
+                        "step": st["step"].detach().to("cpu", copy=True),
+                        "exp_avg": st["exp_avg"].detach().reshape(p.shape).to("cpu", copy=True),
+                        "exp_avg_sq": st["exp_avg_sq"].detach().reshape(p.shape).to("cpu", copy=True),
+                    }
+        for p in params:  # states loaded but not placed yet (no step since load_state_dict)
+            if index[id(p)] not in state and id(p) in self._loaded:
+                state[index[id(p)]] = self._loaded[id(p)]
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+            for g in self.param_groups
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state from `state_dict()` (or from `torch.optim.AdamW.state_dict()` with the same param groups)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)
+        ):
+            raise ValueError(
+                "loaded optimizer state has param groups of sizes "
+                f"{[len(g['params']) for g in groups]}, this optimizer {[len(g['params']) for g in self.param_groups]}"
+            )
+        for mine, theirs in zip(self.param_groups, groups):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+        by_index = {
+            i: p for theirs, mine in zip(groups, self.param_groups) for i, p in zip(theirs["params"], mine["params"])
+        }
+        self._loaded = {id(by_index[int(i)]): st for i, st in state_dict["state"].items()}
+        for inner in self._inner_optimizers():
+            self._place_loaded(inner)
+
+    def _place_loaded(self, inner: torch.optim.AdamW) -> None:
+        """Put loaded states into an inner optimizer, on its views' devices."""
+        for group in inner.param_groups:
+            for view in group["params"]:
+                st = self._loaded.pop(id(inner.param_of[id(view)]), None)
+                if st is None:
+                    continue
+                inner.state[view] = {
+                    "step": torch.as_tensor(st["step"], dtype=torch.float32).to(view.device).clone(),
+                    "exp_avg": st["exp_avg"].reshape(view.shape).to(view.device, torch.float32).clone(),
+                    "exp_avg_sq": st["exp_avg_sq"].reshape(view.shape).to(view.device, torch.float32).clone(),
+                }
