@@ -68,6 +68,20 @@ def _readers(placeholders: list[fx.Node]) -> list[fx.Node]:
     return [u for p in placeholders for u in p.users if u.op != "output"]
 
 
+def _data_readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read `node`'s data: its users, seen through view ops (a view reads nothing; what consumes
+    the view does). A view of a chunk buffer must not leave the graph, since the buffer is reused."""
+    readers, todo = [], list(node.users)
+    while todo:
+        user = todo.pop()
+        assert user.op != "output", f"{node.name}: a view of a chunk buffer is returned by the graph"
+        if getattr(user.target, "is_view", False):
+            todo.extend(user.users)
+        else:
+            readers.append(user)
+    return readers
+
+
 def _tensor_outputs(nodes: list[fx.Node]) -> list[fx.Node]:
     """The tensors these nodes produce (a tuple-valued node through its getitem users): release's inputs."""
     out = []
@@ -106,9 +120,8 @@ def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 view.meta["val"] = ph.meta.get("val")
                 # the graph's output keeps the placeholder: a forward that saves a parameter for backward
                 # hands over the parameter itself, and the backward gathers it again
-                users = [u for u in ph.users if u.op != "output"]
                 ph.replace_all_uses_with(view, delete_user_cb=lambda u: u.op != "output")
-                readers_of[chunk].extend(users)
+                readers_of[chunk].extend(_data_readers(view))
     gathers = [n for n in graph.nodes if n.target is torch.ops.protrain.gather.default]
     for gather, following in zip(gathers, gathers[1:]):
         with graph.inserting_after(gather):
@@ -147,7 +160,7 @@ def _check_buffers(graph: fx.Graph, ctx) -> None:
 def grad_reduce_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Hand each chunk's gradients to the ChunkManager and return None for them (see the module docstring)."""
     graph = gm.graph
-    if ctx.stage != "backward":
+    if ctx.stage != "backward" or not any(TAG in p.meta for p in ctx.forward_placeholders):
         return gm
     output = next(n for n in graph.nodes if n.op == "output")
     grads = list(output.args[0])
