@@ -188,3 +188,18 @@ def test_optimizer_state_dict_matches_torch_and_resumes(plan):
     assert _train(resumed_compiled, resumed_opt, kind, 2, first_step=2) == expected
     with pytest.raises(ValueError, match="param groups of sizes"):
         resumed_opt.load_state_dict({"state": {}, "param_groups": []})
+
+
+@pytest.mark.parametrize("plan", [{}, {"n_persist": 0, "n_buffer": 3}], ids=["persistent", "offloaded"])
+def test_parameter_no_graph_uses_is_not_updated(plan):
+    """Like torch's AdamW, which skips a parameter whose .grad is None: weight decay must not touch it."""
+    ref = models.build("toy")
+    ref.blocks[1].unused = torch.nn.Parameter(torch.randn(16))
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan}))
+    assert _train(compiled, opt, "toy", 3) == _train(ref, ref_opt, "toy", 3)
+    state = protrain_fx.full_state_dict(model)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(state[name], value), name

@@ -91,6 +91,7 @@ class ChunkManager:
         self._version: dict[int, int] = {}  # chunk -> updates published (written by the worker thread)
         self._buffered_version: dict[int, int] = {}  # chunk -> version its buffered copy holds
         self.has_grad: set[int] = set()  # chunks whose gradient holds this step's values
+        self.params_with_grad: set[int] = set()  # parameters (indices) that got a gradient this step
         self._unstepped: set[int] = set()  # offloaded chunks whose gradient came before an optimizer was known
         owner = next((p.__dict__.get("_protrain_optimizer") for p in self.params), None)
         self.optimizer = owner() if owner is not None else None  # the protrain_fx.optim.AdamW stepping us
@@ -280,6 +281,7 @@ class ChunkManager:
         persistent = chunk < self.n_persist
         accumulate = chunk in self.has_grad  # the first gradient of a step overwrites: zero_grad never memsets
         self.has_grad.add(chunk)
+        self.params_with_grad.update(self.index[id(p)] for p in params)
         flat = torch.zeros(
             self.layout.chunk_elems, dtype=torch.float32 if persistent else self.dtype, device=self.device
         )
@@ -338,6 +340,7 @@ class ChunkManager:
     def zero_grad(self) -> None:
         """Forget this step's gradients; the next one overwrites each chunk's fp32 gradient (no memset)."""
         self.has_grad.clear()
+        self.params_with_grad.clear()
 
     def param_pieces(self, chunk: int) -> list[tuple[int, int, int]]:
         """(param index, start, end) of this rank's piece of a chunk, in piece coordinates."""

@@ -92,6 +92,7 @@ class AdamW(torch.optim.Optimizer):
         )
         inner.outer_groups = list(groups)
         inner.param_of = {id(v): manager.params[i] for v, (i, _, _) in zip(views_in_order, pieces)}
+        inner.grad_of = {id(v): v.grad for v in views_in_order}
         self._place_loaded(inner)
         return inner
 
@@ -102,6 +103,9 @@ class AdamW(torch.optim.Optimizer):
         if inner is not None:
             for group, g in zip(inner.param_groups, inner.outer_groups):
                 group.update({k: self.param_groups[g][k] for k in _HYPER})
+                for view in group["params"]:  # like torch's AdamW, a parameter without gradient is not updated
+                    got_grad = manager.index[id(inner.param_of[id(view)])] in manager.params_with_grad
+                    view.grad = inner.grad_of[id(view)] if got_grad else None
             inner.step()
         manager.publish(chunk)
 
@@ -118,7 +122,7 @@ class AdamW(torch.optim.Optimizer):
             for chunk in manager.take_unstepped():  # gradients that arrived before the optimizer was known
                 self.step_chunk(manager, chunk)
             for chunk in range(manager.n_persist):
-                if chunk in manager.has_grad:  # like torch's AdamW, a parameter without gradient is not updated
+                if chunk in manager.has_grad:
                     self.step_chunk(manager, chunk)
         self._step_plain()
         return loss
