@@ -243,9 +243,13 @@ def _stack_paths(node: fx.Node, roots: FrameRoots) -> list[tuple[str, ...]]:
     return paths
 
 
-def _in_family(path: tuple[str, ...], parent: tuple[str, ...]) -> bool:
-    """Whether a module path passes through `<parent>.<i>`."""
-    return len(path) > len(parent) and path[: len(parent)] == parent and path[len(parent)].isdigit()
+def block_index(path: Sequence[str], family: BlockFamily) -> int | None:
+    """The block a module or parameter path (split on dots) lies in: `i` when it passes through `<list>.<i>`."""
+    parent = family.parent.split(".") if family.parent else []
+    n = len(parent)
+    if len(path) > n and list(path[:n]) == parent and path[n].isdigit():
+        return int(path[n])
+    return None
 
 
 def _is_backward(node: fx.Node) -> bool:
@@ -287,7 +291,7 @@ def build_block_map(joint: fx.GraphModule, roots: FrameRoots) -> BlockMap:
     for node in nodes:
         backward = _is_backward(node)
         paths = _stack_paths(node, roots)
-        idx = next((int(p[len(parent)]) for p in paths if _in_family(p, parent)), None)
+        idx = next((b for p in paths if (b := block_index(p, family)) is not None), None)
         if idx is None and not paths:
             idx = _inherited_block(node, block, backward, previous_block[backward])
         block[node.name] = previous_block[backward] = idx
@@ -301,14 +305,15 @@ def build_block_map(joint: fx.GraphModule, roots: FrameRoots) -> BlockMap:
         else:
             # no module, or one holding the list: by position relative to the blocks in execution order
             region[node.name] = (PRE if backward else POST) if seen_block[backward] else (POST if backward else PRE)
+    block_map = BlockMap(family=family, region=region, block=block)
     log.info(
         "graph holds blocks %s of %d %s blocks under %s",
-        BlockMap(family, region, block).blocks_in_graph,
+        block_map.blocks_in_graph,
         family.n_blocks,
         family.type_name,
         family.parent or "<root>",
     )
-    return BlockMap(family=family, region=region, block=block)
+    return block_map
 
 
 def check_inputs(dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:

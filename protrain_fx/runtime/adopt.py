@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from protrain_fx.capture import FrameRoots
+from protrain_fx.capture import FrameRoots, block_index
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
 from protrain_fx.planner.plan import Plan
 from protrain_fx.runtime.chunks import ChunkManager, rank_and_world_size
@@ -51,14 +51,6 @@ def _ordered_params(roots: FrameRoots, record, example_inputs: Sequence[Any]) ->
     return ordered
 
 
-def _block_of(name: str, parent: str | None) -> int | None:
-    if parent is None:
-        return None
-    prefix = parent + "." if parent else ""
-    rest = name[len(prefix) :].split(".") if name.startswith(prefix) else []
-    return int(rest[0]) if rest and rest[0].isdigit() else None
-
-
 def model_layout(roots: FrameRoots, record, example_inputs: Sequence[Any], forced: Mapping[str, Any]) -> ChunkLayout:
     """The chunk layout of the whole model (see the module docstring)."""
     ordered = _ordered_params(roots, record, example_inputs)
@@ -69,8 +61,10 @@ def model_layout(roots: FrameRoots, record, example_inputs: Sequence[Any], force
             "cast the model to one (e.g. model.to(torch.bfloat16))"
         )
     family = record.block_map.family
-    parent = family.parent if family else None
-    infos = [ParamInfo(name=n, numel=p.numel(), block=_block_of(n, parent)) for n, p in ordered]
+    infos = [
+        ParamInfo(name=n, numel=p.numel(), block=block_index(n.split("."), family) if family else None)
+        for n, p in ordered
+    ]
     _, world_size = rank_and_world_size()
     layout = search_layout(infos, ordered[0][1].element_size(), world_size, chunk_bytes=forced.get("chunk_bytes"))
     log.info(

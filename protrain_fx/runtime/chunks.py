@@ -7,13 +7,14 @@ Layout (planner/chunking.py) decides which parameter is where; the plan decides 
   (compute dtype), with an fp32 master copy, an fp32 gradient and AdamW states on the device, updated by
   torch's fused AdamW in `step()`. Gradients are all-reduced across ranks.
 - non-persistent chunks: each rank holds its shard (parameters in compute dtype, fp32 master, fp32
-  gradient) in one host arena allocated once at its exact size (pinned with `cudaHostRegister` on CUDA,
+  gradient, a gradient staging area) in one host arena allocated once at its exact size (pinned with `cudaHostRegister` on CUDA,
   not the power-of-two host allocator). The parameters' own storage is emptied (`resize_(0)`): the
   compiled graphs read them through `gather`, which copies this rank's shard into one of `n_buffer`
   device buffers and all-gathers the rest. `release` makes the buffer reusable; a chunk still in a buffer
-  when gathered again (backward right after forward) is not copied again. Gradients are reduce-scattered,
-  copied to the host shard, and the CPU AdamW step of that shard (torch's fused CPU kernel) starts at once
-  on a worker thread, overlapping the rest of the backward.
+  when gathered again (backward right after forward) is not copied again, and `prefetch` loads the next
+  chunk on a copy stream. Gradients are reduce-scattered, copied to the staging area without blocking, and
+  a worker thread takes them into the fp32 gradient and runs the CPU AdamW step of that shard (torch's
+  fused CPU kernel) at once, overlapping the rest of the backward.
 
 Gradients never reach `param.grad`: the rewritten backward hands them to `reduce_grads` and returns None
 for those parameters, and `protrain_fx.optim.AdamW` steps from the manager.
@@ -201,7 +202,13 @@ class ChunkManager:
             self._released.remove(chunk)
         if not self._is_current(chunk):
             slot = self._resident.pop(chunk, None)
-            self._load(chunk, self._free_buffer(chunk) if slot is None else slot)
+            slot = self._take_buffer() if slot is None else slot
+            if slot is None:
+                raise RuntimeError(
+                    f"chunk {chunk} needs a buffer but all {self.n_buffer} hold chunks in use "
+                    f"{sorted(self._in_use)}; the plan needs more chunk buffers (n_buffer)"
+                )
+            self._load(chunk, slot)
         ready = self._ready.pop(chunk, None)
         if ready is not None:  # loaded on the copy stream: compute waits for that copy only
             torch.cuda.current_stream(self.device).wait_event(ready)
@@ -214,16 +221,10 @@ class ChunkManager:
         if chunk in self._in_use or self._is_current(chunk) or (pending is not None and not pending.done()):
             return
         self.wait_for_update(chunk)
-        used = set(self._resident.values())
-        free = [i for i in range(self.n_buffer) if i not in used]
-        if free:
-            slot = free[0]
-        elif self._released:
-            slot = self._resident.pop(self._released.pop(0))
-        else:
-            return
         self._resident.pop(chunk, None)
-        self._load(chunk, slot)
+        slot = self._take_buffer()
+        if slot is not None:
+            self._load(chunk, slot)
 
     def _is_current(self, chunk: int) -> bool:
         return chunk in self._resident and self._buffered_version.get(chunk) == self._version.get(chunk, 0)
@@ -248,18 +249,15 @@ class ChunkManager:
             if stream is not None:
                 self._ready[chunk] = stream.record_event()
 
-    def _free_buffer(self, chunk: int) -> int:
+    def _take_buffer(self) -> int | None:
+        """A free buffer, else the one of the least recently released chunk (evicted), else None."""
         used = set(self._resident.values())
         free = [i for i in range(self.n_buffer) if i not in used]
         if free:
             return free[0]
-        if not self._released:
-            raise RuntimeError(
-                f"chunk {chunk} needs a buffer but all {self.n_buffer} hold chunks in use "
-                f"{sorted(self._in_use)}; the plan needs more chunk buffers (n_buffer)"
-            )
-        evicted = self._released.pop(0)
-        return self._resident.pop(evicted)
+        if self._released:
+            return self._resident.pop(self._released.pop(0))
+        return None
 
     def release(self, chunk: int) -> None:
         """The graph is done with the chunk for now; its buffer may be reused (least recently released first)."""
@@ -367,10 +365,11 @@ class ChunkManager:
         """Give offloaded parameters their values back for a while (profiling a graph compiled after adoption)."""
         offloaded = [p for p in params if id(p) in self.index and not self.is_persistent(p)]
         with torch.no_grad(), unset_fake_temporarily():
+            chunks = {c: self.full_values(c) for c in sorted({self.slot_of(p).chunk for p in offloaded})}
             for p in offloaded:
                 slot = self.slot_of(p)
                 p.untyped_storage().resize_(p.numel() * p.element_size())
-                p.copy_(self.full_values(slot.chunk)[slot.offset : slot.offset + slot.numel].view(p.shape))
+                p.copy_(chunks[slot.chunk][slot.offset : slot.offset + slot.numel].view(p.shape))
         try:
             yield
         finally:

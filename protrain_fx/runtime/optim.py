@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from protrain_fx.runtime.chunks import MANAGER_ATTR
 
@@ -86,23 +87,35 @@ class AdamW(torch.optim.Optimizer):
             views_in_order.append(view)
         if not groups:
             return None
+        inner = self._make_inner(groups, {id(v): manager.params[i] for v, (i, _, _) in zip(views_in_order, pieces)})
+        inner.grad_of = {id(v): v.grad for v in views_in_order}
+        return inner
+
+    def _make_inner(
+        self, groups: dict[int, list[torch.Tensor]], param_of: dict[int, nn.Parameter]
+    ) -> torch.optim.AdamW:
+        """A fused torch AdamW over `groups` (outer group index -> tensors), with any loaded state placed."""
         inner = torch.optim.AdamW(
-            [{"params": views, **{k: self.param_groups[g][k] for k in _HYPER}} for g, views in groups.items()],
+            [{"params": tensors, **{k: self.param_groups[g][k] for k in _HYPER}} for g, tensors in groups.items()],
             fused=True,
         )
         inner.outer_groups = list(groups)
-        inner.param_of = {id(v): manager.params[i] for v, (i, _, _) in zip(views_in_order, pieces)}
-        inner.grad_of = {id(v): v.grad for v in views_in_order}
+        inner.param_of = param_of
         self._place_loaded(inner)
         return inner
+
+    def _sync_hyper(self, inner: torch.optim.AdamW) -> None:
+        """Copy the outer groups' hyperparameters (changed by schedulers) into an inner optimizer."""
+        for group, g in zip(inner.param_groups, inner.outer_groups):
+            group.update({k: self.param_groups[g][k] for k in _HYPER})
 
     @torch.no_grad()
     def step_chunk(self, manager, chunk: int) -> None:
         """Update one chunk piece (the manager calls this on its worker thread for offloaded chunks)."""
         inner = self._inner_for(manager, chunk)
         if inner is not None:
-            for group, g in zip(inner.param_groups, inner.outer_groups):
-                group.update({k: self.param_groups[g][k] for k in _HYPER})
+            self._sync_hyper(inner)
+            for group in inner.param_groups:
                 for view in group["params"]:  # like torch's AdamW, a parameter without gradient is not updated
                     got_grad = manager.index[id(inner.param_of[id(view)])] in manager.params_with_grad
                     view.grad = inner.grad_of[id(view)] if got_grad else None
@@ -129,19 +142,15 @@ class AdamW(torch.optim.Optimizer):
 
     def _step_plain(self) -> None:
         """Parameters no manager owns: a torch AdamW over them, kept in step with the param groups."""
-        groups = [[p for p in g["params"] if MANAGER_ATTR not in p.__dict__] for g in self.param_groups]
-        if not any(groups):
-            return
         if self._plain is None:
-            self._plain = torch.optim.AdamW(
-                [{"params": ps, **{k: g[k] for k in _HYPER}} for ps, g in zip(groups, self.param_groups) if ps],
-                fused=all(p.device.type in ("cuda", "cpu") for ps in groups for p in ps),
-            )
-            self._plain.outer_groups = [i for i, ps in enumerate(groups) if ps]
-            self._plain.param_of = {id(p): p for ps in groups for p in ps}
-            self._place_loaded(self._plain)
-        for group, g in zip(self._plain.param_groups, self._plain.outer_groups):
-            group.update({k: self.param_groups[g][k] for k in _HYPER})
+            groups = {
+                i: [p for p in g["params"] if MANAGER_ATTR not in p.__dict__] for i, g in enumerate(self.param_groups)
+            }
+            groups = {i: ps for i, ps in groups.items() if ps}
+            if not groups:
+                return
+            self._plain = self._make_inner(groups, {id(p): p for ps in groups.values() for p in ps})
+        self._sync_hyper(self._plain)
         self._plain.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
