@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.model import DTYPES, ModelSpec
+from bench.model import DTYPES, PRESETS, ModelSpec
 from bench.worker import RESULT_PREFIX, SYSTEMS, emit, train
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     parser = _parser()
     args = parser.parse_args(argv)
+    for name, size in dataclasses.asdict(PRESETS[args.preset]).items():  # the preset fills the sizes not given
+        if getattr(args, name) is None:
+            setattr(args, name, size)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"need --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     return args.func(args)
@@ -115,9 +118,18 @@ def _git_commit() -> str | None:
 
 def _parser() -> argparse.ArgumentParser:
     sizes = argparse.ArgumentParser(add_help=False)
-    for name, default in {**dataclasses.asdict(ModelSpec()), **RUN_FLAGS}.items():
+    sizes.add_argument("--preset", choices=list(PRESETS), default="1b", help="model sizes (default 1b)")
+    for name in dataclasses.asdict(ModelSpec()):
+        presets = ", ".join(f"{getattr(spec, name)} with {preset}" for preset, spec in PRESETS.items())
+        sizes.add_argument(f"--{name}", type=int, help=f"overrides the preset's ({presets})")
+    for name, default in RUN_FLAGS.items():
         sizes.add_argument(f"--{name}", type=int, default=default, help=f"(default {default})")
-    sizes.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="weight dtype (default bfloat16)")
+    sizes.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="bfloat16",
+        help="weight dtype; for fsdp2-* the compute dtype, weights fp32 (default bfloat16)",
+    )
     sizes.add_argument(
         "--plan", default="{}", help="JSON plan fields forced on protrain-chunks, e.g. '{\"n_persist\": 4}'"
     )

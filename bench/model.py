@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -22,11 +26,79 @@ class ModelSpec:
     seq: int = 1024
 
 
+# `--preset`: 1b is the defaults; 5.5b is 26 blocks of 202M, untied 131M embedding and head (5.52B parameters)
+PRESETS = {
+    "1b": ModelSpec(),
+    "5.5b": ModelSpec(hidden=4096, layers=26, intermediate=11008, heads=32, vocab=32000, seq=1024),
+}
+
+
 def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int) -> nn.Module:
     """A `LlamaForCausalLM` with SDPA attention, initialised on `device` from `seed`, then cast to `dtype`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialise on the device: the host never holds the fp32 weights
+        model = LlamaForCausalLM(_config(spec))
+    return model.to(device, dtype=dtype).train()
+
+
+def build_fsdp2_model(
+    spec: ModelSpec, device: torch.device, param_dtype: torch.dtype, seed: int, *, checkpoint: bool
+) -> nn.Module:
+    """The same model under FSDP2 with CPU offload: fp32 weights on the host, computing in `param_dtype` on `device`.
+
+    Built on the meta device, so that the whole model is never on the GPU: each decoder layer is wrapped for
+    activation checkpointing (if `checkpoint`) and sharded, then the root; then the parameters are materialized on
+    the CPU and initialised there from `seed`, but not as `build_model` does (normal(0, 0.02) per parameter, norms
+    1: the same distribution, other values, so losses compare only roughly). Needs a process group; meant for one
+    rank (with more, every rank would draw the same values into its own shard). On a CPU `device` there is no
+    offload policy: pinning the host shards needs an accelerator, and a CPU run only exercises the code path.
+    """
+    from torch.distributed import get_world_size
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from transformers import LlamaForCausalLM
+
+    if device.type == "cpu":
+        log.warning("compute on the CPU: FSDP2 without CPUOffloadPolicy (pinned host shards need an accelerator)")
+    fsdp = {
+        "mesh": init_device_mesh(device.type, (get_world_size(),)),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        "offload_policy": OffloadPolicy() if device.type == "cpu" else CPUOffloadPolicy(),
+    }
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_config(spec))
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        # checkpoint_wrapper, not HF's gradient_checkpointing_enable: wrapping before fully_shard puts FSDP2's
+        # unshard/reshard hooks outside the checkpointed region (the torchtitan recipe), so the recomputation in
+        # backward runs on the parameters FSDP2's pre-backward hook gathered and does not re-enter its forward hooks
+        layers[i] = fully_shard(checkpoint_wrapper(layer) if checkpoint else layer, **fsdp)
+    fully_shard(model, **fsdp)
+    model.to_empty(device="cpu")  # FSDP2 pins the offloaded shards here
+    _init_weights(model, seed)
+    rotary = model.model.rotary_emb
+    # inv_freq (a non-persistent buffer) was computed on the meta device, so to_empty left garbage: recompute it
+    for name, buffer in type(rotary)(config=model.config).named_buffers():
+        setattr(rotary, name, buffer.to(device))
+    return model.train()
+
+
+def random_batches(spec: ModelSpec, batch: int, n: int, device: torch.device, seed: int) -> list[torch.Tensor]:
+    """`n` batches of uniform random token ids, shape (batch, seq), made on `device` from `seed`.
+
+    The same seed gives the same batches to every system on one device, so their losses are comparable.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randint(0, spec.vocab, (batch, spec.seq), device=device, generator=gen) for _ in range(n)]
+
+
+def _config(spec: ModelSpec):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         hidden_size=spec.hidden,
         num_hidden_layers=spec.layers,
         intermediate_size=spec.intermediate,
@@ -37,16 +109,24 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed:
         use_cache=False,
         attn_implementation="sdpa",
     )
-    torch.manual_seed(seed)
-    with torch.device(device):  # initialise on the device: the host never holds the fp32 weights
-        model = LlamaForCausalLM(config)
-    return model.to(device, dtype=dtype).train()
 
 
-def random_batches(spec: ModelSpec, batch: int, n: int, device: torch.device, seed: int) -> list[torch.Tensor]:
-    """`n` batches of uniform random token ids, shape (batch, seq), made on `device` from `seed`.
+def _init_weights(model: nn.Module, seed: int) -> None:
+    """RMSNorm weights 1, every other parameter normal(0, 0.02): each from its own generator, on host threads."""
+    from torch.distributed.tensor import DTensor
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    The same seed gives the same batches to every system on one device, so their losses are comparable.
-    """
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return [torch.randint(0, spec.vocab, (batch, spec.seq), device=device, generator=gen) for _ in range(n)]
+    params = list(model.parameters())
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, LlamaRMSNorm)}
+    seeds = torch.randint(2**62, (len(params),), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    @torch.no_grad()  # grad mode is per thread
+    def init(param: nn.Parameter, param_seed: int) -> None:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if id(param) in norms:
+            local.fill_(1.0)
+        else:
+            local.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(param_seed))
+
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        list(pool.map(init, params, seeds))  # list(): raise what a thread raised

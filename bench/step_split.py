@@ -1,10 +1,11 @@
 """Split training steps of protrain's chunked training into forward, backward, optimizer step and zero_grad.
 
-    python -m bench.step_split --plan '{"n_persist": 0, "n_buffer": 3}' [--profile]
+    python -m bench.step_split --plan '{"n_persist": 0, "n_buffer": 3}' [--preset 5.5b] [--profile] [--trace PATH]
 
-The model is `bench.model`'s default LLaMA-style model (about 1B parameters, bf16, batch 8, sequence 1024),
-trained with `protrain_fx.optim.AdamW`. Each phase is timed between device synchronizations; `--profile`
-adds a `torch.profiler` table of two more steps, sorted by CPU time.
+The model is `bench.model`'s LLaMA-style model (`--preset`: 1b, the default, or 5.5b; bf16, batch 8, sequence
+1024), trained with `protrain_fx.optim.AdamW`. Each phase is timed between device synchronizations; `--profile`
+adds a `torch.profiler` table of two more steps, sorted by CPU time; `--trace` profiles two more steps into a
+chrome trace at PATH and prints how much of the copies and of the host AdamW overlaps GPU kernels (`bench.trace`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import json
 import time
 
 import torch
+from torch._C._profiler import _ExperimentalConfig
+from torch.profiler import ProfilerActivity, profile
 
 import protrain_fx
-from bench.model import ModelSpec, build_model
+from bench.model import PRESETS, build_model
+from bench.trace import format_report, load_events, overlap_report
 
 
 def _synced_clock() -> float:
@@ -29,9 +33,14 @@ def main() -> None:
     parser.add_argument("--plan", default="{}", help="JSON plan fields forced on the protrain backend")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--preset", choices=list(PRESETS), default="1b", help="model sizes (default 1b)")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--trace", metavar="PATH", help="chrome trace of two more steps, written here and analysed")
+    parser.add_argument(
+        "--trace-match", default="protrain::cpu_adamw", help="CPU events of --trace's analysis (name substring)"
+    )
     args = parser.parse_args()
-    spec = ModelSpec()
+    spec = PRESETS[args.preset]
     model = build_model(spec, torch.device("cuda"), torch.bfloat16, 0)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-4)
     compiled = torch.compile(model, backend="protrain", options={"plan": json.loads(args.plan)})
@@ -56,12 +65,21 @@ def main() -> None:
             f"step {i}: forward {fwd:.1f} ms, backward {bwd:.1f} ms, opt.step {step_ms:.1f} ms, zero_grad {zero:.1f} ms"
         )
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             step()
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+    if args.trace:
+        # every thread: the chunks' AdamW runs on a worker thread started before the profiler (torch >= 2.11 has this)
+        every_thread = _ExperimentalConfig(profile_all_threads=True)
+        with profile(
+            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], experimental_config=every_thread
+        ) as prof:
+            step()
+            step()
+        prof.export_chrome_trace(args.trace)
+        print(f"trace of two steps: {args.trace}")
+        print(format_report(overlap_report(load_events(args.trace), args.trace_match)))
 
 
 if __name__ == "__main__":

@@ -8,23 +8,29 @@ are other processes and not counted), and the loss of the first and last step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import os
 import resource
+import socket
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from bench.model import DTYPES, ModelSpec, build_model, random_batches
+from bench.model import DTYPES, ModelSpec, build_fsdp2_model, build_model, random_batches
 
 log = logging.getLogger(__name__)
 
-SYSTEMS = ("protrain", "protrain-chunks", "compile", "eager")
+FSDP2_SYSTEMS = ("fsdp2-offload", "fsdp2-offload-ac")  # FSDP2 with CPU offload (-ac: and activation checkpointing)
+SYSTEMS = ("protrain", "protrain-chunks", "compile", "eager", *FSDP2_SYSTEMS)
 RESULT_PREFIX = "BENCH_RESULT "  # marks the worker's result line on stdout; anything else there is ignored
 LR = 1e-4
 
@@ -51,7 +57,7 @@ def wrap(model: nn.Module, system: str, plan: dict | None = None) -> nn.Module:
         return torch.compile(model, backend="protrain", options={"plan": plan or {}})
     if system == "compile":
         return torch.compile(model)
-    if system == "eager":
+    if system == "eager" or system in FSDP2_SYSTEMS:
         return model
     raise ValueError(f"unknown system {system!r}; choose from {list(SYSTEMS)}")
 
@@ -70,33 +76,28 @@ def train(
     """Train `warmup + steps` AdamW steps of the model under `system` and measure them."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
-    model = build_model(spec, device, DTYPES[dtype], seed)
-    params = sum(p.numel() for p in model.parameters())
-    log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
-    if system == "protrain-chunks":
-        import protrain_fx
+    with _process_group(device) if system in FSDP2_SYSTEMS else contextlib.nullcontext():
+        model, opt = _model_and_optimizer(system, spec, device, DTYPES[dtype], seed)
+        params = sum(p.numel() for p in model.parameters())
+        log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
+        step_model = wrap(model, system, plan)
+        batches = random_batches(spec, batch, warmup + steps, device, seed)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
 
-        opt = protrain_fx.optim.AdamW(model.parameters(), lr=LR)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, **({"fused": True} if cuda else {"foreach": True}))
-    step_model = wrap(model, system, plan)
-    batches = random_batches(spec, batch, warmup + steps, device, seed)
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-    times, losses = [], []
-    for ids in (bar := tqdm(batches, desc=system, unit="step", file=sys.stderr)):
-        _sync(device)
-        start = time.perf_counter()
-        loss = step_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", step_s=f"{times[-1]:.3f}")
+        times, losses = [], []
+        for ids in (bar := tqdm(batches, desc=system, unit="step", file=sys.stderr)):
+            _sync(device)
+            start = time.perf_counter()
+            loss = step_model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", step_s=f"{times[-1]:.3f}")
 
     step_time = statistics.median(times[warmup:])
     return Result(
@@ -117,6 +118,49 @@ def train(
 def emit(result: dict) -> None:
     """Write the result line the parent `compare` process reads back."""
     print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def _model_and_optimizer(
+    system: str, spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    if system in FSDP2_SYSTEMS:
+        model = build_fsdp2_model(spec, device, dtype, seed, checkpoint=system == "fsdp2-offload-ac")
+        try:  # over the sharded fp32 parameters on the host: torch's fused CPU AdamW (torch >= 2.4)
+            return model, torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+        except (RuntimeError, ValueError) as e:
+            log.warning("fused AdamW refused (%s); using foreach", e)
+            return model, torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+    model = build_model(spec, device, dtype, seed)
+    if system == "protrain-chunks":
+        import protrain_fx
+
+        return model, protrain_fx.optim.AdamW(model.parameters(), lr=LR)
+    fused_or_foreach = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, **fused_or_foreach)
+
+
+@contextlib.contextmanager
+def _process_group(device: torch.device) -> Iterator[None]:
+    """A process group for FSDP2, unless one exists: torchrun's environment if set, else this one process alone."""
+    if dist.is_initialized():
+        yield
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _sync(device: torch.device) -> None:

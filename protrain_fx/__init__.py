@@ -4,10 +4,21 @@ model = torch.compile(model, backend="protrain")            # the backend is fou
 model = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}))  # inspectable
 """
 
-from protrain_fx import optim
+from protrain_fx import amp, optim
 from protrain_fx.backend import GraphRecord, ProTrainBackend, protrain
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.planner.plan import Plan
+from protrain_fx.runtime.adopt import prepare
 from protrain_fx.runtime.state import full_state_dict
 
-__all__ = ["GraphRecord", "Plan", "ProTrainBackend", "ProTrainConfig", "full_state_dict", "optim", "protrain"]
+__all__ = [
+    "GraphRecord",
+    "amp",
+    "Plan",
+    "ProTrainBackend",
+    "ProTrainConfig",
+    "full_state_dict",
+    "optim",
+    "prepare",
+    "protrain",
+]

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch._guards
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
@@ -44,7 +45,14 @@ from protrain_fx.passes.pipeline import GRAPH_PASSES, JOINT_PASSES, PassContext,
 from protrain_fx.planner.plan import CHUNK_FIELDS, Plan, make_plan
 from protrain_fx.profiler.interpreter import profile_iteration
 from protrain_fx.profiler.profile import GraphProfile
-from protrain_fx.runtime.adopt import build_manager, model_layout, model_manager, wants_chunks
+from protrain_fx.runtime.adopt import (
+    build_manager,
+    check_params_managed,
+    model_layout,
+    model_manager,
+    plan_fields_of,
+    wants_chunks,
+)
 from protrain_fx.runtime.ops import register_inductor_lowering
 
 log = logging.getLogger(__name__)
@@ -150,6 +158,8 @@ class _Partitioner(CustomPartitionerFn):
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         params = [self.example_inputs[e.index] for e in record.param_map.values()]
         manager = model_manager(roots.model)
+        if manager is not None:
+            check_params_managed(manager, record.param_map, self.example_inputs)
         with manager.materialized(params) if manager else contextlib.nullcontext():
             record.profile = profile_iteration(fw, bw, self.example_inputs, record.block_map)
         if manager is None and wants_chunks(params):
@@ -159,6 +169,8 @@ class _Partitioner(CustomPartitionerFn):
         else:
             # a graph without parameters (a loss after a graph break) has no chunk decisions to check
             forced = config.plan if params else {k: v for k, v in config.plan.items() if k not in CHUNK_FIELDS}
+            if manager is not None:
+                forced = plan_fields_of(manager, forced)
             record.plan = make_plan(record.block_map.n_blocks, forced, manager.layout if manager else None)
         log.info("graph %d plan:\n%s", record.index, record.plan)
 
@@ -176,6 +188,11 @@ class _Partitioner(CustomPartitionerFn):
         fw = run_passes(fw, ctx, GRAPH_PASSES, stage="forward")
         ctx = dataclasses.replace(ctx, forward_placeholders=[n for n in fw.graph.nodes if n.op == "placeholder"])
         bw = run_passes(bw, ctx, GRAPH_PASSES, stage="backward")
+        if manager is not None:
+            compile_id = torch._guards.CompileContext.current_compile_id()
+            source = compile_id.frame_id if compile_id is not None else ("graph", record.index)
+            for node in bw.graph.find_nodes(op="call_function", target=torch.ops.protrain.reduce_grads.default):
+                manager.expect_gradients(node.args[1], source)
         record.forward, record.backward = fw, bw
         log.debug("graph %d forward:\n%s", record.index, fw.print_readable(print_output=False))
         log.debug("graph %d backward:\n%s", record.index, bw.print_readable(print_output=False))

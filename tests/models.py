@@ -31,8 +31,17 @@ class ToyBlock(nn.Module):
 class ToyTransformer(nn.Module):
     """A GPT-style decoder: embedding, a ModuleList of blocks, a head tied to the embedding."""
 
-    def __init__(self, dim: int = 32, layers: int = 3, heads: int = 4, dropout: float = 0.0, seq: int = 64):
+    def __init__(
+        self,
+        dim: int = 32,
+        layers: int = 3,
+        heads: int = 4,
+        dropout: float = 0.0,
+        seq: int = 64,
+        graph_break_after: int | None = None,
+    ):
         super().__init__()
+        self.graph_break_after = graph_break_after  # a Dynamo graph break after this block
         self.embed = nn.Embedding(VOCAB, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
         self.blocks = nn.ModuleList(ToyBlock(dim, heads, dropout) for _ in range(layers))
@@ -42,7 +51,12 @@ class ToyTransformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(input_ids) + self.pos[: input_ids.shape[1]]
-        for block in self.blocks:
+        split = len(self.blocks) if self.graph_break_after is None else self.graph_break_after + 1
+        for block in self.blocks[:split]:
+            x = block(x)
+        if self.graph_break_after is not None:  # outside the loop: Dynamo resumes in a second graph
+            torch._dynamo.graph_break()
+        for block in self.blocks[split:]:
             x = block(x)
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())  # next-token loss

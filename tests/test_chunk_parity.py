@@ -23,8 +23,8 @@ PLANS = {
 }
 
 
-def run(kind, plan, steps=STEPS, exact=True, **model_kw):
-    ref = models.build(kind, **model_kw)
+def run(kind, plan, steps=STEPS, exact=True, device="cpu", **model_kw):
+    ref = models.build(kind, **model_kw).to(device)
     model = copy.deepcopy(ref)
     groups = lambda m: [  # noqa: E731 - no decay on biases and norms, as users do
         {"params": [p for n, p in m.named_parameters() if p.ndim > 1], "weight_decay": 0.1},
@@ -37,7 +37,7 @@ def run(kind, plan, steps=STEPS, exact=True, **model_kw):
     backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan})
     compiled = torch.compile(model, backend=backend, dynamic=False)
     for step in range(steps):
-        batch = models.batch(kind, seed=step)
+        batch = {k: v.to(device) for k, v in models.batch(kind, seed=step).items()}
         for m, o, s in ((ref, ref_opt, ref_sched), (compiled, opt, sched)):
             loss = models.loss_of(kind, m(**batch))
             loss.backward()
@@ -73,8 +73,8 @@ def test_offloaded_parameters_hold_no_storage_and_arena_is_exact():
     assert plan.n_chunk == manager.layout.n_chunk and plan.chunk_bytes == manager.layout.chunk_bytes
     offloaded = [p for p in manager.params if not manager.is_persistent(p)]
     assert offloaded and all(p.untyped_storage().nbytes() == 0 for p in offloaded)
-    # fp32 parameters (= master), fp32 gradient, fp32 staging area for the gradient copy
-    per_chunk = manager.layout.shard_elems * (4 + 4 + 4)
+    # fp32 parameters (= master) and fp32 gradient: the gradient is copied straight into its shard
+    per_chunk = manager.layout.shard_elems * (4 + 4)
     assert manager.arena.numel() == per_chunk * (manager.layout.n_chunk - manager.n_persist)
     assert len(manager.buffers) == 1
 

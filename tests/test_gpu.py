@@ -17,6 +17,7 @@ import torch
 from helpers import eager_and_protrain, train
 
 import protrain_fx
+import protrain_fx.runtime.adopt
 
 pytestmark = pytest.mark.gpu
 BF16_RTOL = 2e-2
@@ -151,3 +152,68 @@ def test_chunk_buffers_allocated_once():
     assert allocated[2] == allocated[3] == allocated[4], allocated
     assert manager.arena.is_pinned()
     print(f"chunks {manager.layout.n_chunk} x {manager.layout.chunk_bytes / 2**20:.1f} MiB, allocated {allocated}")
+
+
+def test_prepared_cpu_model_trains_on_gpu():
+    """A bf16 model built on the CPU, put into chunks on the GPU by `prepare` (most chunks in the host arena):
+    its losses follow eager fp32 training under autocast within the bf16 tolerance, and the GPU never held
+    the offloaded parameters."""
+    import copy
+
+    ref = models.build("llama", layers=4)
+    model = copy.deepcopy(ref).to(torch.bfloat16)
+    ref = ref.cuda()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    largest = max(p.numel() * 2 for p in model.parameters())
+    protrain_fx.prepare(model, plan={"n_persist": 1, "n_buffer": 2})
+    assert all(p.is_cuda for p in model.parameters())
+    layout = protrain_fx.runtime.adopt.model_manager(model).layout
+    # prepare allocates on the GPU one persistent chunk (bf16, fp32 master, fp32 gradient), two bf16 buffers, the
+    # fp32 landing area of a loaded shard, and one parameter in passing (+ the allocator's 512-byte rounding)
+    expected = layout.chunk_elems * (2 + 4 + 4 + 2 + 2 + 4) + largest
+    assert torch.cuda.max_memory_allocated() - before <= expected + 8 * 512
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="protrain", dynamic=False)
+    for step in range(5):
+        batch = {k: v.cuda() for k, v in models.batch("llama", seed=step).items()}
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = compiled(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=BF16_RTOL), f"step {step}"
+
+
+def test_fp16_chunks_with_loss_scaling():
+    """float16 weights in chunks (one on the GPU, the rest offloaded) with protrain_fx.amp.GradScaler, against
+    eager fp32 training under float16 autocast with torch.amp.GradScaler: the same tolerance as bf16."""
+    import copy
+
+    ref = models.build("llama", layers=4).cuda()
+    model = copy.deepcopy(ref).half()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    ref_scaler = torch.amp.GradScaler("cuda")
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = protrain_fx.amp.GradScaler()
+    options = {"plan": {"n_persist": 1, "n_buffer": 2}}
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
+    for step in range(5):
+        batch = {k: v.cuda() for k, v in models.batch("llama", seed=step).items()}
+        with torch.autocast("cuda", dtype=torch.float16):
+            ref_loss = ref(**batch).loss
+        ref_scaler.scale(ref_loss).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        loss = compiled(**batch).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=BF16_RTOL), f"step {step}"

@@ -13,6 +13,10 @@ chunk_gather_pass (forward and backward graphs), for each offloaded chunk c:
              y = mm(x, w1'); z = mm(y, w2')
              protrain.release(m, c, [z])          # after the last reader of any parameter of c
 
+param_check_pass (forward graph): `protrain.check_params(m, [i1, i2, ...], [w1, w2, ...])` after the
+placeholders: at run time each parameter input must still be the one the chunk holds (a parameter replaced
+after compile is an error, not silently ignored values and gradients).
+
 grad_reduce_pass (backward graph), for each chunk c (persistent ones too):
 
     before:  return (g1, g2, ...)                 # gradients of the primals, in primal order
@@ -185,6 +189,24 @@ def grad_reduce_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         for position, _, _ in items:
             grads[position] = None
     output.args = (tuple(grads),)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def param_check_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Check at run time that the parameter inputs are the chunks' parameters (see the module docstring)."""
+    graph = gm.graph
+    if ctx.stage != "forward":
+        return gm
+    tagged = [n for n in graph.nodes if n.op == "placeholder" and TAG in n.meta]
+    if not tagged:
+        return gm
+    with graph.inserting_after(tagged[-1]):
+        graph.call_function(
+            torch.ops.protrain.check_params.default,
+            (tagged[0].meta[TAG].manager, [n.meta[TAG].index for n in tagged], tagged),
+        )
     graph.lint()
     gm.recompile()
     return gm

@@ -18,7 +18,7 @@ from typing import Any
 from torch import fx
 
 from protrain_fx.config import ProTrainConfig
-from protrain_fx.passes.chunks import chunk_gather_pass, chunk_tag_pass, grad_reduce_pass
+from protrain_fx.passes.chunks import chunk_gather_pass, chunk_tag_pass, grad_reduce_pass, param_check_pass
 from protrain_fx.planner.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class PassContext:
 Pass = Callable[..., fx.GraphModule]
 
 JOINT_PASSES: tuple[Pass, ...] = ()
-GRAPH_PASSES: tuple[Pass, ...] = (chunk_tag_pass, chunk_gather_pass, grad_reduce_pass)
+GRAPH_PASSES: tuple[Pass, ...] = (chunk_tag_pass, chunk_gather_pass, grad_reduce_pass, param_check_pass)
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *, stage: str) -> fx.GraphModule:

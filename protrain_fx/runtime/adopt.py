@@ -12,16 +12,17 @@ the model in registration order (a later graph's, which the first graph cannot s
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from protrain_fx.capture import FrameRoots, block_index
+from protrain_fx.capture import FrameRoots, block_index, find_block_family
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
-from protrain_fx.planner.plan import Plan
-from protrain_fx.runtime.chunks import ChunkManager, rank_and_world_size
+from protrain_fx.planner.plan import Plan, make_plan
+from protrain_fx.runtime.chunks import ChunkManager, rank_and_world_size, replaced_param_error
 from protrain_fx.runtime.optim import OPTIMIZER_ATTR
 
 log = logging.getLogger(__name__)
@@ -53,14 +54,17 @@ def _ordered_params(roots: FrameRoots, record, example_inputs: Sequence[Any]) ->
 
 def model_layout(roots: FrameRoots, record, example_inputs: Sequence[Any], forced: Mapping[str, Any]) -> ChunkLayout:
     """The chunk layout of the whole model (see the module docstring)."""
-    ordered = _ordered_params(roots, record, example_inputs)
+    return _layout(_ordered_params(roots, record, example_inputs), record.block_map.family, forced)
+
+
+def _layout(ordered: list[tuple[str, nn.Parameter]], family, forced: Mapping[str, Any]) -> ChunkLayout:
+    """Lay out `ordered` (name, parameter) pairs, in that order, in chunks."""
     dtypes = {p.dtype for _, p in ordered}
-    if len(dtypes) != 1:
+    if len(dtypes) > 1:
         raise ValueError(
             f"trainable parameters have several dtypes {sorted(map(str, dtypes))}; chunks hold one dtype: "
             "cast the model to one (e.g. model.to(torch.bfloat16))"
         )
-    family = record.block_map.family
     infos = [
         ParamInfo(name=n, numel=p.numel(), block=block_index(n.split("."), family) if family else None)
         for n, p in ordered
@@ -83,3 +87,115 @@ def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkMan
         manager = ChunkManager(params, layout, n_persist=plan.n_persist, n_buffer=plan.n_buffer)
     model.__dict__[MODEL_ATTR] = manager
     return manager
+
+
+def check_params_managed(manager: ChunkManager, param_map: Mapping, example_inputs: Sequence[Any]) -> None:
+    """A graph compiled after the chunks were built may only read the parameters they were built from."""
+    for name, entry in param_map.items():
+        p = example_inputs[entry.index]
+        if p.requires_grad and id(p) not in manager.index:
+            raise replaced_param_error(name)
+
+
+def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str, Any]:
+    """`forced` with the chunk fields of the model's existing chunks; forcing other values is an error."""
+    actual = {
+        "n_persist": manager.n_persist,
+        "n_chunk": manager.layout.n_chunk,
+        "chunk_bytes": manager.layout.chunk_bytes,
+    }
+    if manager.n_buffer:
+        actual["n_buffer"] = manager.n_buffer
+    clash = {k: (forced[k], v) for k, v in actual.items() if k in forced and forced[k] != v}
+    if clash:
+        raise ValueError(
+            "options['plan'] asks for "
+            + ", ".join(f"{k}={asked}" for k, (asked, _) in clash.items())
+            + " but the model's chunks were already built (by protrain_fx.prepare or its first compiled graph) with "
+            + ", ".join(f"{k}={have}" for k, (_, have) in clash.items())
+            + "; pass the plan where the chunks are built, or drop those fields"
+        )
+    return {**forced, **actual}
+
+
+def prepare(
+    model: nn.Module,
+    *,
+    plan: Mapping[str, Any] | None = None,
+    device: torch.device | str | None = None,
+    init: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """Put the trainable parameters of a model built on the CPU (or on the meta device) into chunks on
+    `device` (default: CUDA when available), before `torch.compile(model, backend="protrain")`.
+
+    Use it for a model that does not fit the GPU: the first `n_persist` chunks go to the device, the rest to
+    the host arena, one parameter at a time, and each parameter then looks like a `device` tensor to Dynamo
+    while its values live in the chunks. A model already on the GPU needs no `prepare`.
+
+    - `plan`: chunk fields, as in `options={"plan": ...}` (`n_persist`, `n_buffer`, `chunk_bytes`); by default
+      every chunk is persistent. The compile's options need not repeat them.
+    - `init(module)`: for a model built under `torch.device("meta")`: called on each module after its own
+      parameters and buffers are allocated on the CPU (`to_empty(recurse=False)`) to fill them, just before
+      they are copied into the chunks; so the host never holds the whole model besides the chunks.
+
+    Layout order is registration order (`model.named_parameters()`), blocks kept whole where the size
+    allows. Returns the model (changed in place). Build `protrain_fx.optim.AdamW(model.parameters())` before
+    or after, then compile.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare() takes an nn.Module, got {type(model).__name__}")
+    if model_manager(model) is not None:
+        raise ValueError("this model's parameters are in chunks already; prepare() it once, before compiling")
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta and init is None:
+        raise ValueError(
+            f"{len(meta)} parameters and buffers of the model are on the meta device (e.g. {meta[0]!r}); pass "
+            "init=fn, where fn(module) fills a module's own parameters and buffers after they are allocated"
+        )
+    ordered = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not ordered:
+        raise ValueError("the model has no trainable parameters; nothing to put in chunks")
+    layout = _layout(ordered, find_block_family(model), plan or {})
+    family = find_block_family(model)
+    chosen = make_plan(family.n_blocks if family else 0, plan, layout)
+    owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
+
+    def materialize(module: nn.Module) -> None:
+        """Allocate a meta module's own tensors on the CPU (parameters keep their identity) and fill them."""
+        if not any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
+            return
+        for p in module.parameters(recurse=False):
+            if p.is_meta:
+                cpu = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+                cpu.__dict__.update(p.__dict__)
+                torch.utils.swap_tensors(p, cpu)
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_meta:
+                module._buffers[name] = torch.empty_like(b, device="cpu")
+        with torch.no_grad():
+            init(module)
+
+    def source(p: nn.Parameter) -> torch.Tensor:
+        materialize(owner[id(p)])
+        return p.detach()
+
+    manager = ChunkManager(
+        [p for _, p in ordered],
+        layout,
+        n_persist=chosen.n_persist,
+        n_buffer=chosen.n_buffer,
+        device=device,
+        source=source,
+    )
+    model.__dict__[MODEL_ATTR] = manager
+    for module in model.modules():  # what is not in chunks: buffers and frozen parameters go to the device
+        materialize(module)
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if id(t) not in manager.index and t.device != device:
+                if isinstance(t, nn.Parameter):
+                    t.data = t.data.to(device)
+                else:
+                    module._buffers[name] = t.to(device)
+    log.info("prepared %d parameters in %d chunks on %s", len(ordered), layout.n_chunk, device)
+    return model

@@ -6,15 +6,17 @@ Layout (planner/chunking.py) decides which parameter is where; the plan decides 
 - persistent chunks (the first `n_persist`): the chunk's parameters are views of one flat device tensor
   (compute dtype), with an fp32 master copy, an fp32 gradient and AdamW states on the device, updated by
   torch's fused AdamW in `step()`. Gradients are all-reduced across ranks.
-- non-persistent chunks: each rank holds its shard (parameters in compute dtype, fp32 master, fp32
-  gradient, a gradient staging area) in one host arena allocated once at its exact size (pinned with `cudaHostRegister` on CUDA,
-  not the power-of-two host allocator). The parameters' own storage is emptied (`resize_(0)`): the
-  compiled graphs read them through `gather`, which copies this rank's shard into one of `n_buffer`
-  device buffers and all-gathers the rest. `release` makes the buffer reusable; a chunk still in a buffer
+- non-persistent chunks: each rank holds its shard (fp32 master, fp32 gradient) in one host arena allocated once at its exact size (pinned with `cudaHostRegister` on CUDA,
+  not the power-of-two host allocator; unregistered when the manager is collected). The parameters' own storage is emptied (`resize_(0)`): the
+  compiled graphs read them through `gather`, which copies this rank's fp32 master shard to the device,
+  casts it into one of `n_buffer` compute-dtype buffers and all-gathers the rest. (Casting on the device
+  costs PCIe bytes, which overlap compute, instead of a host cast after every update, which would lengthen
+  the host optimizer, the usual bottleneck of offloading.) `release` makes the buffer reusable; a chunk still in a buffer
   when gathered again (backward right after forward) is not copied again, and `prefetch` loads the next
-  chunk on a copy stream. Gradients are reduce-scattered, copied to the staging area without blocking, and
-  a worker thread takes them into the fp32 gradient and runs the CPU AdamW step of that shard (torch's
-  fused CPU kernel) at once, overlapping the rest of the backward.
+  chunk on a copy stream. Gradients are reduce-scattered in fp32 and copied straight into the shard's fp32
+  gradient without blocking (into a staging shard and added, when a chunk gets a second gradient in one
+  step), and a worker thread runs the CPU AdamW step of that shard (torch's fused CPU kernel) as soon as
+  the copy lands, overlapping the rest of the backward.
 
 Gradients never reach `param.grad`: the rewritten backward hands them to `reduce_grads` and returns None
 for those parameters, and `protrain_fx.optim.AdamW` steps from the manager.
@@ -25,7 +27,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx.planner.chunking import ChunkLayout, Slot
 from protrain_fx.runtime import ops
+from protrain_fx.runtime.host_queue import HostQueue
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +73,61 @@ def _check_host_memory(needed: int) -> None:
         )
 
 
+def _register_host(arena: torch.Tensor) -> None:
+    """Pin the arena in place (one registration of its exact bytes)."""
+    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+    assert int(err) == 0, f"cudaHostRegister of the {arena.numel()}-byte chunk arena failed with error {int(err)}"
+
+
+def _unregister_host(arena: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+
+
+def check_ranks_agree(layout: ChunkLayout, n_persist: int, n_buffer: int) -> None:
+    """Every rank must lay out the same parameters the same way and plan alike; raise on all ranks if not
+    (a disagreement would otherwise hang in the first collective of unequal size)."""
+    if layout.world_size == 1:
+        return
+    mine = (layout.chunk_elems, layout.n_chunk, n_persist, n_buffer, [(s.name, s.numel) for s in layout.slots])
+    everyone: list = [None] * layout.world_size
+    dist.all_gather_object(everyone, mine)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        first = everyone[differ[0]]
+        names = dict(first[4])
+        diff = [(n, k) for n, k in everyone[0][4] if names.get(n) != k][:3]
+        raise ValueError(
+            f"ranks {differ} disagree with rank 0 on the model or plan: rank 0 has {everyone[0][1]} chunks of "
+            f"{everyone[0][0]} elements (n_persist={everyone[0][2]}, n_buffer={everyone[0][3]}), rank {differ[0]} "
+            f"{first[1]} chunks of {first[0]} (n_persist={first[2]}, n_buffer={first[3]}); first parameters that "
+            f"differ: {diff or 'their order'}. Build the same model and pass the same options on every rank"
+        )
+
+
+def replaced_param_error(name: str) -> ValueError:
+    return ValueError(
+        f"parameter {name!r} was created or replaced after the model's chunks were built (at its first compile, "
+        "or by protrain_fx.prepare), so no chunk holds it; create and replace parameters before that, then build "
+        "the optimizer and compile"
+    )
+
+
 class ChunkManager:
     """See the module docstring. One per model; shared by all its compiled graphs."""
 
-    def __init__(self, params: Sequence[nn.Parameter], layout: ChunkLayout, *, n_persist: int, n_buffer: int):
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        layout: ChunkLayout,
+        *,
+        n_persist: int,
+        n_buffer: int,
+        device: torch.device | None = None,
+        source: Callable[[nn.Parameter], torch.Tensor] | None = None,
+    ):
+        """`device` is where the chunks compute (default: the parameters' device). `source(p)` gives a
+        parameter's values when they are not in `p` itself yet (a meta-device model); it is called in layout
+        order, one parameter at a time. `protrain_fx.prepare` uses both."""
         if not 0 <= n_persist <= layout.n_chunk:
             raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
         if n_persist < layout.n_chunk and n_buffer < 1:
@@ -84,68 +139,72 @@ class ChunkManager:
         self.slots: list[Slot] = list(layout.slots)
         self.n_persist = n_persist
         self.n_buffer = n_buffer if n_persist < layout.n_chunk else 0
-        self.device = self.params[0].device
+        self.device = torch.device(device) if device is not None else self.params[0].device
         self.dtype = self.params[0].dtype
+        check_ranks_agree(layout, n_persist, n_buffer)
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
+        self._host = HostQueue()  # the worker thread of the offloaded chunks' CPU steps
+        weakref.finalize(self, self._host.close)
         self._pending: dict[int, concurrent.futures.Future] = {}  # offloaded chunk -> its CPU AdamW step
         self._version: dict[int, int] = {}  # chunk -> updates published (written by the worker thread)
         self._buffered_version: dict[int, int] = {}  # chunk -> version its buffered copy holds
         self.has_grad: set[int] = set()  # chunks whose gradient holds this step's values
         self.params_with_grad: set[int] = set()  # parameters (indices) that got a gradient this step
-        self._unstepped: set[int] = set()  # offloaded chunks whose gradient came before an optimizer was known
+        self._grad_sources: dict[int, set] = {}  # chunk -> the compiled frames whose backward reduces into it
+        self._arrivals: dict[int, int] = {}  # chunk -> gradients reduced into it this step
+        self._stepped: set[int] = set()  # offloaded chunks whose CPU step has started this step
+        # float16 needs loss scaling, whose overflow check must see every gradient of the step before any update:
+        # offloaded updates then start in AdamW.step() instead of during the backward
+        self.defer_updates = self.dtype == torch.float16
         owner = next((p.__dict__.get("_protrain_optimizer") for p in self.params), None)
         self.optimizer = owner() if owner is not None else None  # the protrain_fx.optim.AdamW stepping us
-        self._build()
+        self._build(source or (lambda p: p.detach()))
         for p in self.params:
             p.__dict__[MANAGER_ATTR] = self
         self.handle = ops.register(self)
 
     # ----- storage -----------------------------------------------------------------------------------
 
-    def _build(self) -> None:
+    def _build(self, source: Callable[[nn.Parameter], torch.Tensor]) -> None:
         n, elems, shard = self.layout.n_chunk, self.layout.chunk_elems, self.layout.shard_elems
         fp32 = self.dtype == torch.float32
         self.flat: dict[int, torch.Tensor] = {}  # persistent: chunk -> device params
         self.master: dict[int, torch.Tensor] = {}  # chunk -> fp32 master (device: whole chunk; host: shard)
         self.grad: dict[int, torch.Tensor] = {}  # chunk -> fp32 gradient (device: whole chunk; host: shard)
-        self.host_params: dict[int, torch.Tensor] = {}  # non-persistent: chunk -> host shard, compute dtype
-        self.staging: dict[int, torch.Tensor] = {}  # non-persistent: chunk -> host gradient shard as copied
+        self.staging: torch.Tensor | None = None  # host fp32 shard a second gradient of one step lands in
         for c in range(self.n_persist):
             self.flat[c] = torch.zeros(elems, dtype=self.dtype, device=self.device)
             self.master[c] = self.flat[c] if fp32 else torch.zeros(elems, dtype=torch.float32, device=self.device)
             self.grad[c] = torch.zeros(elems, dtype=torch.float32, device=self.device)
         offloaded = list(range(self.n_persist, n))
-        # per offloaded chunk: parameters (compute dtype), fp32 master (unless that is the parameters), fp32
-        # gradient, and a staging area (compute dtype) the device copies the gradient shard into
-        per_chunk = shard * (2 * self.dtype.itemsize + (0 if fp32 else 4) + 4)
+        # per offloaded chunk: fp32 master (the parameters' only host copy) and fp32 gradient
+        per_chunk = shard * (4 + 4)
         _check_host_memory(per_chunk * len(offloaded) + 8 * shard * len(offloaded))  # + CPU AdamW's two states
         self.arena = torch.empty(per_chunk * len(offloaded), dtype=torch.uint8)
         if self.device.type == "cuda" and self.arena.numel():
-            torch.cuda.cudart().cudaHostRegister(self.arena.data_ptr(), self.arena.numel(), 0)
+            _register_host(self.arena)
+            weakref.finalize(self, _unregister_host, self.arena)
         at = 0
         for c in offloaded:
-            self.host_params[c] = self.arena[at : at + shard * self.dtype.itemsize].view(self.dtype)
-            at += shard * self.dtype.itemsize
-            if fp32:
-                self.master[c] = self.host_params[c]
-            else:
-                self.master[c] = self.arena[at : at + shard * 4].view(torch.float32)
-                at += shard * 4
-            self.grad[c] = self.arena[at : at + shard * 4].view(torch.float32)
-            at += shard * 4
-            self.staging[c] = self.arena[at : at + shard * self.dtype.itemsize].view(self.dtype)
-            at += shard * self.dtype.itemsize
+            self.master[c] = self.arena[at : at + shard * 4].view(torch.float32)
+            self.grad[c] = self.arena[at + shard * 4 : at + shard * 8].view(torch.float32)
+            at += shard * 8
         self.arena.zero_()
+        self._pinned = self.device.type == "cuda"
         self.buffers = [torch.empty(elems, dtype=self.dtype, device=self.device) for _ in range(self.n_buffer)]
+        # where a master shard lands on the device before its cast into a buffer (loads are serial on one stream)
+        self._landing = None if fp32 or not offloaded else torch.empty(shard, dtype=torch.float32, device=self.device)
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None  # host-to-device chunk copies
+        self._d2h_stream = torch.cuda.Stream(self.device) if cuda else None  # device-to-host gradient copies
         self._freed = [torch.cuda.current_stream(self.device).record_event() for _ in self.buffers] if cuda else []
         self._ready: dict[int, torch.cuda.Event] = {}  # chunk -> its copy into a buffer is done
         self._resident: dict[int, int] = {}  # chunk -> buffer holding it
+        self.found_inf = torch.zeros(1, device=self.device)  # 1 once a gradient of this step is not finite
+        self._one = torch.ones(1, device=self.device)
         self._in_use: set[int] = set()  # chunks gathered and not released yet
         self._released: list[int] = []  # released chunks still in a buffer, least recent first
-        self._adopt()
+        self._adopt(source)
         log.info(
             "chunks: %d of %.1f MiB (%d persistent on %s, %d offloaded to a %.1f MiB host arena, %d buffers)",
             n,
@@ -165,13 +224,14 @@ class ChunkManager:
         shard = self.layout.shard_elems
         return self.rank * shard, (self.rank + 1) * shard
 
-    def _adopt(self) -> None:
-        """Move every parameter's values into its chunk; offloaded parameters keep their shape, not their storage."""
+    def _adopt(self, source: Callable[[nn.Parameter], torch.Tensor]) -> None:
+        """Move every parameter's values into its chunk; offloaded parameters keep their shape (on the chunks'
+        device), not their storage."""
         lo, hi = self._shard_bounds()
         with torch.no_grad():
             for p, slot in zip(self.params, self.slots):
                 a, b = self._slot_range(slot)
-                values = p.detach().reshape(-1)
+                values = source(p).reshape(-1)
                 if slot.chunk < self.n_persist:
                     self.flat[slot.chunk][a:b].copy_(values)
                     if self.master[slot.chunk] is not self.flat[slot.chunk]:
@@ -180,10 +240,16 @@ class ChunkManager:
                     continue
                 s, e = max(a, lo), min(b, hi)  # this rank's part of the parameter
                 if s < e:
-                    self.host_params[slot.chunk][s - lo : e - lo].copy_(values[s - a : e - a])
-                    if self.master[slot.chunk] is not self.host_params[slot.chunk]:
-                        self.master[slot.chunk][s - lo : e - lo].copy_(values[s - a : e - a])
+                    self.master[slot.chunk][s - lo : e - lo].copy_(values[s - a : e - a])
+                if p.device != self.device or p.is_meta:
+                    p.data = torch.empty(p.shape, dtype=self.dtype, device=self.device)
                 p.untyped_storage().resize_(0)
+
+    def check_params(self, indices: Sequence[int], inputs: Sequence[torch.Tensor]) -> None:
+        """The parameters a compiled graph was called with must be the ones in the chunks."""
+        for i, t in zip(indices, inputs):
+            if t is not self.params[i]:
+                raise replaced_param_error(self.slots[i].name)
 
     def is_persistent(self, p: nn.Parameter) -> bool:
         return self.slots[self.index[id(p)]].chunk < self.n_persist
@@ -241,11 +307,14 @@ class ChunkManager:
         if stream is not None:
             stream.wait_event(self._freed[slot])
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if self.world_size == 1:
-                buffer.copy_(self.host_params[chunk], non_blocking=True)
+            mine = buffer[lo:hi]
+            if self._landing is None:
+                mine.copy_(self.master[chunk], non_blocking=True)
             else:
-                buffer[lo:hi].copy_(self.host_params[chunk], non_blocking=True)
-                dist.all_gather_into_tensor(buffer, buffer[lo:hi].clone())
+                self._landing.copy_(self.master[chunk], non_blocking=True)
+                mine.copy_(self._landing)
+            if self.world_size > 1:
+                dist.all_gather_into_tensor(buffer, mine.clone())
             if stream is not None:
                 self._ready[chunk] = stream.record_event()
 
@@ -269,20 +338,42 @@ class ChunkManager:
 
     # ----- gradients and the optimizer ---------------------------------------------------------------
 
+    def expect_gradients(self, chunk: int, source) -> None:
+        """Compile time: the backward of frame `source` reduces gradients into `chunk`. An offloaded chunk steps
+        once every frame reducing into it has (recompiles of one frame count once: only one of them runs)."""
+        self._grad_sources.setdefault(chunk, set()).add(source)
+
     def reduce_grads(self, chunk: int, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
         """Add a chunk's gradients into its fp32 gradient; offloaded chunks then start their CPU AdamW step.
 
-        Offloaded: the gradient shard (compute dtype) is copied to the pinned staging area without blocking;
-        the worker thread waits for that copy, adds it into the fp32 gradient and steps the chunk, while the
-        device goes on with the backward.
+        Offloaded: the fp32 gradient shard is copied to the host without blocking (straight into the shard's
+        gradient when it is the step's first); once the last expected gradient of the chunk is in, the worker
+        thread waits for that copy and steps the chunk while the device goes on with the backward.
         """
         persistent = chunk < self.n_persist
+        if chunk in self._stepped:
+            raise RuntimeError(
+                f"chunk {chunk} got a gradient after its optimizer step had started in this step (a backward ran "
+                "twice between optimizer steps, or a compiled graph ran twice in one forward); call "
+                "optimizer.step() after each backward: gradient accumulation over several backward passes is "
+                "not supported yet"
+            )
+        if self.defer_updates:  # torch's fused non-finite check (multiplies by 1: values unchanged)
+            torch._amp_foreach_non_finite_check_and_unscale_(list(grads), self.found_inf, self._one)
         accumulate = chunk in self.has_grad  # the first gradient of a step overwrites: zero_grad never memsets
         self.has_grad.add(chunk)
+        self._arrivals[chunk] = self._arrivals.get(chunk, 0) + 1
+        if persistent and self.world_size == 1:
+            # straight into the fp32 gradient; where a parameter has no gradient yet this step its slot holds a
+            # stale value, which is overwritten here or never read (the optimizer skips that parameter)
+            for p, g in zip(params, grads):
+                a, b = self._slot_range(self.slot_of(p))
+                seen = self.index[id(p)] in self.params_with_grad
+                self.grad[chunk][a:b].add_(g.reshape(-1)) if seen else self.grad[chunk][a:b].copy_(g.reshape(-1))
+            self.params_with_grad.update(self.index[id(p)] for p in params)
+            return
         self.params_with_grad.update(self.index[id(p)] for p in params)
-        flat = torch.zeros(
-            self.layout.chunk_elems, dtype=torch.float32 if persistent else self.dtype, device=self.device
-        )
+        flat = torch.zeros(self.layout.chunk_elems, dtype=torch.float32, device=self.device)
         for p, g in zip(params, grads):
             a, b = self._slot_range(self.slot_of(p))
             flat[a:b].copy_(g.reshape(-1))
@@ -293,26 +384,40 @@ class ChunkManager:
             self.grad[chunk].add_(flat) if accumulate else self.grad[chunk].copy_(flat)
             return
         shard = self._reduce_scatter(flat) / self.world_size if self.world_size > 1 else flat
-        self.staging[chunk].copy_(shard, non_blocking=True)
-        copied = None
-        if self.device.type == "cuda":
-            copied = torch.cuda.Event()
-            copied.record()
-        self.wait_for_update(chunk)
-        self._pending[chunk] = self._pool.submit(self._offloaded_grad_ready, chunk, copied, accumulate)
-
-    def _offloaded_grad_ready(self, chunk: int, copied, accumulate: bool) -> None:
-        """On the worker thread: take the staged gradient in, then step the chunk if an optimizer is known."""
-        if copied is not None:
-            copied.synchronize()
+        self.wait_for_update(chunk)  # the previous gradient copy of this chunk is taken in
         if accumulate:
-            self.grad[chunk].add_(self.staging[chunk])
+            self.wait_for_update()  # the one staging shard is free once every pending copy is taken in
+            if self.staging is None:
+                self.staging = torch.empty(self.layout.shard_elems, dtype=torch.float32, pin_memory=self._pinned)
+            target = self.staging
         else:
-            self.grad[chunk].copy_(self.staging[chunk])
-        if self.optimizer is not None:
-            self.optimizer.step_chunk(self, chunk)
-        else:
-            self._unstepped.add(chunk)
+            target = self.grad[chunk]
+        copied = None
+        stream = self._d2h_stream
+        if stream is not None:  # off the compute stream, so the copy overlaps the rest of the backward
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            target.copy_(shard, non_blocking=True)
+            if stream is not None:
+                copied = stream.record_event()
+        last = self._arrivals[chunk] >= len(self._grad_sources.get(chunk, ()))
+        last = last and self.optimizer is not None and not self.defer_updates
+        update = None
+        if last:
+            self._stepped.add(chunk)
+            update = self.optimizer.chunk_update(self, chunk)  # hyperparameters and gradients as of now
+
+        def take_in() -> None:
+            """On the worker thread, once the copy has landed. `shard` (the device gradient) stays referenced
+            until then: the allocator must not reuse it while the copy reads it."""
+            with torch.profiler.record_function("protrain::cpu_adamw"):
+                assert shard is not None, f"chunk {chunk}: gradient shard released before its copy"
+                if accumulate:
+                    self.grad[chunk].add_(self.staging)
+                if update is not None:
+                    update()
+
+        self._pending[chunk] = self._host.submit(chunk, copied, take_in)
 
     def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """Sum of `flat` over ranks, this rank's shard of it (gloo has no reduce-scatter: all-reduce, then slice)."""
@@ -324,9 +429,23 @@ class ChunkManager:
         dist.reduce_scatter_tensor(shard, flat)
         return shard
 
-    def take_unstepped(self) -> list[int]:
-        chunks, self._unstepped = sorted(self._unstepped), set()
-        return chunks
+    def unstepped(self) -> list[int]:
+        """Offloaded chunks with a gradient this step whose CPU step has not started (a frame reducing into them
+        did not run its backward, or the optimizer was not known yet): `AdamW.step()` steps them."""
+        return sorted(c for c in self.has_grad if c >= self.n_persist and c not in self._stepped)
+
+    def submit_update(self, chunk: int, update: Callable[[], None]) -> None:
+        """Start an offloaded chunk's update on the worker thread now (from `AdamW.step()`)."""
+        self.wait_for_update(chunk)  # its gradient copy is taken in
+        self._stepped.add(chunk)
+        self._pending[chunk] = self._host.submit(chunk, None, update)
+
+    def end_step(self) -> None:
+        """After the optimizer step: the next backward starts a new step (gradients still add up until
+        zero_grad, as in torch)."""
+        self._arrivals.clear()
+        self._stepped.clear()
+        self.found_inf.zero_()
 
     def wait_for_update(self, chunk: int | None = None) -> None:
         """Block until the CPU optimizer step of `chunk` (of every chunk if None) is done."""
@@ -339,6 +458,7 @@ class ChunkManager:
         """Forget this step's gradients; the next one overwrites each chunk's fp32 gradient (no memset)."""
         self.has_grad.clear()
         self.params_with_grad.clear()
+        self.end_step()
 
     def param_pieces(self, chunk: int) -> list[tuple[int, int, int]]:
         """(param index, start, end) of this rank's piece of a chunk, in piece coordinates."""
@@ -354,16 +474,17 @@ class ChunkManager:
         return pieces
 
     def publish(self, chunk: int) -> None:
-        """After an update: copy the fp32 master into the parameters' compute-dtype copy."""
-        target = self.flat[chunk] if chunk < self.n_persist else self.host_params[chunk]
-        if target is not self.master[chunk]:
-            target.copy_(self.master[chunk])
-        self._version[chunk] = self._version.get(chunk, 0) + 1  # a buffered copy is stale now
+        """After an update: a persistent chunk's parameters take the fp32 master's values; an offloaded chunk's
+        next gather loads the new master (a buffered copy is stale now)."""
+        if chunk < self.n_persist and self.flat[chunk] is not self.master[chunk]:
+            self.flat[chunk].copy_(self.master[chunk])
+        self._version[chunk] = self._version.get(chunk, 0) + 1
 
     @contextlib.contextmanager
     def materialized(self, params: Sequence[nn.Parameter]) -> Iterator[None]:
         """Give offloaded parameters their values back for a while (profiling a graph compiled after adoption)."""
         offloaded = [p for p in params if id(p) in self.index and not self.is_persistent(p)]
+        self.wait_for_update()
         with torch.no_grad(), unset_fake_temporarily():
             chunks = {c: self.full_values(c) for c in sorted({self.slot_of(p).chunk for p in offloaded})}
             for p in offloaded:
@@ -382,7 +503,7 @@ class ChunkManager:
         if chunk < self.n_persist:
             return self.flat[chunk].to("cpu")
         if self.world_size == 1:
-            return self.host_params[chunk].clone()
+            return self.master[chunk].to(self.dtype, copy=True)
         out = torch.empty(self.layout.chunk_elems, dtype=self.dtype, device=self.device)
-        dist.all_gather_into_tensor(out, self.host_params[chunk].to(self.device))
+        dist.all_gather_into_tensor(out, self.master[chunk].to(self.device, self.dtype))
         return out.to("cpu")

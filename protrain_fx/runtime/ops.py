@@ -5,6 +5,7 @@
     w    = aten.view(aten.slice(buf, 0, offset, offset + numel), shape)   # a parameter, read from the buffer
     protrain.release(manager, chunk, [last users of the chunk])          # after its last use
     protrain.reduce_grads(manager, chunk, [param indices], [grads])      # after the chunk's last gradient
+    protrain.check_params(manager, [param indices], [parameters])        # forward: inputs are still ours
 
 Ordering comes from data dependencies: every read of a parameter goes through its chunk's `gather`
 output, `release` takes the outputs of the chunk's last readers as arguments, and `reduce_grads` takes
@@ -84,6 +85,17 @@ def _(manager: int, chunk: int, params: list[int], grads: list[torch.Tensor]) ->
     return None
 
 
+@torch.library.custom_op("protrain::check_params", mutates_args=())
+def check_params(manager: int, params: list[int], inputs: list[torch.Tensor]) -> None:
+    _manager(manager).check_params(params, inputs)
+
+
+@check_params.register_fake
+def _(manager: int, params: list[int], inputs: list[torch.Tensor]) -> None:
+    return None
+
+
+has_side_effect(torch.ops.protrain.check_params.default)
 has_side_effect(torch.ops.protrain.prefetch.default)
 has_side_effect(torch.ops.protrain.release.default)
 has_side_effect(torch.ops.protrain.reduce_grads.default)

@@ -6,25 +6,31 @@ of the chunks: one inner optimizer per chunk piece, whose parameters are views o
 whose gradients are views of the chunk's fp32 gradient, grouped like the outer param groups.
 
 - Offloaded chunks: the manager starts the CPU step of each chunk on its worker thread as soon as the
-  chunk's gradient is on the host, overlapping the rest of the backward; `step()` waits for them.
+  chunk's gradient is on the host, overlapping the rest of the backward. `step()` does not wait for them:
+  each chunk's next gather waits for its own update, so the next forward overlaps the tail of the CPU work.
+  Everything that reads the weights or states (`full_state_dict`, `state_dict()`) waits for all of them.
 - Persistent chunks: `step()` runs their update on the GPU.
 - Parameters no manager owns (the model was not compiled with protrain) are updated like
   `torch.optim.AdamW` would, from `param.grad`.
-Hyperparameters are read from the param groups when a chunk steps, so a scheduler's change applies from
-the next backward on. `state_dict()` / `load_state_dict()` use torch's AdamW format (per parameter `step`,
+Hyperparameters are read from the param groups when a chunk's gradient is complete (during the
+backward), so a scheduler's change applies from the next backward on, as with torch's AdamW. `state_dict()` / `load_state_dict()` use torch's AdamW format (per parameter `step`,
 `exp_avg`, `exp_avg_sq`); loaded states are placed when the inner optimizers are built.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from protrain_fx.runtime.chunks import MANAGER_ATTR
+
+log = logging.getLogger(__name__)
 
 OPTIMIZER_ATTR = "_protrain_optimizer"  # set on each parameter: a weak reference to its AdamW
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -53,6 +59,9 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 p.__dict__[OPTIMIZER_ATTR] = me
+        for manager in self._managers():  # chunks built before the optimizer (protrain_fx.prepare)
+            if manager.optimizer is None:
+                manager.optimizer = self
 
     def _group_index(self) -> dict[int, int]:
         return {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
@@ -109,38 +118,82 @@ class AdamW(torch.optim.Optimizer):
         for group, g in zip(inner.param_groups, inner.outer_groups):
             group.update({k: self.param_groups[g][k] for k in _HYPER})
 
-    @torch.no_grad()
-    def step_chunk(self, manager, chunk: int) -> None:
-        """Update one chunk piece (the manager calls this on its worker thread for offloaded chunks)."""
-        inner = self._inner_for(manager, chunk)
-        if inner is not None:
-            self._sync_hyper(inner)
-            for group in inner.param_groups:
-                for view in group["params"]:  # like torch's AdamW, a parameter without gradient is not updated
-                    got_grad = manager.index[id(inner.param_of[id(view)])] in manager.params_with_grad
-                    view.grad = inner.grad_of[id(view)] if got_grad else None
-            inner.step()
-        manager.publish(chunk)
+    def chunk_update(self, manager, chunk: int, grad_scale: float | None = None) -> Callable[[], None]:
+        """The update of one chunk piece as a function to run later (the manager runs it on its worker thread
+        for offloaded chunks), with the hyperparameters and the set of parameters with a gradient as of now:
+        a scheduler step or zero_grad() before it runs does not change it. `grad_scale`: the loss scale the
+        gradients carry, divided out by the fused kernel."""
+        hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
+        with_grad = {i for i, _, _ in manager.param_pieces(chunk) if i in manager.params_with_grad}
+
+        @torch.no_grad()
+        def update() -> None:
+            inner = self._inner_for(manager, chunk)
+            if inner is not None:
+                for group, g in zip(inner.param_groups, inner.outer_groups):
+                    group.update(hyper[g])
+                for group in inner.param_groups:
+                    for view in group["params"]:  # like torch's AdamW, a parameter without gradient is not updated
+                        got_grad = manager.index[id(inner.param_of[id(view)])] in with_grad
+                        view.grad = inner.grad_of[id(view)] if got_grad else None
+                _set_grad_scale(inner, grad_scale, manager.master[chunk].device)
+                inner.step()
+            manager.publish(chunk)
+
+        return update
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scale: float | None = None):
+        """Update every parameter. `grad_scale` (from `protrain_fx.amp.GradScaler.step`): the loss scale the
+        gradients carry. If any gradient of the step is inf or NaN, nothing is updated and `last_step_skipped`
+        is True; float16 chunks always get that check (scale 1 without a scaler)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for manager in self._managers():
+        managers = self._managers()
+        if grad_scale is not None and any(not m.defer_updates for m in managers):
+            raise ValueError(
+                "loss scaling (protrain_fx.amp.GradScaler) is for float16 models; this model's chunks are "
+                f"{managers[0].dtype}, which trains without it: call optimizer.step() directly"
+            )
+        self.last_step_skipped = False
+        if grad_scale is not None or any(m.defer_updates for m in managers):
+            self.last_step_skipped = self._found_inf(managers)
+            if self.last_step_skipped:
+                log.warning("a gradient is inf or NaN: optimizer step skipped (loss scale %s)", grad_scale)
+                for manager in managers:
+                    manager.end_step()
+                return loss
+        for manager in managers:
             if manager.optimizer is not self:
                 manager.optimizer = self
-            manager.wait_for_update()
-            for chunk in manager.take_unstepped():  # gradients that arrived before the optimizer was known
-                self.step_chunk(manager, chunk)
+            for chunk in manager.unstepped():  # offloaded chunks not started during the backward
+                manager.submit_update(chunk, self.chunk_update(manager, chunk, grad_scale))
             for chunk in range(manager.n_persist):
                 if chunk in manager.has_grad:
-                    self.step_chunk(manager, chunk)
-        self._step_plain()
+                    self.chunk_update(manager, chunk, grad_scale)()
+            manager.end_step()
+        self._step_plain(grad_scale)
         return loss
 
-    def _step_plain(self) -> None:
+    def _found_inf(self, managers) -> bool:
+        """Whether any gradient of this step, on any rank, is inf or NaN (one device sync)."""
+        plain = [p.grad for g in self.param_groups for p in g["params"] if MANAGER_ATTR not in p.__dict__]
+        plain = [g for g in plain if g is not None]
+        flags = [m.found_inf for m in managers]
+        if plain:
+            found = torch.zeros(1, device=plain[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(plain, found, torch.ones(1, device=found.device))
+            flags.append(found)
+        if not flags:
+            return False
+        total = sum(f.to(flags[0].device) for f in flags)
+        if managers and managers[0].world_size > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        return bool(total.item())
+
+    def _step_plain(self, grad_scale: float | None = None) -> None:
         """Parameters no manager owns: a torch AdamW over them, kept in step with the param groups."""
         if self._plain is None:
             groups = {
@@ -151,12 +204,12 @@ class AdamW(torch.optim.Optimizer):
                 return
             self._plain = self._make_inner(groups, {id(p): p for ps in groups.values() for p in ps})
         self._sync_hyper(self._plain)
+        _set_grad_scale(self._plain, grad_scale, next(iter(self._plain.param_of.values())).device)
         self._plain.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         for manager in self._managers():
-            manager.wait_for_update()
             manager.zero_grad()
 
     # ----- state_dict ---------------------------------------------------------------------------------
@@ -232,3 +285,74 @@ class AdamW(torch.optim.Optimizer):
                     "exp_avg": st["exp_avg"].reshape(view.shape).to(view.device, torch.float32).clone(),
                     "exp_avg_sq": st["exp_avg_sq"].reshape(view.shape).to(view.device, torch.float32).clone(),
                 }
+
+
+def _set_grad_scale(inner: torch.optim.AdamW, grad_scale: float | None, device: torch.device) -> None:
+    """torch's fused AdamW divides the gradients by `inner.grad_scale` when set (as torch.amp.GradScaler does)."""
+    inner.grad_scale = None if grad_scale is None else torch.full((), grad_scale, device=device)
+    inner.found_inf = None if grad_scale is None else torch.zeros((), device=device)
+
+
+class GradScaler:
+    """Dynamic loss scaling for float16 models in chunks, with `torch.amp.GradScaler`'s interface:
+
+        scaler = protrain_fx.amp.GradScaler()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)      # unscales inside the fused AdamW; skips the step on inf/NaN
+        scaler.update()             # halves the scale after a skipped step, doubles it after growth_interval good ones
+
+    (`torch.amp.GradScaler` cannot be used: it unscales `param.grad`, and these gradients live in the chunks.)
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
+        if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
+            raise ValueError(
+                f"GradScaler got init_scale={init_scale}, growth_factor={growth_factor}, backoff_factor="
+                f"{backoff_factor}, growth_interval={growth_interval}; need init_scale > 0, growth_factor > 1, "
+                "0 < backoff_factor < 1 and growth_interval >= 1"
+            )
+        self._scale = float(init_scale)
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self._good_steps = 0
+        self._skipped: bool | None = None
+
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor:
+        return outputs * self._scale
+
+    def step(self, optimizer: AdamW, *args, **kwargs):
+        if not isinstance(optimizer, AdamW):
+            raise TypeError(
+                f"protrain_fx.amp.GradScaler steps a protrain_fx.optim.AdamW, got {type(optimizer).__name__}; "
+                "use torch.amp.GradScaler for other optimizers"
+            )
+        result = optimizer.step(*args, grad_scale=self._scale, **kwargs)
+        self._skipped = optimizer.last_step_skipped
+        return result
+
+    def update(self, new_scale: float | None = None) -> None:
+        if new_scale is not None:
+            self._scale = float(new_scale)
+        elif self._skipped:
+            self._scale *= self.backoff_factor
+            self._good_steps = 0
+        elif self._skipped is not None:
+            self._good_steps += 1
+            if self._good_steps == self.growth_interval:
+                self._scale *= self.growth_factor
+                self._good_steps = 0
+        self._skipped = None
+
+    def get_scale(self) -> float:
+        return self._scale
+
+    def state_dict(self) -> dict:
+        return {"scale": self._scale, "growth_tracker": self._good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._scale, self._good_steps = float(state["scale"]), int(state["growth_tracker"])

@@ -1,0 +1,102 @@
+"""Overlap of copies and host work with GPU kernels, from a `torch.profiler` chrome trace (Kineto's export).
+
+Kineto puts CPU and GPU events on one clock, `ts` and `dur` in microseconds. Events of every GPU in the trace are
+pooled: the analysis assumes a trace of one device.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+Intervals = list[tuple[float, float]]  # sorted, disjoint (start, end) pairs
+
+CPU_CATEGORIES = ("cpu_op", "user_annotation")
+
+
+def load_events(path: str | Path) -> list[dict]:
+    """The `traceEvents` of a chrome trace `export_chrome_trace` wrote (gzipped if the name ends in .gz)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def overlap_report(trace_events: list[dict], cpu_name: str = "protrain::cpu_adamw") -> dict:
+    """Kernel busy time, H2D and D2H copy time and the CPU events named like `cpu_name`, with their overlap.
+
+    Times are in microseconds; each time is of the union of its events' intervals (the CPU events': per thread,
+    summed), so nested or concurrent events count once. An `*_overlap` is the fraction of that time during which
+    some kernel runs, None where the time is 0.
+    """
+    complete = [e for e in trace_events if e.get("ph") == "X" and "dur" in e]
+    kernels = _union(_span(e) for e in complete if e.get("cat") == "kernel")
+    report = {"kernel_us": _length(kernels)}
+    for key, direction in (("h2d", "HtoD"), ("d2h", "DtoH")):
+        copies = _union(_span(e) for e in complete if e.get("cat") == "gpu_memcpy" and direction in e.get("name", ""))
+        report[f"{key}_us"] = _length(copies)
+        report[f"{key}_overlap"] = _fraction(_length(_intersect(copies, kernels)), report[f"{key}_us"])
+
+    matching = [e for e in complete if e.get("cat") in CPU_CATEGORIES and cpu_name in e.get("name", "")]
+    by_thread: dict[tuple, list[tuple[float, float]]] = {}
+    for e in matching:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(_span(e))
+    spans = [_union(thread_spans) for thread_spans in by_thread.values()]
+    cpu_us = sum(_length(s) for s in spans)
+    overlapped_us = sum(_length(_intersect(s, kernels)) for s in spans)
+    report.update(
+        cpu_name=cpu_name, cpu_events=len(matching), cpu_us=cpu_us, cpu_overlap=_fraction(overlapped_us, cpu_us)
+    )
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The report as a small table: time in ms and the fraction of it overlapping GPU kernels."""
+    rows = [
+        ("GPU kernels (busy)", report["kernel_us"], None),
+        ("H2D memcpy", report["h2d_us"], report["h2d_overlap"]),
+        ("D2H memcpy", report["d2h_us"], report["d2h_overlap"]),
+        (f"CPU '{report['cpu_name']}' ({report['cpu_events']} events)", report["cpu_us"], report["cpu_overlap"]),
+    ]
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"{'':{width}} | {'ms':>9} | overlaps kernels", f"{'-' * width}-+-{'-' * 9}-+-{'-' * 16}"]
+    for name, us, fraction in rows:
+        lines.append(f"{name:{width}} | {us / 1e3:9.2f} | {'-' if fraction is None else f'{fraction:.1%}'}")
+    return "\n".join(lines)
+
+
+def _span(event: dict) -> tuple[float, float]:
+    return float(event["ts"]), float(event["ts"]) + float(event["dur"])
+
+
+def _union(intervals) -> Intervals:
+    merged: Intervals = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _intersect(a: Intervals, b: Intervals) -> Intervals:
+    """The intersection of two unions (sorted, disjoint), by a sweep over both."""
+    out: Intervals = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(intervals: Intervals) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _fraction(part: float, whole: float) -> float | None:
+    return part / whole if whole > 0 else None

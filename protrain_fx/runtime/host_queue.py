@@ -1,0 +1,73 @@
+"""The worker thread that runs the host side of offloaded chunks (their CPU AdamW steps).
+
+Gradients arrive in backward order (last chunk first) but the next forward needs the first chunk first. The
+CPU is usually the slower side, so work piles up by the end of the backward; this queue then runs, among the
+tasks whose device-to-host copy has landed, the one of the lowest chunk index first. So the next forward
+can start on the first updated chunks while the CPU still updates later ones. A task whose copy has not
+landed is taken only when none has, the oldest first (copies land in submission order).
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import itertools
+import threading
+import weakref
+from collections.abc import Callable
+
+
+class HostQueue:
+    def __init__(self, name: str = "protrain-cpu-adam"):
+        self._cv = threading.Condition()
+        self._tasks: dict[int, tuple[int, object, Callable[[], None], concurrent.futures.Future]] = {}
+        self._seq = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        atexit.register(_close, weakref.ref(self))
+
+    def submit(self, chunk: int, copied, fn: Callable[[], None]) -> concurrent.futures.Future:
+        """Run `fn` once `copied` (a CUDA event, or None) has completed. One task per chunk at a time."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            assert chunk not in self._tasks, f"chunk {chunk} already has a host task queued"
+            self._tasks[chunk] = (next(self._seq), copied, fn, future)
+            self._cv.notify()
+        return future
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread (also at interpreter exit, so no update is cut short)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _next(self):
+        with self._cv:
+            while not self._tasks and not self._closed:
+                self._cv.wait()
+            if not self._tasks:
+                return None
+            landed = [c for c, (_, copied, _, _) in self._tasks.items() if copied is None or copied.query()]
+            chunk = min(landed) if landed else min(self._tasks, key=lambda c: self._tasks[c][0])
+            return self._tasks.pop(chunk)
+
+    def _run(self) -> None:
+        while (task := self._next()) is not None:
+            _, copied, fn, future = task
+            try:
+                if copied is not None:
+                    copied.synchronize()
+                fn()
+            except BaseException as e:  # handed to whoever waits for this chunk
+                future.set_exception(e)
+            else:
+                future.set_result(None)
+
+
+def _close(ref: weakref.ref) -> None:
+    queue = ref()
+    if queue is not None:
+        queue.close()

@@ -1,0 +1,125 @@
+"""protrain_fx.prepare (chunks built before compiling, from a CPU or meta-device model) and the chunk runtime's
+guards: a chunk that gets gradients from several graphs, a second backward, replaced parameters.
+
+Tolerance: bitwise, as in test_chunk_parity (fp32 on the CPU, the same fused AdamW kernel on views).
+"""
+
+import copy
+
+import models
+import pytest
+import torch
+
+import protrain_fx
+from protrain_fx.runtime.adopt import model_manager
+
+OFFLOADED = {"n_persist": 0, "n_buffer": 2}
+
+
+def _train(model, opt, kind, steps):
+    losses = []
+    for step in range(steps):
+        loss = models.loss_of(kind, model(**models.batch(kind, seed=step)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _compare(ref, model, kind, steps=4, options=None):
+    """Train `ref` eagerly and the prepared `model` through the backend; both must end bitwise equal."""
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", **(options or {})})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    assert _train(compiled, opt, kind, steps) == _train(ref, ref_opt, kind, steps)
+    state = protrain_fx.full_state_dict(model)
+    assert list(state) == list(ref.state_dict())
+    for name, value in ref.state_dict().items():
+        assert torch.equal(state[name], value), name
+    return backend
+
+
+@pytest.mark.parametrize("kind", ["toy", "llama"])
+def test_prepared_cpu_model_trains_like_eager(kind):
+    ref = models.build(kind)
+    model = protrain_fx.prepare(copy.deepcopy(ref), plan={"n_persist": 1, "n_buffer": 2}, device="cpu")
+    manager = model_manager(model)
+    assert manager.n_persist == 1 and manager.layout.n_chunk > 1
+    offloaded = [p for p in manager.params if not manager.is_persistent(p)]
+    assert offloaded and all(p.untyped_storage().nbytes() == 0 for p in offloaded)
+    backend = _compare(ref, model, kind)
+    assert backend.graphs[0].plan.n_persist == 1  # the plan in force is the prepared one
+
+
+def test_meta_model_with_init_trains_like_the_cpu_model():
+    ref = models.build("toy")
+    values = {name: t.detach().clone() for name, t in ref.state_dict().items()}
+    with torch.device("meta"):
+        model = models.ToyTransformer()
+    prefix = {id(m): name for name, m in model.named_modules()}
+    initialised = []
+
+    def init(module):
+        initialised.append(prefix[id(module)])
+        for name, p in module.named_parameters(recurse=False):
+            p.copy_(values[f"{prefix[id(module)]}.{name}".lstrip(".")])
+
+    protrain_fx.prepare(model, plan=OFFLOADED, device="cpu", init=init)
+    assert not any(t.is_meta for t in model.parameters())
+    assert len(initialised) == len(set(initialised))  # each module once
+    _compare(ref, model, "toy")
+
+
+def test_prepare_errors():
+    with torch.device("meta"):
+        meta = models.ToyTransformer()
+    with pytest.raises(ValueError, match="on the meta device .* pass init=fn"):
+        protrain_fx.prepare(meta, device="cpu")
+    model = protrain_fx.prepare(models.build("toy"), plan=OFFLOADED, device="cpu")
+    with pytest.raises(ValueError, match="in chunks already"):
+        protrain_fx.prepare(model, device="cpu")
+    with pytest.raises(TypeError, match="takes an nn.Module"):
+        protrain_fx.prepare("model")
+    frozen = models.build("toy").requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        protrain_fx.prepare(frozen, device="cpu")
+    protrain_fx.optim.AdamW(model.parameters())
+    compiled = torch.compile(
+        model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_persist": 1}})
+    )
+    with pytest.raises(
+        Exception, match="asks for n_persist=1 but the model's chunks were already built .* n_persist=0"
+    ):
+        compiled(**models.batch("toy"))
+
+
+def test_chunk_with_gradients_from_two_graphs():
+    """A graph break inside the one chunk: both graphs' backwards reduce into it, and it steps once, after the
+    second (the first backward to run, of the later graph, must not step it alone)."""
+    ref = models.build("toy", graph_break_after=0)
+    model = copy.deepcopy(ref)
+    options = {"plan": {"n_persist": 0, "n_buffer": 1, "chunk_bytes": 2**20}}
+    backend = _compare(ref, model, "toy", options=options)
+    with_params = [g for g in backend.graphs if g.param_map]
+    assert len(with_params) == 2 and model_manager(model).layout.n_chunk == 1
+
+
+def test_second_backward_before_the_step_is_an_error():
+    model = models.build("toy")
+    opt = protrain_fx.optim.AdamW(model.parameters())  # noqa: F841 - alive, so chunks step during backward
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": OFFLOADED}))
+    compiled(**models.batch("toy")).backward()
+    with pytest.raises(RuntimeError, match="got a gradient after its optimizer step had started"):
+        compiled(**models.batch("toy")).backward()
+
+
+def test_parameter_replaced_after_compile_is_an_error():
+    model = models.build("toy")
+    protrain_fx.optim.AdamW(model.parameters())
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": OFFLOADED}))
+    compiled(**models.batch("toy")).backward()
+    model.blocks[0].proj.weight = torch.nn.Parameter(torch.randn(32, 32))
+    with pytest.raises(Exception, match="'blocks.0.proj.weight' was created or replaced after the model's chunks"):
+        compiled(**models.batch("toy"))
