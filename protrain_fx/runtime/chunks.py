@@ -143,7 +143,7 @@ class ChunkManager:
         self.dtype = self.params[0].dtype
         check_ranks_agree(layout, n_persist, n_buffer)
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self._host = HostQueue()  # the worker thread of the offloaded chunks' CPU steps
+        self._host = HostQueue(spare_core=self.device.type == "cuda")  # runs the offloaded chunks' CPU steps
         weakref.finalize(self, self._host.close)
         self._pending: dict[int, concurrent.futures.Future] = {}  # offloaded chunk -> its CPU AdamW step
         self._version: dict[int, int] = {}  # chunk -> updates published (written by the worker thread)

@@ -16,9 +16,16 @@ import threading
 import weakref
 from collections.abc import Callable
 
+import torch
+
 
 class HostQueue:
-    def __init__(self, name: str = "protrain-cpu-adam"):
+    def __init__(self, name: str = "protrain-cpu-adam", *, spare_core: bool = False):
+        """`spare_core`: run torch's CPU kernels on one core fewer (a process-wide setting), leaving it to the
+        thread that launches GPU work; with every core in the worker's parallel regions, that thread preempts
+        one of them and the whole region waits for it. For training on a GPU, where the main thread computes
+        nothing on the CPU."""
+        self._spare_core = spare_core
         self._cv = threading.Condition()
         self._tasks: dict[int, tuple[int, object, Callable[[], None], concurrent.futures.Future]] = {}
         self._seq = itertools.count()
@@ -55,6 +62,8 @@ class HostQueue:
             return self._tasks.pop(chunk)
 
     def _run(self) -> None:
+        if self._spare_core:
+            torch.set_num_threads(max(1, torch.get_num_threads() - 1))
         while (task := self._next()) is not None:
             _, copied, fn, future = task
             try:
