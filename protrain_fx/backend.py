@@ -28,7 +28,7 @@ import torch._guards
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._functorch.partitioners import min_cut_rematerialization_partition, must_recompute
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from protrain_fx.capture import (
@@ -182,8 +182,8 @@ class _Partitioner(CustomPartitionerFn):
             manager=manager,
             example_inputs=self.example_inputs,
         )
-        if JOINT_PASSES:
-            joint = run_passes(joint, ctx, JOINT_PASSES, stage="joint")
+        joint = run_passes(joint, ctx, JOINT_PASSES, stage="joint")
+        if any(must_recompute(n) for n in joint.graph.nodes):  # recompute tags change the partition: cut again
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         fw = run_passes(fw, ctx, GRAPH_PASSES, stage="forward")
         ctx = dataclasses.replace(ctx, forward_placeholders=[n for n in fw.graph.nodes if n.op == "placeholder"])

@@ -252,7 +252,8 @@ def block_index(path: Sequence[str], family: BlockFamily) -> int | None:
     return None
 
 
-def _is_backward(node: fx.Node) -> bool:
+def is_backward(node: fx.Node) -> bool:
+    """A joint-graph node of the backward (AOTAutograd's tag)."""
     return node.meta.get("partitioner_tag") == "is_backward"
 
 
@@ -289,7 +290,7 @@ def build_block_map(joint: fx.GraphModule, roots: FrameRoots) -> BlockMap:
     previous_block: dict[bool, int | None] = {False: None, True: None}
     seen_block = {False: False, True: False}  # forward runs pre, blocks, post; backward post, blocks, pre
     for node in nodes:
-        backward = _is_backward(node)
+        backward = is_backward(node)
         paths = _stack_paths(node, roots)
         idx = next((b for p in paths if (b := block_index(p, family)) is not None), None)
         if idx is None and not paths:

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+OFFLOADED = {"n_persist": 1, "n_buffer": 3}
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -90,23 +92,12 @@ def _nccl_worker(rank, world, port, kind, plan, errors):
     _worker(rank, world, port, kind, plan, errors, backend="nccl")
 
 
-def _disagreeing_worker(rank: int, world: int, port: int, errors):
+def _gloo_rank(rank: int, world: int, port: int, errors, body) -> None:
+    """Run `body()` as one gloo rank; an error goes to the parent, which fails the test."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        import models
-
-        import protrain_fx
-
-        model = models.build("toy", layers=3 + rank)  # rank 1 has one block more
-        opt = protrain_fx.optim.AdamW(model.parameters())  # noqa: F841
-        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": {}}))
-        try:
-            compiled(**models.batch("toy"))
-        except Exception as e:
-            assert "ranks [1] disagree with rank 0 on the model or plan" in str(e), str(e)
-        else:
-            raise AssertionError("no error")
+        body()
     except BaseException as e:
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
@@ -114,5 +105,32 @@ def _disagreeing_worker(rank: int, world: int, port: int, errors):
         dist.destroy_process_group()
 
 
+def _disagreeing_worker(rank: int, world: int, port: int, errors):
+    def body():
+        import models
+
+        import protrain_fx
+
+        model = models.build("toy", layers=3 + rank)  # rank 1 has one block more
+        opt = protrain_fx.optim.AdamW(model.parameters())  # noqa: F841
+        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": {}}))
+        with pytest.raises(Exception, match=r"ranks \[1\] disagree with rank 0 on the model or plan"):
+            compiled(**models.batch("toy"))
+
+    _gloo_rank(rank, world, port, errors, body)
+
+
 def test_ranks_that_disagree_fail_together():
     _spawn(_disagreeing_worker, 2)
+
+
+def _state_dict_worker(rank: int, world: int, port: int, errors):
+    from test_chunk_parity import test_optimizer_state_dict_matches_torch_and_resumes
+
+    _gloo_rank(rank, world, port, errors, lambda: test_optimizer_state_dict_matches_torch_and_resumes(OFFLOADED))
+
+
+def test_optimizer_state_dict_across_ranks():
+    """The single-process state_dict test on 2 ranks: AdamW.state_dict() gathers the sharded states (every rank
+    gets torch's AdamW state, bitwise), and loading it resumes exactly."""
+    _spawn(_state_dict_worker, 2)

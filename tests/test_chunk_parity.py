@@ -203,3 +203,27 @@ def test_parameter_no_graph_uses_is_not_updated(plan):
     state = protrain_fx.full_state_dict(model)
     for name, value in ref.state_dict().items():
         assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("plan", [{}, {"n_persist": 1, "n_buffer": 2}], ids=["persistent", "offloaded"])
+def test_fp32_chunks_under_autocast(plan):
+    """Mixed precision by autocast in the user's loop: fp32 weights in chunks, bf16 compute; equal to eager
+    training under the same autocast (the compiled graph runs the same casts and kernels)."""
+    ref = models.build("llama")
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan}))
+    for step in range(3):
+        losses = []
+        for m, o in ((ref, ref_opt), (compiled, opt)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(**models.batch("llama", seed=step)).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[1] == losses[0], f"step {step}: {losses}"
+    state = protrain_fx.full_state_dict(model)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(state[name], value), name

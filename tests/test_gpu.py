@@ -116,18 +116,7 @@ def test_chunked_bf16_parity(plan):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": plan}), dynamic=False)
-    for step in range(5):
-        batch = {k: v.cuda() for k, v in models.batch("llama", seed=step).items()}
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = compiled(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=BF16_RTOL), f"step {step}"
+    _train_against_autocast(ref, ref_opt, compiled, opt)
 
 
 def test_chunk_buffers_allocated_once():
@@ -176,18 +165,7 @@ def test_prepared_cpu_model_trains_on_gpu():
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend="protrain", dynamic=False)
-    for step in range(5):
-        batch = {k: v.cuda() for k, v in models.batch("llama", seed=step).items()}
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = compiled(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=BF16_RTOL), f"step {step}"
+    _train_against_autocast(ref, ref_opt, compiled, opt)
 
 
 def test_fp16_chunks_with_loss_scaling():
@@ -215,5 +193,31 @@ def test_fp16_chunks_with_loss_scaling():
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
+        opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=BF16_RTOL), f"step {step}"
+
+
+@pytest.mark.parametrize("plan", [{"n_checkpoint": 2}, {"block_modes": ["checkpoint", "none", "checkpoint", "none"]}])
+def test_checkpointed_bf16_parity(plan):
+    """Checkpointed blocks through inductor on the GPU, bf16 autocast, dropout on: the bf16 tolerance."""
+    (eager_losses, _), (losses, _), backend = eager_and_protrain(
+        "llama", steps=5, options={"plan": plan}, device="cuda", autocast=torch.bfloat16, layers=4, dropout=0.1
+    )
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=BF16_RTOL, atol=1e-3)
+    assert backend.graphs[0].plan.n_checkpoint == 2
+
+
+def _train_against_autocast(ref, ref_opt, compiled, opt, steps: int = 5) -> None:
+    """Eager fp32 `ref` under bf16 autocast and the bf16 `compiled` model side by side: losses within BF16_RTOL."""
+    for step in range(steps):
+        batch = {k: v.cuda() for k, v in models.batch("llama", seed=step).items()}
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = compiled(**batch).loss
+        loss.backward()
+        opt.step()
         opt.zero_grad()
         assert loss.item() == pytest.approx(ref_loss.item(), rel=BF16_RTOL), f"step {step}"

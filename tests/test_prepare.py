@@ -9,22 +9,12 @@ import copy
 import models
 import pytest
 import torch
+from test_chunk_parity import _train
 
 import protrain_fx
 from protrain_fx.runtime.adopt import model_manager
 
 OFFLOADED = {"n_persist": 0, "n_buffer": 2}
-
-
-def _train(model, opt, kind, steps):
-    losses = []
-    for step in range(steps):
-        loss = models.loss_of(kind, model(**models.batch(kind, seed=step)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _compare(ref, model, kind, steps=4, options=None):

@@ -168,7 +168,9 @@ def grad_reduce_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         return gm
     output = next(n for n in graph.nodes if n.op == "output")
     grads = list(output.args[0])
-    primals = [n for n in ctx.forward_placeholders]
+    # the backward returns one gradient per primal; the partitioner may add other forward inputs after them
+    # (the RNG states of recomputed random ops on CUDA), which get none
+    primals = [n for n in ctx.forward_placeholders if n.name.startswith("primals")]
     assert len(grads) == len(primals), f"backward returns {len(grads)} gradients for {len(primals)} primals"
     by_chunk: dict[int, list[tuple[int, int, fx.Node]]] = defaultdict(list)
     for position, (primal, grad) in enumerate(zip(primals, grads)):

@@ -4,7 +4,8 @@ Passes read decisions from the plan and tags in `node.meta`; a pass with nothing
 unchanged. Stages:
   JOINT_PASSES   on the joint forward+backward graph, before partitioning (tagging, e.g. recompute tags)
   GRAPH_PASSES   on the partitioned forward and backward graphs (rewrites, e.g. inserting runtime ops)
-Graph passes now: the chunk passes (passes/chunks.py); the activation passes come in later versions.
+Joint passes: activation checkpointing tags (passes/activations.py). Graph passes: the chunk passes
+(passes/chunks.py).
 With a dump directory, the graph after each pass is written as readable Python (`<stage>_<i>_<pass>.py`).
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 from torch import fx
 
 from protrain_fx.config import ProTrainConfig
+from protrain_fx.passes.activations import checkpoint_tag_pass
 from protrain_fx.passes.chunks import chunk_gather_pass, chunk_tag_pass, grad_reduce_pass, param_check_pass
 from protrain_fx.planner.plan import Plan
 
@@ -40,7 +42,7 @@ class PassContext:
 
 Pass = Callable[..., fx.GraphModule]
 
-JOINT_PASSES: tuple[Pass, ...] = ()
+JOINT_PASSES: tuple[Pass, ...] = (checkpoint_tag_pass,)
 GRAPH_PASSES: tuple[Pass, ...] = (chunk_tag_pass, chunk_gather_pass, grad_reduce_pass, param_check_pass)
 
 

@@ -2,7 +2,8 @@
 
 Later stages only read it. It is JSON-serializable so it can be dumped and replayed
 (`options={"plan": "plan.json"}`). This version carries out the chunk fields (`n_persist`, `n_buffer`,
-forced by the user; all chunks persistent by default) and no activation checkpointing or swapping.
+forced by the user; all chunks persistent by default) and per-block activation checkpointing
+(`n_checkpoint`, or `block_modes`; none by default); swapping is refused for now.
 """
 
 from __future__ import annotations
@@ -61,25 +62,20 @@ def make_plan(n_block: int, forced: Mapping[str, Any] | None = None, layout: Chu
     """The plan for a graph of `n_block` blocks, after checking the user's forced fields.
 
     Without a chunk layout (parameters not managed in chunks) everything stays where it is. With one, the
-    forced `n_persist` and `n_buffer` are taken, and by default every chunk is persistent. Activation
-    checkpointing and swapping are not carried out yet: asking for them is refused with a clear error.
+    forced `n_persist` and `n_buffer` are taken, and by default every chunk is persistent. Block modes: the
+    forced `block_modes`, else the interleaved layout of the forced `n_swap` and `n_checkpoint` (none by
+    default). Swapping is not carried out yet: asking for it is refused with a clear error.
     """
     forced = dict(forced or {})
     unknown = sorted(set(forced) - set(PLAN_FIELDS))
     if unknown:
         raise ValueError(f"unknown plan field(s) {unknown} in options['plan']; plan fields are {list(PLAN_FIELDS)}")
-    modes = tuple(forced.get("block_modes", ("none",) * n_block))
-    bad = [m for m in modes if m not in BLOCK_MODES]
-    if bad:
-        raise ValueError(f"options['plan']['block_modes'] has unknown mode(s) {bad}; modes are {list(BLOCK_MODES)}")
-    if len(modes) != n_block:
-        raise ValueError(f"options['plan']['block_modes'] has {len(modes)} entries but the graph has {n_block} blocks")
-    asked = {k: forced[k] for k in ("n_swap", "n_checkpoint") if _int_field(forced, k, 0)}
-    asked.update({"block_modes": modes} if any(m != "none" for m in modes) else {})
-    if asked:
+    modes = _block_modes(n_block, forced)
+    n_swap, n_checkpoint = modes.count("swap"), modes.count("checkpoint")
+    if n_swap:
         raise ValueError(
-            f"options['plan'] asks for {asked}, but this version of protrain does not checkpoint or swap "
-            "activations yet; drop those fields"
+            f"options['plan'] asks for {n_swap} swapped blocks, but this version of protrain does not swap "
+            "activations yet; checkpoint those blocks instead (n_checkpoint or 'checkpoint' in block_modes)"
         )
     if layout is None:
         chunked = {k: forced[k] for k in ("n_buffer", "n_chunk", "chunk_bytes") if _int_field(forced, k, 0)}
@@ -90,7 +86,7 @@ def make_plan(n_block: int, forced: Mapping[str, Any] | None = None, layout: Chu
                 f"options['plan'] asks for {chunked}, but parameters are managed in chunks only when the model "
                 "is trained with protrain_fx.optim.AdamW; create that optimizer before the first step"
             )
-        return Plan(n_block=n_block, block_modes=modes)
+        return Plan(n_block=n_block, block_modes=modes, n_checkpoint=n_checkpoint, n_swap=n_swap)
     n_persist = _int_field(forced, "n_persist", layout.n_chunk)
     if n_persist > layout.n_chunk:
         raise ValueError(f"options['plan']['n_persist']={n_persist} exceeds the model's {layout.n_chunk} chunks")
@@ -104,4 +100,45 @@ def make_plan(n_block: int, forced: Mapping[str, Any] | None = None, layout: Chu
         n_block=n_block,
         chunk_bytes=layout.chunk_bytes,
         block_modes=modes,
+        n_checkpoint=n_checkpoint,
+        n_swap=n_swap,
     )
+
+
+def interleaved_modes(n_block: int, n_swap: int, n_checkpoint: int) -> tuple[str, ...]:
+    """The paper's interleaved block layout (§3.2, Figure "interleaved block management"): the first
+    n_swap + n_checkpoint blocks are optimized, swap blocks spread evenly among them starting with the first
+    (so swapping starts early and overlaps the most compute, and checkpoint blocks between swaps keep
+    activations from piling up while a swap is in flight); the remaining blocks, last, keep their activations.
+    8 blocks, 2 swap, 4 checkpoint: swap, checkpoint, checkpoint, swap, checkpoint, checkpoint, none, none."""
+    optimized = n_swap + n_checkpoint
+    assert optimized <= n_block, f"{optimized} optimized blocks exceed the {n_block} blocks"
+    swaps = {optimized * i // n_swap for i in range(n_swap)} if n_swap else set()
+    return tuple("swap" if i in swaps else "checkpoint" if i < optimized else "none" for i in range(n_block))
+
+
+def _block_modes(n_block: int, forced: Mapping[str, Any]) -> tuple[str, ...]:
+    """The per-block modes: forced `block_modes`, else the interleaved layout of the forced counts."""
+    counts = {k: _int_field(forced, k, 0) for k in ("n_swap", "n_checkpoint")}
+    if "block_modes" in forced:
+        modes = tuple(forced["block_modes"])
+        bad = [m for m in modes if m not in BLOCK_MODES]
+        if bad:
+            raise ValueError(f"options['plan']['block_modes'] has unknown mode(s) {bad}; modes are {list(BLOCK_MODES)}")
+        if len(modes) != n_block:
+            raise ValueError(
+                f"options['plan']['block_modes'] has {len(modes)} entries but the model has {n_block} blocks"
+            )
+        for key, mode in (("n_swap", "swap"), ("n_checkpoint", "checkpoint")):
+            if key in forced and counts[key] != modes.count(mode):
+                raise ValueError(
+                    f"options['plan'][{key!r}]={counts[key]} disagrees with block_modes, which has "
+                    f"{modes.count(mode)} {mode!r} blocks; give one or the other"
+                )
+        return modes
+    if counts["n_swap"] + counts["n_checkpoint"] > n_block:
+        raise ValueError(
+            f"options['plan'] asks for n_swap={counts['n_swap']} and n_checkpoint={counts['n_checkpoint']}, more "
+            f"than the model's {n_block} blocks"
+        )
+    return interleaved_modes(n_block, counts["n_swap"], counts["n_checkpoint"])

@@ -460,8 +460,9 @@ class ChunkManager:
         self.params_with_grad.clear()
         self.end_step()
 
-    def param_pieces(self, chunk: int) -> list[tuple[int, int, int]]:
-        """(param index, start, end) of this rank's piece of a chunk, in piece coordinates."""
+    def param_pieces(self, chunk: int) -> list[tuple[int, int, int, int]]:
+        """(param index, start, end, first element of the parameter) of this rank's pieces of a chunk: `start`
+        and `end` in piece coordinates (the whole chunk when persistent, else this rank's shard)."""
         lo, hi = (0, self.layout.chunk_elems) if chunk < self.n_persist else self._shard_bounds()
         pieces = []
         for i, slot in enumerate(self.slots):
@@ -470,8 +471,22 @@ class ChunkManager:
             a, b = self._slot_range(slot)
             s, e = max(a, lo), min(b, hi)
             if s < e:
-                pieces.append((i, s - lo, e - lo))
+                pieces.append((i, s - lo, e - lo, s - a))
         return pieces
+
+    def is_sharded(self, chunk: int) -> bool:
+        return chunk >= self.n_persist and self.world_size > 1
+
+    def gather_shards(self, shard: torch.Tensor) -> torch.Tensor:
+        """A chunk-long host tensor from every rank's `shard` (a collective)."""
+        parts = [torch.empty_like(shard) for _ in range(self.world_size)]
+        if dist.get_backend() == "gloo":
+            dist.all_gather(parts, shard)
+        else:
+            on_device = [t.to(self.device) for t in parts]
+            dist.all_gather(on_device, shard.to(self.device))
+            parts = [t.cpu() for t in on_device]
+        return torch.cat(parts)
 
     def publish(self, chunk: int) -> None:
         """After an update: a persistent chunk's parameters take the fp32 master's values; an offloaded chunk's

@@ -89,27 +89,36 @@ class AdamW(torch.optim.Optimizer):
         master, grad = manager.master[chunk], manager.grad[chunk]
         pieces = manager.param_pieces(chunk)
         views_in_order = []
-        for i, start, end in pieces:
+        for i, start, end, _ in pieces:
             view = master[start:end]
             view.grad = grad[start:end]
             groups.setdefault(index[id(manager.params[i])], []).append(view)
             views_in_order.append(view)
         if not groups:
             return None
-        inner = self._make_inner(groups, {id(v): manager.params[i] for v, (i, _, _) in zip(views_in_order, pieces)})
+        inner = self._make_inner(
+            groups,
+            {id(v): manager.params[i] for v, (i, _, _, _) in zip(views_in_order, pieces)},
+            {id(v): (begin, begin + v.numel()) for v, (_, _, _, begin) in zip(views_in_order, pieces)},
+        )
         inner.grad_of = {id(v): v.grad for v in views_in_order}
         return inner
 
     def _make_inner(
-        self, groups: dict[int, list[torch.Tensor]], param_of: dict[int, nn.Parameter]
+        self,
+        groups: dict[int, list[torch.Tensor]],
+        param_of: dict[int, nn.Parameter],
+        range_of: dict[int, tuple[int, int]] | None = None,
     ) -> torch.optim.AdamW:
-        """A fused torch AdamW over `groups` (outer group index -> tensors), with any loaded state placed."""
+        """A fused torch AdamW over `groups` (outer group index -> tensors), with any loaded state placed.
+        `range_of`: the elements of its parameter (flattened) each tensor is; default all of them."""
         inner = torch.optim.AdamW(
             [{"params": tensors, **{k: self.param_groups[g][k] for k in _HYPER}} for g, tensors in groups.items()],
             fused=True,
         )
         inner.outer_groups = list(groups)
         inner.param_of = param_of
+        inner.range_of = range_of or {i: (0, p.numel()) for i, p in param_of.items()}
         self._place_loaded(inner)
         return inner
 
@@ -124,7 +133,7 @@ class AdamW(torch.optim.Optimizer):
         a scheduler step or zero_grad() before it runs does not change it. `grad_scale`: the loss scale the
         gradients carry, divided out by the fused kernel."""
         hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
-        with_grad = {i for i, _, _ in manager.param_pieces(chunk) if i in manager.params_with_grad}
+        with_grad = {i for i, _, _, _ in manager.param_pieces(chunk) if i in manager.params_with_grad}
 
         @torch.no_grad()
         def update() -> None:
@@ -220,31 +229,28 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def state_dict(self) -> dict:
         """torch's AdamW format: per parameter index `step`, `exp_avg`, `exp_avg_sq` (fp32, parameter-shaped, on
-        the CPU), and the param groups. One process only for now: with ranks, a parameter's states are split
-        across them."""
+        the CPU), and the param groups. A collective when chunks are sharded across ranks (every rank calls it
+        and gets the whole state), gathered chunk by chunk."""
         managers = self._managers()
-        if any(m.world_size > 1 for m in managers):
-            raise ValueError(
-                "AdamW.state_dict() of a model sharded across ranks is not supported yet: every rank holds only "
-                "its shard of the optimizer states"
-            )
         for manager in managers:
             manager.wait_for_update()
         params = [p for g in self.param_groups for p in g["params"]]
         index = {id(p): i for i, p in enumerate(params)}
         state: dict[int, dict] = {}
-        for inner in self._inner_optimizers():
+        sharded = {(id(m), c) for m in managers for c in range(m.layout.n_chunk) if m.is_sharded(c)}
+        for key, inner in [*self._inner.items(), (None, self._plain)]:
+            if inner is None or key in sharded:
+                continue
             for group in inner.param_groups:
                 for view in group["params"]:
                     st = inner.state.get(view)
-                    if not st:
-                        continue
-                    p = inner.param_of[id(view)]
-                    state[index[id(p)]] = {
-                        "step": st["step"].detach().to("cpu", copy=True),
-                        "exp_avg": st["exp_avg"].detach().reshape(p.shape).to("cpu", copy=True),
-                        "exp_avg_sq": st["exp_avg_sq"].detach().reshape(p.shape).to("cpu", copy=True),
-                    }
+                    if st:
+                        p = inner.param_of[id(view)]
+                        state[index[id(p)]] = _full_state(st, p)
+        for manager in managers:
+            for chunk in range(manager.layout.n_chunk):
+                if manager.is_sharded(chunk):
+                    state.update(self._gathered_states(manager, chunk, index))
         for p in params:  # states loaded but not placed yet (no step since load_state_dict)
             if index[id(p)] not in state and id(p) in self._loaded:
                 state[index[id(p)]] = self._loaded[id(p)]
@@ -253,6 +259,36 @@ class AdamW(torch.optim.Optimizer):
             for g in self.param_groups
         ]
         return {"state": state, "param_groups": groups}
+
+    def _gathered_states(self, manager, chunk: int, index: dict[int, int]) -> dict[int, dict]:
+        """The states of a sharded chunk's parameters, whole: every rank's shard of `exp_avg` and `exp_avg_sq`
+        gathered (a collective; a rank whose shard never stepped contributes zeros and step 0)."""
+        shard = manager.layout.shard_elems
+        flat = {k: torch.zeros(shard) for k in ("exp_avg", "exp_avg_sq")}
+        step = torch.zeros(1)
+        inner = self._inner.get((id(manager), chunk))
+        pieces = {i: (start, end) for i, start, end, _ in manager.param_pieces(chunk)}
+        for group in inner.param_groups if inner is not None else ():
+            for view in group["params"]:
+                st = inner.state.get(view)
+                if st:
+                    start, end = pieces[manager.index[id(inner.param_of[id(view)])]]
+                    for k in flat:
+                        flat[k][start:end] = st[k].cpu()
+                    step = torch.maximum(step, st["step"].cpu().reshape(1))
+        full = {k: manager.gather_shards(v) for k, v in flat.items()}
+        step = manager.gather_shards(step).max()
+        if not step:
+            return {}
+        out = {}
+        for slot, p in zip(manager.slots, manager.params):
+            if slot.chunk == chunk and id(p) in index:
+                a, b = slot.offset, slot.offset + slot.numel
+                out[index[id(p)]] = {
+                    "step": step.clone(),
+                    **{k: v[a:b].reshape(p.shape).clone() for k, v in full.items()},
+                }
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state from `state_dict()` (or from `torch.optim.AdamW.state_dict()` with the same param groups)."""
@@ -280,10 +316,13 @@ class AdamW(torch.optim.Optimizer):
                 st = self._loaded.pop(id(inner.param_of[id(view)]), None)
                 if st is None:
                     continue
+                begin, end = inner.range_of[id(view)]  # this rank's piece of the parameter
                 inner.state[view] = {
                     "step": torch.as_tensor(st["step"], dtype=torch.float32).to(view.device).clone(),
-                    "exp_avg": st["exp_avg"].reshape(view.shape).to(view.device, torch.float32).clone(),
-                    "exp_avg_sq": st["exp_avg_sq"].reshape(view.shape).to(view.device, torch.float32).clone(),
+                    **{
+                        k: st[k].reshape(-1)[begin:end].reshape(view.shape).to(view.device, torch.float32).clone()
+                        for k in ("exp_avg", "exp_avg_sq")
+                    },
                 }
 
 
@@ -356,3 +395,11 @@ class GradScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self._scale, self._good_steps = float(state["scale"]), int(state["growth_tracker"])
+
+
+def _full_state(st: dict, p: nn.Parameter) -> dict:
+    return {
+        "step": st["step"].detach().to("cpu", copy=True),
+        "exp_avg": st["exp_avg"].detach().reshape(p.shape).to("cpu", copy=True),
+        "exp_avg_sq": st["exp_avg_sq"].detach().reshape(p.shape).to("cpu", copy=True),
+    }

@@ -1,0 +1,171 @@
+"""Per-block activation checkpointing: the plan's block modes, the tagging pass, and training equal to eager.
+
+Tolerance: bitwise (CPU, fp32, eager executor). Recomputed ops are the same kernels on the same inputs, and
+random ops recompute with the forward's RNG state, so dropout masks match and gradients are identical.
+"""
+
+import copy
+
+import models
+import pytest
+import torch
+from helpers import train
+
+import protrain_fx
+from protrain_fx.planner.plan import interleaved_modes, make_plan
+
+LAYOUTS = {
+    "none": {},
+    "all": {"n_checkpoint": 3},
+    "interleaved": {"n_checkpoint": 2},
+    "odd-list": {"block_modes": ["checkpoint", "none", "checkpoint"]},
+}
+
+
+def _compiled(kind, plan, **kw):
+    ref = models.build(kind, layers=3, **kw)
+    model = copy.deepcopy(ref)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan})
+    return ref, model, backend, torch.compile(model, backend=backend, dynamic=False)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+@pytest.mark.parametrize("kind", ["toy", "llama", "mistral", "opt"])
+def test_checkpointed_training_equals_eager_with_dropout(kind, layout):
+    ref, model, backend, compiled = _compiled(kind, LAYOUTS[layout], dropout=0.1)
+    assert train(compiled, kind, 3) == train(ref, kind, 3)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    plan = next(g.plan for g in backend.graphs if g.param_map)
+    assert plan.n_checkpoint == plan.block_modes.count("checkpoint")
+
+
+def test_checkpoint_with_offloaded_chunks():
+    """Recomputation in the backward reads parameters of offloaded chunks: the backward gathers them first."""
+    ref = models.build("llama", layers=3)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    options = {"executor": "eager", "plan": {"n_persist": 0, "n_buffer": 3, "n_checkpoint": 2}}
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
+    for step in range(3):
+        losses = []
+        for m, o in ((ref, ref_opt), (compiled, opt)):
+            loss = m(**models.batch("llama", seed=step)).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    state = protrain_fx.full_state_dict(model)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+def _saved_bytes(kind, plan):
+    """Activation bytes the compiled forward keeps for backward, seen by saved-tensor hooks."""
+    _, model, backend, compiled = _compiled(kind, plan)
+    batch = models.batch(kind)
+    compiled(**batch)
+    known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *batch.values()]}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in known:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled(**batch)
+    return sum(seen.values()), backend.graphs[0]
+
+
+@pytest.mark.parametrize("kind", ["toy", "llama"])
+def test_saved_activations_fall_by_each_checkpointed_block(kind):
+    full, record = _saved_bytes(kind, {})
+    per_block = [b.saved_bytes for b in record.profile.blocks]
+    # a checkpointed middle block keeps none of its own activations, only its input (one hidden state, unless
+    # the previous block saved it already) and, when it has random ops, the RNG state to replay them with
+    middle, _ = _saved_bytes(kind, {"block_modes": ["none", "checkpoint", "none"]})
+    hidden = 2 * 16 * 32 * 4  # batch, sequence, width, fp32
+    rng_state = torch.get_rng_state().numel()
+    assert full - per_block[1] <= middle <= full - per_block[1] + hidden + rng_state, (full, per_block, middle)
+    sizes = [_saved_bytes(kind, {"n_checkpoint": k})[0] for k in range(4)]
+    assert sizes[0] == full and all(a > b for a, b in zip(sizes, sizes[1:])), sizes
+
+
+def test_backward_recomputes_the_checkpointed_block():
+    _, _, backend, compiled = _compiled("toy", {"block_modes": ["none", "checkpoint", "none"]})
+    compiled(**models.batch("toy")).backward()
+    _, _, plain, compiled_plain = _compiled("toy", {})
+    compiled_plain(**models.batch("toy")).backward()
+
+    def matmuls(gm):
+        return sum(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) for n in gm.graph.nodes)
+
+    # the block's 4 linear layers run again in the backward; the forward is unchanged
+    assert matmuls(backend.graphs[0].backward) == matmuls(plain.graphs[0].backward) + 4
+    assert matmuls(backend.graphs[0].forward) == matmuls(plain.graphs[0].forward)
+
+
+def test_interleaved_layout_is_the_papers():
+    assert interleaved_modes(8, 2, 4) == (
+        "swap",
+        "checkpoint",
+        "checkpoint",
+        "swap",
+        "checkpoint",
+        "checkpoint",
+        "none",
+        "none",
+    )
+    assert interleaved_modes(4, 0, 2) == ("checkpoint", "checkpoint", "none", "none")
+    assert interleaved_modes(3, 0, 0) == ("none",) * 3
+
+
+def test_block_mode_errors():
+    with pytest.raises(ValueError, match="does not swap activations yet"):
+        make_plan(3, {"n_swap": 1})
+    with pytest.raises(ValueError, match="more than the model's 3 blocks"):
+        make_plan(3, {"n_checkpoint": 4})
+    with pytest.raises(ValueError, match="n_checkpoint'\\]=1 disagrees with block_modes"):
+        make_plan(3, {"n_checkpoint": 1, "block_modes": ["checkpoint"] * 3})
+    with pytest.raises(ValueError, match="has 2 entries but the model has 3 blocks"):
+        make_plan(3, {"block_modes": ["none"] * 2})
+    with pytest.raises(ValueError, match="unknown mode"):
+        make_plan(3, {"block_modes": ["none", "recompute", "none"]})
+
+
+def test_checkpoint_pass_alone():
+    """Only forward ops of blocks in "checkpoint" mode get tags; a plan without checkpoint leaves the graph as it is."""
+    import types
+
+    from torch import fx
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from protrain_fx.capture import BlockMap
+    from protrain_fx.passes.activations import checkpoint_tag_pass
+
+    def f(x):
+        a = torch.sin(x)  # block 0
+        b = torch.cos(a)  # block 1
+        c = torch.exp(b)  # block 1, backward
+        return torch.neg(c)  # post
+
+    gm = fx.symbolic_trace(f)
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    gm.graph.find_nodes(op="call_function", target=torch.exp)[0].meta["partitioner_tag"] = "is_backward"
+    block_map = BlockMap(
+        family=None,
+        region=dict(zip(names, ["block", "block", "block", "post"])),
+        block=dict(zip(names, [0, 1, 1, None])),
+    )
+    record = types.SimpleNamespace(block_map=block_map)
+    untouched = checkpoint_tag_pass(gm, types.SimpleNamespace(plan=make_plan(2), record=record))
+    assert not any("recompute" in n.meta for n in untouched.graph.nodes)
+    plan = make_plan(2, {"block_modes": ["none", "checkpoint"]})
+    tagged = checkpoint_tag_pass(gm, types.SimpleNamespace(plan=plan, record=record))
+    tags = {n.name: (n.meta.get("recompute"), n.meta.get("ac_graph_id")) for n in tagged.graph.nodes}
+    assert tags["cos"] == (CheckpointPolicy.MUST_RECOMPUTE, 2)
+    assert tags["sin"] == tags["exp"] == tags["neg"] == (None, None)
+    assert tagged(torch.ones(3)).equal(f(torch.ones(3)))
