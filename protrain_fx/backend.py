@@ -30,6 +30,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition, must_recompute
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx.capture import (
     BlockMap,
@@ -54,6 +55,7 @@ from protrain_fx.runtime.adopt import (
     wants_chunks,
 )
 from protrain_fx.runtime.ops import register_inductor_lowering
+from protrain_fx.runtime.swap import SwapSpace
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class GraphRecord:
     plan: Plan | None = None
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
+    swap: Any = None  # the SwapSpace of its swapped activations (runtime/swap.py), None when no block swaps
 
 
 def check_torch_version(version: str = torch.__version__) -> None:
@@ -185,9 +188,25 @@ class _Partitioner(CustomPartitionerFn):
         joint = run_passes(joint, ctx, JOINT_PASSES, stage="joint")
         if any(must_recompute(n) for n in joint.graph.nodes):  # recompute tags change the partition: cut again
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        saved = frozenset(n.name for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents"))
+        swap = SwapSpace(_device_of(self.example_inputs)) if "swap" in record.plan.block_modes else None
+        ctx = dataclasses.replace(ctx, saved=saved, swap=swap)
         fw = run_passes(fw, ctx, GRAPH_PASSES, stage="forward")
-        ctx = dataclasses.replace(ctx, forward_placeholders=[n for n in fw.graph.nodes if n.op == "placeholder"])
+        output = next(n for n in fw.graph.nodes if n.op == "output")
+        ctx = dataclasses.replace(
+            ctx,
+            forward_placeholders=[n for n in fw.graph.nodes if n.op == "placeholder"],
+            forward_outputs=[a for a in output.args[0] if isinstance(a, fx.Node)],
+        )
         bw = run_passes(bw, ctx, GRAPH_PASSES, stage="backward")
+        if swap is not None:
+            outs = sorted(
+                fw.graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default),
+                key=lambda n: n.args[1],
+            )
+            with unset_fake_temporarily():  # the partitioner runs under AOTAutograd's fake mode
+                swap.allocate([(n.meta["val"].shape, n.meta["val"].dtype) for n in outs])
+            record.swap = swap
         if manager is not None:
             compile_id = torch._guards.CompileContext.current_compile_id()
             source = compile_id.frame_id if compile_id is not None else ("graph", record.index)
@@ -199,6 +218,10 @@ class _Partitioner(CustomPartitionerFn):
         if dumper:
             _dump(dumper, record)
         return fw, bw
+
+
+def _device_of(example_inputs: Sequence[Any]) -> torch.device:
+    return next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 def _dump(dumper: Dumper, record: GraphRecord) -> None:

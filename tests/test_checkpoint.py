@@ -124,8 +124,8 @@ def test_interleaved_layout_is_the_papers():
 
 
 def test_block_mode_errors():
-    with pytest.raises(ValueError, match="does not swap activations yet"):
-        make_plan(3, {"n_swap": 1})
+    with pytest.raises(ValueError, match="n_swap=2 and n_checkpoint=2, more than the model's 3 blocks"):
+        make_plan(3, {"n_swap": 2, "n_checkpoint": 2})
     with pytest.raises(ValueError, match="more than the model's 3 blocks"):
         make_plan(3, {"n_checkpoint": 4})
     with pytest.raises(ValueError, match="n_checkpoint'\\]=1 disagrees with block_modes"):

@@ -69,7 +69,9 @@ def test_grad_reduce_pass_hands_gradients_over():
 
     bw = make_fx(backward)(torch.ones(8, 4), torch.ones(3, 8))
     forward_placeholders = [
-        types.SimpleNamespace(meta={TAG: ParamTag(manager.handle, i, 0, s.offset, s.numel, True)})
+        types.SimpleNamespace(
+            name=f"primals_{i + 1}", meta={TAG: ParamTag(manager.handle, i, 0, s.offset, s.numel, True)}
+        )
         for i, s in enumerate(manager.slots)
     ]
     ctx = types.SimpleNamespace(manager=manager, stage="backward", forward_placeholders=forward_placeholders)

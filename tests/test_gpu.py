@@ -221,3 +221,15 @@ def _train_against_autocast(ref, ref_opt, compiled, opt, steps: int = 5) -> None
         opt.step()
         opt.zero_grad()
         assert loss.item() == pytest.approx(ref_loss.item(), rel=BF16_RTOL), f"step {step}"
+
+
+@pytest.mark.parametrize("plan", [{"n_swap": 2}, {"n_swap": 1, "n_checkpoint": 2}])
+def test_swapped_bf16_parity(plan):
+    """Swapped blocks through inductor on the GPU (copies on their own streams, pinned host slots), bf16
+    autocast, dropout on: the bf16 tolerance."""
+    (eager_losses, _), (losses, _), backend = eager_and_protrain(
+        "llama", steps=5, options={"plan": plan}, device="cuda", autocast=torch.bfloat16, layers=4, dropout=0.1
+    )
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=BF16_RTOL, atol=1e-3)
+    record = backend.graphs[0]
+    assert record.swap is not None and record.swap.arena.is_pinned()

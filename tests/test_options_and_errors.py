@@ -48,7 +48,7 @@ def test_bad_option_through_torch_compile():
         ({"n_swapp": 1}, r"unknown plan field\(s\) \['n_swapp'\]"),
         ({"block_modes": ["none", "fast", "none"]}, r"unknown mode\(s\) \['fast'\]"),
         ({"block_modes": ["none"]}, r"has 1 entries but the model has 3 blocks"),
-        ({"n_swap": 1}, r"does not swap activations yet"),
+        ({"n_swap": 2, "n_checkpoint": 2}, r"more than the model's 3 blocks"),
         ({"n_checkpoint": 4}, r"more than the model's 3 blocks"),
     ],
 )

@@ -4,8 +4,8 @@ Passes read decisions from the plan and tags in `node.meta`; a pass with nothing
 unchanged. Stages:
   JOINT_PASSES   on the joint forward+backward graph, before partitioning (tagging, e.g. recompute tags)
   GRAPH_PASSES   on the partitioned forward and backward graphs (rewrites, e.g. inserting runtime ops)
-Joint passes: activation checkpointing tags (passes/activations.py). Graph passes: the chunk passes
-(passes/chunks.py).
+Joint passes: activation checkpointing tags (passes/activations.py). Graph passes: activation swapping
+(passes/activations.py), then the chunk passes (passes/chunks.py).
 With a dump directory, the graph after each pass is written as readable Python (`<stage>_<i>_<pass>.py`).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 from torch import fx
 
 from protrain_fx.config import ProTrainConfig
-from protrain_fx.passes.activations import checkpoint_tag_pass
+from protrain_fx.passes.activations import checkpoint_tag_pass, swap_in_pass, swap_out_pass
 from protrain_fx.passes.chunks import chunk_gather_pass, chunk_tag_pass, grad_reduce_pass, param_check_pass
 from protrain_fx.planner.plan import Plan
 
@@ -38,12 +38,22 @@ class PassContext:
     example_inputs: Sequence[Any] = ()  # the graph's real inputs (parameters by position)
     stage: str = ""  # joint | forward | backward: the graph being rewritten
     forward_placeholders: Sequence[fx.Node] = ()  # the forward graph's inputs, for backward passes
+    forward_outputs: Sequence[fx.Node] = ()  # the rewritten forward graph's outputs, for backward passes
+    saved: frozenset[str] = frozenset()  # names of the values the forward saves for the backward
+    swap: Any = None  # the graph's protrain_fx.runtime.swap.SwapSpace, None when no block swaps
 
 
 Pass = Callable[..., fx.GraphModule]
 
 JOINT_PASSES: tuple[Pass, ...] = (checkpoint_tag_pass,)
-GRAPH_PASSES: tuple[Pass, ...] = (chunk_tag_pass, chunk_gather_pass, grad_reduce_pass, param_check_pass)
+GRAPH_PASSES: tuple[Pass, ...] = (
+    swap_out_pass,
+    swap_in_pass,
+    chunk_tag_pass,
+    chunk_gather_pass,
+    grad_reduce_pass,
+    param_check_pass,
+)
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *, stage: str) -> fx.GraphModule:

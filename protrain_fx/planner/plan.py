@@ -2,8 +2,8 @@
 
 Later stages only read it. It is JSON-serializable so it can be dumped and replayed
 (`options={"plan": "plan.json"}`). This version carries out the chunk fields (`n_persist`, `n_buffer`,
-forced by the user; all chunks persistent by default) and per-block activation checkpointing
-(`n_checkpoint`, or `block_modes`; none by default); swapping is refused for now.
+forced by the user; all chunks persistent by default) and the per-block activation modes (`n_checkpoint`,
+`n_swap`, or `block_modes`; none by default).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def make_plan(n_block: int, forced: Mapping[str, Any] | None = None, layout: Chu
     Without a chunk layout (parameters not managed in chunks) everything stays where it is. With one, the
     forced `n_persist` and `n_buffer` are taken, and by default every chunk is persistent. Block modes: the
     forced `block_modes`, else the interleaved layout of the forced `n_swap` and `n_checkpoint` (none by
-    default). Swapping is not carried out yet: asking for it is refused with a clear error.
+    default).
     """
     forced = dict(forced or {})
     unknown = sorted(set(forced) - set(PLAN_FIELDS))
@@ -72,11 +72,6 @@ def make_plan(n_block: int, forced: Mapping[str, Any] | None = None, layout: Chu
         raise ValueError(f"unknown plan field(s) {unknown} in options['plan']; plan fields are {list(PLAN_FIELDS)}")
     modes = _block_modes(n_block, forced)
     n_swap, n_checkpoint = modes.count("swap"), modes.count("checkpoint")
-    if n_swap:
-        raise ValueError(
-            f"options['plan'] asks for {n_swap} swapped blocks, but this version of protrain does not swap "
-            "activations yet; checkpoint those blocks instead (n_checkpoint or 'checkpoint' in block_modes)"
-        )
     if layout is None:
         chunked = {k: forced[k] for k in ("n_buffer", "n_chunk", "chunk_bytes") if _int_field(forced, k, 0)}
         if "n_persist" in forced and forced.get("n_chunk", 1) != 0:  # (a replayed unchunked plan has n_chunk 0)

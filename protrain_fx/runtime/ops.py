@@ -6,6 +6,8 @@
     protrain.release(manager, chunk, [last users of the chunk])          # after its last use
     protrain.reduce_grads(manager, chunk, [param indices], [grads])      # after the chunk's last gradient
     protrain.check_params(manager, [param indices], [parameters])        # forward: inputs are still ours
+    h = protrain.swap_out(space, slot, t); protrain.swap_prefetch(space, slot, after); t = protrain.swap_in(space, slot, h)
+                                                                         # swapped activations (runtime/swap.py)
 
 Ordering comes from data dependencies: every read of a parameter goes through its chunk's `gather`
 output, `release` takes the outputs of the chunk's last readers as arguments, and `reduce_grads` takes
@@ -31,7 +33,7 @@ _HANDLES = itertools.count()
 
 
 def register(manager) -> int:
-    """Give a ChunkManager the integer handle its graphs pass to the ops."""
+    """Give a ChunkManager (or a SwapSpace) the integer handle its graphs pass to the ops."""
     handle = next(_HANDLES)
     _MANAGERS[handle] = manager
     return handle
@@ -39,7 +41,7 @@ def register(manager) -> int:
 
 def _manager(handle: int):
     manager = _MANAGERS.get(handle)
-    assert manager is not None, f"protrain chunk manager {handle} is gone (its model was deleted)"
+    assert manager is not None, f"protrain runtime object {handle} is gone (its model or graph was deleted)"
     return manager
 
 
@@ -95,25 +97,57 @@ def _(manager: int, params: list[int], inputs: list[torch.Tensor]) -> None:
     return None
 
 
+@torch.library.custom_op("protrain::swap_out", mutates_args=())
+def swap_out(space: int, slot: int, t: torch.Tensor) -> torch.Tensor:
+    return _manager(space).swap_out(slot, t)
+
+
+@swap_out.register_fake
+def _(space: int, slot: int, t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+
+@torch.library.custom_op("protrain::swap_prefetch", mutates_args=())
+def swap_prefetch(space: int, slot: int, after: torch.Tensor) -> None:
+    _manager(space).prefetch(slot)
+
+
+@swap_prefetch.register_fake
+def _(space: int, slot: int, after: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("protrain::swap_in", mutates_args=())
+def swap_in(space: int, slot: int, host: torch.Tensor) -> torch.Tensor:
+    return _manager(space).swap_in(slot)
+
+
+@swap_in.register_fake
+def _(space: int, slot: int, host: torch.Tensor) -> torch.Tensor:
+    return torch.empty(host.shape, dtype=host.dtype, device=_manager(space).device)
+
+
 has_side_effect(torch.ops.protrain.check_params.default)
+has_side_effect(torch.ops.protrain.swap_prefetch.default)
 has_side_effect(torch.ops.protrain.prefetch.default)
 has_side_effect(torch.ops.protrain.release.default)
 has_side_effect(torch.ops.protrain.reduce_grads.default)
 
 
 def register_inductor_lowering() -> None:
-    """Lower `gather` as a fallback kernel whose output inductor never reuses for another buffer: it is one
-    of the manager's chunk buffers, whose contents must survive until the chunk is gathered again."""
+    """Lower `gather` and `swap_out` as fallback kernels whose outputs inductor never reuses for another buffer:
+    they are a chunk buffer and a host swap slot, whose contents must survive until read again."""
     from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
     from torch._inductor.virtualized import V
 
-    op = torch.ops.protrain.gather.default
-    if op in lowerings:
-        return
-    fallback = fallback_handler(op, add_to_fallback_set=False)
+    for op in (torch.ops.protrain.gather.default, torch.ops.protrain.swap_out.default):
+        if op in lowerings:
+            continue
+        fallback = fallback_handler(op, add_to_fallback_set=False)
 
-    @register_lowering(op, type_promotion_kind=None)
-    def _gather(*args, **kwargs):
-        out = fallback(*args, **kwargs)
-        V.graph.never_reuse_buffers.add(out.get_name())
-        return out
+        def lowering(*args, fallback=fallback, **kwargs):
+            out = fallback(*args, **kwargs)
+            V.graph.never_reuse_buffers.add(out.get_name())
+            return out
+
+        register_lowering(op, type_promotion_kind=None)(lowering)
