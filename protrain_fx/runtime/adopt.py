@@ -135,8 +135,8 @@ def prepare(
     - `plan`: chunk fields, as in `options={"plan": ...}` (`n_persist`, `n_buffer`, `chunk_bytes`); by default
       every chunk is persistent. The compile's options need not repeat them.
     - `init(module)`: for a model built under `torch.device("meta")`: called on each module after its own
-      parameters and buffers are allocated on the CPU (`to_empty(recurse=False)`) to fill them, just before
-      they are copied into the chunks; so the host never holds the whole model besides the chunks.
+      parameters and buffers are allocated on the CPU (the parameter objects stay the same) to fill them,
+      just before they are copied into the chunks; so the host never holds the whole model besides the chunks.
 
     Layout order is registration order (`model.named_parameters()`), blocks kept whole where the size
     allows. Returns the model (changed in place). Build `protrain_fx.optim.AdamW(model.parameters())` before
@@ -156,8 +156,8 @@ def prepare(
     ordered = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not ordered:
         raise ValueError("the model has no trainable parameters; nothing to put in chunks")
-    layout = _layout(ordered, find_block_family(model), plan or {})
     family = find_block_family(model)
+    layout = _layout(ordered, family, plan or {})
     chosen = make_plan(family.n_blocks if family else 0, plan, layout)
     owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
 
