@@ -11,6 +11,15 @@ from typing import Any
 
 EXECUTORS = ("inductor", "eager")
 DUMP_DIR_ENV = "PROTRAIN_DUMP_DIR"
+CACHE_DIR_ENV = "PROTRAIN_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """Where measurements kept across runs go: $PROTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/protrain_fx, else
+    ~/.cache/protrain_fx."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "protrain_fx"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -233,3 +233,15 @@ def test_swapped_bf16_parity(plan):
     torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=BF16_RTOL, atol=1e-3)
     record = backend.graphs[0]
     assert record.swap is not None and record.swap.arena.is_pinned()
+
+
+def test_hardware_profile_on_gpu(tmp_path):
+    """Pinned copies in both directions, the fused AdamW on the GPU and the CPU, the card's memory from NVML."""
+    from protrain_fx.profiler.hardware import hardware_profile
+
+    profile = hardware_profile(torch.device("cuda"), cache_dir=tmp_path)
+    print(profile)
+    assert profile.h2d_bytes_per_s > 5e9 and profile.d2h_bytes_per_s > 5e9
+    assert profile.device_adam_s_per_param < profile.host_adam_s_per_param
+    # NVML's total counts memory the driver keeps for itself, which cudaMemGetInfo's total leaves out
+    assert profile.device_memory_bytes == pytest.approx(torch.cuda.mem_get_info()[1], rel=0.02)

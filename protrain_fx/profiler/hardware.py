@@ -1,0 +1,242 @@
+"""The hardware profile (paper §4.2 "Profiling"): what the cost models need to know about the machine, measured
+once and cached on disk.
+
+    profile = hardware_profile(torch.device("cuda"))            # measured, or read from the cache
+    profile = hardware_profile(device, remeasure=True)          # measured again
+    profile.collective_s("all_gather", 64 * 2**20)              # time of one collective of that many bytes
+
+Measured: host-to-device and device-to-host bandwidth from pinned memory, each alone and both at once; the
+all-gather, reduce-scatter and all-reduce time by message size for the current world size (none with one
+rank); the fused AdamW time per parameter on the device and on the host; the device's memory (nvidia-ml-py
+where available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU
+copies, the CPU AdamW and gloo. With several ranks the measurements are reduced across ranks (slowest rank
+wins), so every rank plans from the same numbers.
+
+The cache key is the device name, its memory, the world size and the torch version; a file measured under
+another key is measured again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from protrain_fx.config import default_cache_dir
+from protrain_fx.runtime.chunks import _available_host_bytes, rank_and_world_size
+
+log = logging.getLogger(__name__)
+
+COPY_BYTES = 256 * 2**20  # per bandwidth measurement
+ADAM_PARAMS = 16 * 2**20
+COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    key: dict
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    h2d_concurrent_bytes_per_s: float  # each direction while both copy at once (one measurement, both fields)
+    d2h_concurrent_bytes_per_s: float
+    device_adam_s_per_param: float
+    host_adam_s_per_param: float
+    device_memory_bytes: int  # total
+    host_memory_bytes: int  # available when measured
+    collectives: dict[str, list[tuple[int, float]]]  # op -> (message bytes, seconds), ascending; empty for 1 rank
+
+    def collective_s(self, op: str, nbytes: int) -> float:
+        """Time of one `op` of `nbytes` (per-rank message), linear between and beyond the measured sizes."""
+        points = self.collectives.get(op)
+        if not points:
+            return 0.0
+        if len(points) == 1 or nbytes <= points[0][0]:
+            return points[0][1] * nbytes / points[0][0]
+        for (b0, t0), (b1, t1) in zip(points, points[1:]):
+            if nbytes <= b1:
+                return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        (b0, t0), (b1, t1) = points[-2], points[-1]
+        return t1 + (t1 - t0) * (nbytes - b1) / (b1 - b0)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> HardwareProfile:
+        data = dict(data)
+        data["collectives"] = {k: [tuple(p) for p in v] for k, v in data["collectives"].items()}
+        return cls(**data)
+
+
+def cache_key(device: torch.device) -> dict:
+    _, world_size = rank_and_world_size()
+    name, memory = _device_facts(device)
+    return {"device": name, "device_memory_bytes": memory, "world_size": world_size, "torch": torch.__version__}
+
+
+def hardware_profile(
+    device: torch.device, *, cache_dir: Path | None = None, remeasure: bool = False
+) -> HardwareProfile:
+    """The profile of this machine for `device`: from the cache when one was measured under the same key."""
+    device = torch.device(device)
+    key = cache_key(device)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = (cache_dir or default_cache_dir()) / "hardware" / f"{digest}.json"
+    if path.is_file() and not remeasure:
+        cached = HardwareProfile.from_json(json.loads(path.read_text()))
+        if cached.key == key:
+            log.info("hardware profile from %s", path)
+            return cached
+    profile = measure(device, key)
+    rank, _ = rank_and_world_size()
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(profile.to_json(), indent=2))
+        log.info("hardware profile measured and written to %s", path)
+    return profile
+
+
+def measure(device: torch.device, key: dict | None = None) -> HardwareProfile:
+    """Measure everything (a collective with several ranks: every rank calls it)."""
+    device = torch.device(device)
+    pin = device.type == "cuda"
+    n = COPY_BYTES // 4
+    host = torch.empty(n, pin_memory=pin)
+    host2 = torch.empty(n, pin_memory=pin)
+    dev = torch.empty(n, device=device)
+    dev2 = torch.empty(n, device=device)
+    h2d = _rate(COPY_BYTES, lambda: dev.copy_(host, non_blocking=True), device)
+    d2h = _rate(COPY_BYTES, lambda: host2.copy_(dev2, non_blocking=True), device)
+    both = _concurrent(dev, host, host2, dev2, device)
+    _, memory = _device_facts(device)
+    measured = {
+        "h2d_bytes_per_s": h2d,
+        "d2h_bytes_per_s": d2h,
+        "h2d_concurrent_bytes_per_s": both,
+        "d2h_concurrent_bytes_per_s": both,
+        "device_adam_s_per_param": _adam_s_per_param(device),
+        "host_adam_s_per_param": _adam_s_per_param(torch.device("cpu")),
+    }
+    measured["device_memory_bytes"] = memory
+    measured["host_memory_bytes"] = _available_host_bytes() or 0
+    collectives = _collectives(device)
+    measured = _slowest_rank(measured, device)
+    for k in ("device_memory_bytes", "host_memory_bytes"):
+        measured[k] = int(measured[k])
+    return HardwareProfile(key=key or cache_key(device), collectives=collectives, **measured)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeat: int = 3) -> float:
+    fn()  # warm up
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / repeat
+
+
+def _rate(nbytes: int, fn: Callable[[], object], device: torch.device) -> float:
+    return nbytes / _timed(fn, device)
+
+
+def _concurrent(dev, host, host2, dev2, device: torch.device) -> float:
+    """Bytes per second of each direction while both copy at once (on two streams on CUDA)."""
+    if device.type != "cuda":
+        return _rate(2 * COPY_BYTES, lambda: (dev.copy_(host), host2.copy_(dev2)), device) / 2
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def both():
+        with torch.cuda.stream(up):
+            dev.copy_(host, non_blocking=True)
+        with torch.cuda.stream(down):
+            host2.copy_(dev2, non_blocking=True)
+
+    return _rate(COPY_BYTES, both, device)
+
+
+def _adam_s_per_param(device: torch.device) -> float:
+    """torch's fused AdamW on ADAM_PARAMS fp32 parameters, per parameter."""
+    p = torch.zeros(ADAM_PARAMS, device=device)
+    p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+    return _timed(opt.step, device) / ADAM_PARAMS
+
+
+def _collectives(device: torch.device) -> dict[str, list[tuple[int, float]]]:
+    """(message bytes, seconds) per collective; nothing with one rank."""
+    _, world_size = rank_and_world_size()
+    if world_size == 1:
+        return {}
+    out: dict[str, list[tuple[int, float]]] = {}
+    for nbytes in COLLECTIVE_BYTES:
+        shard = torch.zeros(nbytes // 4 // world_size, device=device)
+        whole = torch.zeros(shard.numel() * world_size, device=device)
+        for op, fn in _collective_calls(shard, whole, world_size).items():
+            seconds = torch.tensor([_timed(fn, device)], device=device)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            out.setdefault(op, []).append((whole.numel() * 4, float(seconds)))
+    return out
+
+
+def _collective_calls(shard: torch.Tensor, whole: torch.Tensor, world_size: int) -> dict[str, Callable[[], object]]:
+    def reduce_scatter():
+        if dist.get_backend() == "gloo":  # gloo has no reduce-scatter: the chunk runtime all-reduces instead
+            return dist.all_reduce(whole)
+        return dist.reduce_scatter_tensor(shard, whole)
+
+    return {
+        "all_gather": lambda: dist.all_gather(list(whole.chunk(world_size)), shard),
+        "reduce_scatter": reduce_scatter,
+        "all_reduce": lambda: dist.all_reduce(whole),
+    }
+
+
+def _slowest_rank(measured: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Every rank's numbers replaced by the worst rank's: the lowest rates and memory, the highest times."""
+    _, world_size = rank_and_world_size()
+    if world_size == 1:
+        return measured
+    keys = sorted(measured)
+    # each entry flipped so that MAX picks the worst (rates inverted, memory negated, times as they are); each
+    # flip is its own inverse
+    flip = {"rate": lambda v: 1 / v, "memory": lambda v: -v, "time": lambda v: v}
+    kind = {k: "rate" if k.endswith("_per_s") else "memory" if k.endswith("_bytes") else "time" for k in keys}
+    values = torch.tensor([flip[kind[k]](float(measured[k])) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {k: flip[kind[k]](v) for k, v in zip(keys, values.tolist())}
+
+
+def _device_facts(device: torch.device) -> tuple[str, int]:
+    """The device's name and total memory (the host's for the CPU)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            import pynvml  # from nvidia-ml-py
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            return torch.cuda.get_device_name(index), int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        except Exception as e:  # no NVML (e.g. in a container without it): torch's view of the device
+            log.debug("nvidia-ml-py unavailable (%s); using torch.cuda.mem_get_info", e)
+            return torch.cuda.get_device_name(index), int(torch.cuda.mem_get_info(index)[1])
+    total = 0
+    try:
+        with open("/proc/meminfo") as f:
+            total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        pass
+    return "cpu", total

@@ -1,0 +1,73 @@
+"""The hardware profile: measured on the CPU (copies, CPU AdamW, gloo), cached by key, re-measured on demand."""
+
+import json
+
+import pytest
+import torch
+from test_chunk_distributed import _gloo_rank, _spawn
+
+from protrain_fx.profiler import hardware
+from protrain_fx.profiler.hardware import HardwareProfile, hardware_profile
+
+SMALL = {"COPY_BYTES": 4 * 2**20, "ADAM_PARAMS": 2**20, "COLLECTIVE_BYTES": (2**16, 2**20)}
+
+
+@pytest.fixture
+def small(monkeypatch):
+    for name, value in SMALL.items():
+        monkeypatch.setattr(hardware, name, value)
+
+
+def test_measured_on_cpu_and_cached(small, tmp_path, monkeypatch):
+    profile = hardware_profile(torch.device("cpu"), cache_dir=tmp_path)
+    rates = [profile.h2d_bytes_per_s, profile.d2h_bytes_per_s, profile.h2d_concurrent_bytes_per_s]
+    assert all(r > 0 for r in rates) and profile.host_adam_s_per_param > 0
+    assert profile.device_memory_bytes > 0 and profile.collectives == {}
+    assert profile.key == hardware.cache_key(torch.device("cpu"))
+    (written,) = (tmp_path / "hardware").iterdir()
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(hardware, "measure", no_measuring)
+    assert hardware_profile(torch.device("cpu"), cache_dir=tmp_path) == profile  # from the cache
+    with pytest.raises(AssertionError, match="measured again"):
+        hardware_profile(torch.device("cpu"), cache_dir=tmp_path, remeasure=True)
+    stale = json.loads(written.read_text())
+    stale["key"]["torch"] = "0.0"  # measured under another key: measured again
+    written.write_text(json.dumps(stale))
+    with pytest.raises(AssertionError, match="measured again"):
+        hardware_profile(torch.device("cpu"), cache_dir=tmp_path)
+
+
+def test_collective_time_interpolates():
+    profile = HardwareProfile(
+        key={}, h2d_bytes_per_s=1.0, d2h_bytes_per_s=1.0, h2d_concurrent_bytes_per_s=1.0,
+        d2h_concurrent_bytes_per_s=1.0, device_adam_s_per_param=0.0, host_adam_s_per_param=0.0,
+        device_memory_bytes=0, host_memory_bytes=0,
+        collectives={"all_gather": [(100, 1.0), (300, 2.0)]},
+    )  # fmt: skip
+    assert profile.collective_s("all_gather", 200) == pytest.approx(1.5)
+    assert profile.collective_s("all_gather", 50) == pytest.approx(0.5)
+    assert profile.collective_s("all_gather", 500) == pytest.approx(3.0)
+    assert profile.collective_s("all_reduce", 500) == 0.0  # not measured: one rank
+    assert HardwareProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+
+
+def _two_ranks(rank, world, port, errors):
+    def body():
+        for name, value in SMALL.items():
+            setattr(hardware, name, value)
+        profile = hardware.measure(torch.device("cpu"))
+        assert sorted(profile.collectives) == ["all_gather", "all_reduce", "reduce_scatter"]
+        for points in profile.collectives.values():
+            assert [b for b, _ in points] == [2**16, 2**20] and all(t > 0 for _, t in points)
+        everyone = [None, None]
+        torch.distributed.all_gather_object(everyone, profile.to_json())
+        assert everyone[0] == everyone[1], "ranks must plan from the same numbers"
+
+    _gloo_rank(rank, world, port, errors, body)
+
+
+def test_two_ranks_measure_collectives_and_agree():
+    _spawn(_two_ranks, 2)
