@@ -35,3 +35,35 @@ def eager_and_protrain(kind: str, steps: int, options=None, *, device="cpu", aut
     eager_losses = train(ref, kind, steps, device=device, autocast=autocast)
     protrain_losses = train(compiled, kind, steps, device=device, autocast=autocast)
     return (eager_losses, ref), (protrain_losses, model), backend
+
+
+def saved_activation_bytes(compiled, model, batch, exclude=()) -> int:
+    """Bytes of the storages a forward of `compiled` keeps for backward, seen by saved-tensor hooks: parameters,
+    buffers, inputs and the storages of `exclude` are left out."""
+    known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *batch.values()]}
+    known.update(t.untyped_storage().data_ptr() for t in exclude)
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in known:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled(**batch)
+    return sum(seen.values())
+
+
+def losses_side_by_side(kind, ref, ref_opt, compiled, opt, steps: int = 3) -> list[tuple[float, float]]:
+    """(reference loss, compiled loss) per step, each model trained by its optimizer on the same batches."""
+    pairs = []
+    for step in range(steps):
+        losses = []
+        for m, o in ((ref, ref_opt), (compiled, opt)):
+            loss = models.loss_of(kind, m(**models.batch(kind, seed=step)))
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        pairs.append(tuple(losses))
+    return pairs

@@ -9,7 +9,7 @@ import copy
 import models
 import pytest
 import torch
-from helpers import train
+from helpers import losses_side_by_side, saved_activation_bytes, train
 
 import protrain_fx
 from protrain_fx.planner.plan import interleaved_modes, make_plan
@@ -48,15 +48,7 @@ def test_checkpoint_with_offloaded_chunks():
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     options = {"executor": "eager", "plan": {"n_persist": 0, "n_buffer": 3, "n_checkpoint": 2}}
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
-    for step in range(3):
-        losses = []
-        for m, o in ((ref, ref_opt), (compiled, opt)):
-            loss = m(**models.batch("llama", seed=step)).loss
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-        assert losses[0] == losses[1]
+    assert all(ref_loss == loss for ref_loss, loss in losses_side_by_side("llama", ref, ref_opt, compiled, opt))
     state = protrain_fx.full_state_dict(model)
     for name, value in ref.state_dict().items():
         assert torch.equal(state[name], value), name
@@ -67,17 +59,7 @@ def _saved_bytes(kind, plan):
     _, model, backend, compiled = _compiled(kind, plan)
     batch = models.batch(kind)
     compiled(**batch)
-    known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *batch.values()]}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in known:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        compiled(**batch)
-    return sum(seen.values()), backend.graphs[0]
+    return saved_activation_bytes(compiled, model, batch), backend.graphs[0]
 
 
 @pytest.mark.parametrize("kind", ["toy", "llama"])

@@ -10,7 +10,7 @@ import copy
 import models
 import pytest
 import torch
-from helpers import train
+from helpers import losses_side_by_side, saved_activation_bytes, train
 
 import protrain_fx
 
@@ -48,15 +48,8 @@ def test_swap_with_offloaded_chunks_and_inductor():
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     options = {"plan": {"n_persist": 1, "n_buffer": 3, "n_swap": 2}}
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
-    for step in range(3):
-        losses = []
-        for m, o in ((ref, ref_opt), (compiled, opt)):
-            loss = m(**models.batch("llama", seed=step)).loss
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-        assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    for ref_loss, loss in losses_side_by_side("llama", ref, ref_opt, compiled, opt):
+        assert loss == pytest.approx(ref_loss, rel=1e-4)
 
 
 def _saved_outside_swap(kind, plan):
@@ -65,19 +58,8 @@ def _saved_outside_swap(kind, plan):
     batch = models.batch(kind)
     compiled(**batch)
     record = backend.graphs[0]
-    known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *batch.values()]}
-    if record.swap is not None:
-        known.add(record.swap.arena.untyped_storage().data_ptr())
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in known:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        compiled(**batch)
-    return sum(seen.values()), record
+    exclude = [record.swap.arena] if record.swap is not None else []
+    return saved_activation_bytes(compiled, model, batch, exclude), record
 
 
 @pytest.mark.parametrize("kind", ["toy", "llama"])
