@@ -138,9 +138,9 @@ def test_chunked_training_through_inductor():
 
 
 def test_host_memory_checked_before_allocating(monkeypatch):
-    from protrain_fx.runtime import chunks
+    from protrain_fx.runtime import host
 
-    monkeypatch.setattr(chunks, "_available_host_bytes", lambda: 1000)
+    monkeypatch.setattr(host, "available_host_bytes", lambda: 1000)
     with pytest.raises(Exception, match=r"need 0\.\d+ GiB of host memory .* but 0\.00 GiB is available"):
         run("toy", {"n_persist": 0, "n_buffer": 3}, steps=1)
 

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from protrain_fx.config import default_cache_dir
-from protrain_fx.runtime.chunks import _available_host_bytes, rank_and_world_size
+from protrain_fx.runtime.chunks import rank_and_world_size
+from protrain_fx.runtime.host import available_host_bytes, meminfo_bytes
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def measure(device: torch.device, key: dict | None = None) -> HardwareProfile:
         "host_adam_s_per_param": _adam_s_per_param(torch.device("cpu")),
     }
     measured["device_memory_bytes"] = memory
-    measured["host_memory_bytes"] = _available_host_bytes() or 0
+    measured["host_memory_bytes"] = available_host_bytes() or 0
     collectives = _collectives(device)
     measured = _slowest_rank(measured, device)
     for k in ("device_memory_bytes", "host_memory_bytes"):
@@ -233,10 +234,4 @@ def _device_facts(device: torch.device) -> tuple[str, int]:
         except Exception as e:  # no NVML (e.g. in a container without it): torch's view of the device
             log.debug("nvidia-ml-py unavailable (%s); using torch.cuda.mem_get_info", e)
             return torch.cuda.get_device_name(index), int(torch.cuda.mem_get_info(index)[1])
-    total = 0
-    try:
-        with open("/proc/meminfo") as f:
-            total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    except (OSError, StopIteration):
-        pass
-    return "cpu", total
+    return "cpu", meminfo_bytes("MemTotal") or 0

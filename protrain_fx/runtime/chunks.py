@@ -6,13 +6,14 @@ Layout (planner/chunking.py) decides which parameter is where; the plan decides 
 - persistent chunks (the first `n_persist`): the chunk's parameters are views of one flat device tensor
   (compute dtype), with an fp32 master copy, an fp32 gradient and AdamW states on the device, updated by
   torch's fused AdamW in `step()`. Gradients are all-reduced across ranks.
-- non-persistent chunks: each rank holds its shard (fp32 master, fp32 gradient) in one host arena allocated once at its exact size (pinned with `cudaHostRegister` on CUDA,
-  not the power-of-two host allocator; unregistered when the manager is collected). The parameters' own storage is emptied (`resize_(0)`): the
-  compiled graphs read them through `gather`, which copies this rank's fp32 master shard to the device,
-  casts it into one of `n_buffer` compute-dtype buffers and all-gathers the rest. (Casting on the device
-  costs PCIe bytes, which overlap compute, instead of a host cast after every update, which would lengthen
-  the host optimizer, the usual bottleneck of offloading.) `release` makes the buffer reusable; a chunk still in a buffer
-  when gathered again (backward right after forward) is not copied again, and `prefetch` loads the next
+- non-persistent chunks: each rank holds its shard (fp32 master, fp32 gradient) in one host arena allocated
+  once at its exact size (runtime/host.py: pinned with `cudaHostRegister` on CUDA, not the power-of-two host
+  allocator; unregistered when the manager is collected). The parameters' own storage is emptied
+  (`resize_(0)`): the compiled graphs read them through `gather`, which copies this rank's fp32 master shard
+  to the device, casts it into one of `n_buffer` compute-dtype buffers and all-gathers the rest. (Casting on
+  the device costs PCIe bytes, which overlap compute, instead of a host cast after every update, which would
+  lengthen the host optimizer, the usual bottleneck of offloading.) `release` makes the buffer reusable; a
+  chunk still in a buffer when gathered again (backward right after forward) is not copied again, and `prefetch` loads the next
   chunk on a copy stream. Gradients are reduce-scattered in fp32 and copied straight into the shard's fp32
   gradient without blocking (into a staging shard and added, when a chunk gets a second gradient in one
   step), and a worker thread runs the CPU AdamW step of that shard (torch's fused CPU kernel) as soon as
@@ -37,6 +38,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx.planner.chunking import ChunkLayout, Slot
 from protrain_fx.runtime import ops
+from protrain_fx.runtime.host import check_host_memory, pinned_arena
 from protrain_fx.runtime.host_queue import HostQueue
 
 log = logging.getLogger(__name__)
@@ -48,39 +50,6 @@ def rank_and_world_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _check_host_memory(needed: int) -> None:
-    """Fail before allocating anything when the host cannot hold the offloaded chunks."""
-    available = _available_host_bytes()
-    if available is not None and needed > available:
-        raise ValueError(
-            f"the offloaded chunks need {needed / 2**30:.2f} GiB of host memory (parameters, fp32 master and "
-            f"gradient shards, AdamW states) but {available / 2**30:.2f} GiB is available; keep more chunks on the "
-            "GPU (options={'plan': {'n_persist': ...}}), use more ranks, or free host memory"
-        )
-
-
-def _register_host(arena: torch.Tensor) -> None:
-    """Pin the arena in place (one registration of its exact bytes)."""
-    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-    assert int(err) == 0, f"cudaHostRegister of the {arena.numel()}-byte chunk arena failed with error {int(err)}"
-
-
-def _unregister_host(arena: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
 
 
 def check_ranks_agree(layout: ChunkLayout, n_persist: int, n_buffer: int) -> None:
@@ -179,18 +148,19 @@ class ChunkManager:
         offloaded = list(range(self.n_persist, n))
         # per offloaded chunk: fp32 master (the parameters' only host copy) and fp32 gradient
         per_chunk = shard * (4 + 4)
-        _check_host_memory(per_chunk * len(offloaded) + 8 * shard * len(offloaded))  # + CPU AdamW's two states
-        self.arena = torch.empty(per_chunk * len(offloaded), dtype=torch.uint8)
-        if self.device.type == "cuda" and self.arena.numel():
-            _register_host(self.arena)
-            weakref.finalize(self, _unregister_host, self.arena)
+        check_host_memory(
+            (per_chunk + 8 * shard) * len(offloaded),  # + CPU AdamW's two states
+            "the offloaded chunks",
+            "fp32 master and gradient shards, AdamW states",
+            "keep more chunks on the GPU (options={'plan': {'n_persist': ...}}), use more ranks",
+        )
+        self.arena = pinned_arena(per_chunk * len(offloaded), self, pin=self.device.type == "cuda")
         at = 0
         for c in offloaded:
             self.master[c] = self.arena[at : at + shard * 4].view(torch.float32)
             self.grad[c] = self.arena[at + shard * 4 : at + shard * 8].view(torch.float32)
             at += shard * 8
         self.arena.zero_()
-        self._pinned = self.device.type == "cuda"
         self.buffers = [torch.empty(elems, dtype=self.dtype, device=self.device) for _ in range(self.n_buffer)]
         # where a master shard lands on the device before its cast into a buffer (loads are serial on one stream)
         self._landing = None if fp32 or not offloaded else torch.empty(shard, dtype=torch.float32, device=self.device)
@@ -388,7 +358,9 @@ class ChunkManager:
         if accumulate:
             self.wait_for_update()  # the one staging shard is free once every pending copy is taken in
             if self.staging is None:
-                self.staging = torch.empty(self.layout.shard_elems, dtype=torch.float32, pin_memory=self._pinned)
+                self.staging = torch.empty(
+                    self.layout.shard_elems, dtype=torch.float32, pin_memory=self.device.type == "cuda"
+                )
             target = self.staging
         else:
             target = self.grad[chunk]

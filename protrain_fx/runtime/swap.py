@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Sequence
 
 import torch
 
 from protrain_fx.runtime import ops
-from protrain_fx.runtime.chunks import _check_host_memory, _register_host, _unregister_host
+from protrain_fx.runtime.host import check_host_memory, pinned_arena
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +43,13 @@ class SwapSpace:
         """Compile time: one slot per swapped tensor (shape, dtype), all in one host arena."""
         sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
         aligned = [-(-n // 64) * 64 for n in sizes]  # 64-byte slot boundaries
-        _check_host_memory(sum(aligned))
-        self.arena = torch.empty(sum(aligned), dtype=torch.uint8)
-        if self.device.type == "cuda" and self.arena.numel():
-            _register_host(self.arena)
-            weakref.finalize(self, _unregister_host, self.arena)
+        check_host_memory(
+            sum(aligned),
+            "the swapped activations",
+            "one slot per tensor a swapped block saves for backward",
+            "swap fewer blocks (checkpoint them instead), use a smaller batch",
+        )
+        self.arena = pinned_arena(sum(aligned), self, pin=self.device.type == "cuda")
         at = 0
         for (shape, dtype), n, step in zip(specs, sizes, aligned):
             self.slots.append(self.arena[at : at + n].view(dtype).view(shape))

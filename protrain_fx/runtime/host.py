@@ -1,0 +1,48 @@
+"""Host memory: how much there is, and one exact-size pinned arena per owner (chunks, swap slots)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+def meminfo_bytes(field: str) -> int | None:
+    """A /proc/meminfo field (e.g. "MemAvailable", "MemTotal") in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def available_host_bytes() -> int | None:
+    return meminfo_bytes("MemAvailable")
+
+
+def check_host_memory(needed: int, what: str, detail: str, advice: str) -> None:
+    """Fail before allocating anything when the host cannot hold `needed` bytes of `what` (made of `detail`)."""
+    available = available_host_bytes()
+    if available is not None and needed > available:
+        raise ValueError(
+            f"{what} need {needed / 2**30:.2f} GiB of host memory ({detail}) but {available / 2**30:.2f} GiB is "
+            f"available; {advice}, or free host memory"
+        )
+
+
+def pinned_arena(nbytes: int, owner: object, *, pin: bool) -> torch.Tensor:
+    """One uint8 host tensor of exactly `nbytes`, pinned in place with `cudaHostRegister` when `pin` (not the
+    caching host allocator, which rounds up to a power of two) and unregistered when `owner` is collected."""
+    arena = torch.empty(nbytes, dtype=torch.uint8)
+    if pin and nbytes:
+        err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0)
+        assert int(err) == 0, f"cudaHostRegister of a {nbytes}-byte host arena failed with error {int(err)}"
+        weakref.finalize(owner, _unregister, arena)
+    return arena
+
+
+def _unregister(arena: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
