@@ -43,7 +43,9 @@ from protrain_fx.capture import (
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import Dumper
 from protrain_fx.passes.pipeline import GRAPH_PASSES, JOINT_PASSES, PassContext, run_passes
+from protrain_fx.planner.cost import swap_interval
 from protrain_fx.planner.plan import CHUNK_FIELDS, Plan, make_plan
+from protrain_fx.profiler.hardware import hardware_profile
 from protrain_fx.profiler.interpreter import profile_iteration
 from protrain_fx.profiler.profile import GraphProfile
 from protrain_fx.runtime.adopt import (
@@ -165,16 +167,17 @@ class _Partitioner(CustomPartitionerFn):
             check_params_managed(manager, record.param_map, self.example_inputs)
         with manager.materialized(params) if manager else contextlib.nullcontext():
             record.profile = profile_iteration(fw, bw, self.example_inputs, record.block_map)
+        device = _device_of(self.example_inputs)
         if manager is None and wants_chunks(params):
             layout = model_layout(roots, record, self.example_inputs, config.plan)
-            record.plan = make_plan(record.block_map.n_blocks, config.plan, layout)
+            record.plan = self._plan(config.plan, layout, device)
             manager = build_manager(roots.model, layout, record.plan)
         else:
             # a graph without parameters (a loss after a graph break) has no chunk decisions to check
             forced = config.plan if params else {k: v for k, v in config.plan.items() if k not in CHUNK_FIELDS}
             if manager is not None:
                 forced = plan_fields_of(manager, forced)
-            record.plan = make_plan(record.block_map.n_blocks, forced, manager.layout if manager else None)
+            record.plan = self._plan(forced, manager.layout if manager else None, device)
         log.info("graph %d plan:\n%s", record.index, record.plan)
 
         ctx = PassContext(
@@ -189,7 +192,10 @@ class _Partitioner(CustomPartitionerFn):
         if any(must_recompute(n) for n in joint.graph.nodes):  # recompute tags change the partition: cut again
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         saved = frozenset(n.name for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents"))
-        swap = SwapSpace(_device_of(self.example_inputs)) if "swap" in record.plan.block_modes else None
+        swap = None
+        if "swap" in record.plan.block_modes:
+            budget = record.plan.predicted_peak_bytes or config.gpu_memory_bytes or _capacity(device)
+            swap = SwapSpace(device, budget_bytes=budget, upload_stream=manager.upload_stream if manager else None)
         ctx = dataclasses.replace(ctx, saved=saved, swap=swap)
         fw = run_passes(fw, ctx, GRAPH_PASSES, stage="forward")
         output = next(n for n in fw.graph.nodes if n.op == "output")
@@ -218,6 +224,22 @@ class _Partitioner(CustomPartitionerFn):
         if dumper:
             _dump(dumper, record)
         return fw, bw
+
+    def _plan(self, forced: dict[str, Any], layout, device: torch.device) -> Plan:
+        """The plan from the forced fields, with the swap interval measured when a block swaps."""
+        n_block = self.record.block_map.n_blocks
+        plan = make_plan(n_block, forced, layout)
+        if "swap" in plan.block_modes and "swap_interval" not in forced:
+            hardware = hardware_profile(device)
+            shared = plan.n_persist < plan.n_chunk  # chunks are uploaded while the forward swaps out
+            interval = swap_interval(self.record.profile, hardware, uploads_share_link=shared)
+            plan = make_plan(n_block, forced, layout, swap_interval=interval)
+        return plan
+
+
+def _capacity(device: torch.device) -> int | None:
+    """The device's memory in bytes (None on the CPU, whose memory the planner does not budget)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:

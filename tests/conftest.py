@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -21,3 +22,10 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _hardware_cache(tmp_path_factory):
+    """Hardware profiles measured by the tests go to a directory of this session, not the user's cache (spawned
+    ranks inherit it)."""
+    os.environ.setdefault("PROTRAIN_CACHE_DIR", str(tmp_path_factory.mktemp("protrain_cache")))

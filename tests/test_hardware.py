@@ -40,6 +40,24 @@ def test_measured_on_cpu_and_cached(small, tmp_path, monkeypatch):
         hardware_profile(torch.device("cpu"), cache_dir=tmp_path)
 
 
+def test_measured_with_real_tensors_under_a_fake_mode(small, tmp_path, monkeypatch):
+    """The backend plans inside AOTAutograd's partitioner, under its fake mode: timing fake copies would give
+    absurd rates, so the profile switches the fake mode off."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    timed = hardware._timed
+    seen = []
+
+    def checked(fn, device, repeat=3):
+        seen.append(isinstance(torch.empty(1), FakeTensor))
+        return timed(fn, device, repeat)
+
+    monkeypatch.setattr(hardware, "_timed", checked)
+    with FakeTensorMode():
+        hardware_profile(torch.device("cpu"), cache_dir=tmp_path)
+    assert seen and not any(seen)
+
+
 def test_collective_time_interpolates():
     profile = HardwareProfile(
         key={}, h2d_bytes_per_s=1.0, d2h_bytes_per_s=1.0, h2d_concurrent_bytes_per_s=1.0,

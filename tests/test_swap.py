@@ -13,6 +13,9 @@ import torch
 from helpers import losses_side_by_side, saved_activation_bytes, train
 
 import protrain_fx
+from protrain_fx.planner.cost import swap_interval
+from protrain_fx.profiler.hardware import hardware_profile
+from protrain_fx.profiler.profile import BlockProfile, GraphProfile
 
 LAYOUTS = {
     "all-swap": {"n_swap": 3},
@@ -86,9 +89,74 @@ def test_swap_passes_rewrite_only_swapped_blocks():
     order = {n: i for i, n in enumerate(bw.graph.nodes)}
     for n in ins:  # each swap_in comes before every reader and after its prefetch
         assert all(order[u] > order[n] for u in n.users)
-    for p in prefetches:  # each prefetch comes before the swap_in of its slot
-        assert any(order[p] < order[n] and p.args[1] == n.args[1] for n in ins)
+    (settle,) = bw.graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_settle.default)
+    assert all(order[settle] < order[n] for n in ins)  # the forward's copies are done before anything comes back
+    for p in prefetches:  # each prefetch comes before the swap_ins of its slots
+        assert all(any(order[p] < order[n] and slot == n.args[1] for n in ins) for slot in p.args[1])
     _, _, plain, compiled_plain = _compiled("toy", {})
     compiled_plain(**models.batch("toy")).backward()
     for gm in (plain.graphs[0].forward, plain.graphs[0].backward):
         assert not any("swap" in str(n.target) for n in gm.graph.nodes)
+
+
+def _prefetch_blocks(record):
+    """For each swap prefetch in the backward: (block of its tensors, block whose first node it follows)."""
+    swapped_block = {}
+    for n in record.forward.graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default):
+        swapped_block[n.args[1]] = record.block_map.block[n.args[2].name]
+    prefetches = record.backward.graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_prefetch.default)
+    return [({swapped_block[s] for s in p.args[1]}, record.block_map.block.get(p.args[2].name)) for p in prefetches]
+
+
+@pytest.mark.parametrize("interval", [1, 2])
+def test_prefetch_runs_the_swap_interval_ahead(interval):
+    """Block 0's tensors are prefetched, all in one op, when the backward reaches block `interval`; the forward
+    settles them when it reaches that block."""
+    plan = {"block_modes": ["swap", "none", "none"], "swap_interval": interval}
+    ref, _, backend, compiled = _compiled("toy", {"plan": plan})
+    assert train(compiled, "toy", 2) == train(ref, "toy", 2)
+    record = backend.graphs[0]
+    assert record.plan.swap_interval == interval
+    assert _prefetch_blocks(record) == [({0}, interval)]
+    # the forward frees block 0's device tensors `interval` blocks later, once their copies are done
+    fw = record.forward.graph
+    (settle,) = fw.find_nodes(op="call_function", target=torch.ops.protrain.swap_settle.default)
+    order = {n: i for i, n in enumerate(fw.nodes)}
+    before = {
+        n.args[1]
+        for n in fw.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default)
+        if order[n] < order[settle]
+    }  # (a tensor block `interval` still reads is swapped out later)
+    assert record.block_map.block[settle.args[2].name] == interval and set(settle.args[1]) == before
+    assert len(before) >= len(record.swap.slots) // 2
+
+
+def test_measured_swap_interval():
+    """Unforced, the interval comes from the profile and this machine's measured copy rate."""
+    _, _, backend, compiled = _compiled("toy", {"plan": {"n_swap": 1}})
+    compiled(**models.batch("toy")).backward()
+    record = backend.graphs[0]
+    expected = swap_interval(record.profile, hardware_profile(torch.device("cpu")), uploads_share_link=False)
+    assert record.plan.swap_interval == expected >= 1
+
+
+def test_swap_interval_formula():
+    """ceil(max over blocks of copy time / forward time), at the contended rate when chunks upload meanwhile."""
+    blocks = [BlockProfile(0, forward_s=1.0, saved_bytes=2.5e9), BlockProfile(1, forward_s=2.0, saved_bytes=1e9)]
+    profile = GraphProfile("cpu", 3.0, 6.0, 0, 0, 0, [], blocks)
+    hardware = hardware_profile(torch.device("cpu"))
+    hardware = type(hardware)(**{**hardware.__dict__, "d2h_bytes_per_s": 1e9, "d2h_concurrent_bytes_per_s": 0.5e9})
+    assert swap_interval(profile, hardware, uploads_share_link=False) == 3  # 2.5 s of copy over 1 s of compute
+    assert swap_interval(profile, hardware, uploads_share_link=True) == 5
+
+
+def test_prefetch_waits_for_memory():
+    """With no room under the budget, nothing is prefetched early: each tensor comes back at its swap_in, and
+    training is unchanged."""
+    ref, _, backend, compiled = _compiled("toy", {"plan": {"n_swap": 2}, "gpu_memory_bytes": 1}, dropout=0.1)
+    assert train(compiled, "toy", 3) == train(ref, "toy", 3)
+    space = next(g for g in backend.graphs if g.param_map).swap
+    assert space.budget_bytes == 1 and space.deferred == 2 * 3  # two blocks, three steps
+    _, _, roomy, compiled = _compiled("toy", {"plan": {"n_swap": 2}})
+    train(compiled, "toy", 3)
+    assert roomy.graphs[0].swap.deferred == 0

@@ -52,7 +52,8 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     and the graph hands the host copy to the backward instead of the device tensor.
 
         before:  h = mm(x, w); y = relu(h); return (y, h)          # h saved for backward
-        after:   h = mm(x, w); y = relu(h); h_ = protrain.swap_out(space, 0, h); return (y, h_)
+        after:   h = mm(x, w); y = relu(h); h_ = protrain.swap_out(space, 0, h); ...
+                 <first node of block b + swap_interval>; protrain.swap_settle(space, [0], <it>); ...; return (y, h_)
     """
     modes = ctx.plan.block_modes
     if ctx.stage != "forward" or "swap" not in modes:
@@ -80,18 +81,51 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         outs[position] = host
         slot += 1
     output.args = (tuple(outs),)
+    _settle_forward(graph, ctx)
     graph.lint()
     gm.recompile()
     return gm
 
 
+def _first_nodes(graph: fx.Graph, ctx) -> dict[int | str, fx.Node]:
+    """Block -> its first computing node in `graph`, and "post" -> the first one after the last block."""
+    block_of, region = ctx.record.block_map.block, ctx.record.block_map.region
+    first: dict[int | str, fx.Node] = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor):
+            if n.name in block_of:
+                first.setdefault(block_of[n.name], n)
+            elif region.get(n.name) == "post":
+                first.setdefault("post", n)
+    return first
+
+
+def _settle_forward(graph: fx.Graph, ctx) -> None:
+    """Swapped block b's copies must be done swap_interval blocks later (the plan counts on it): there, a
+    `swap_settle` frees their device tensors. A tensor swapped out only after that point is settled at the
+    backward's start instead."""
+    first = _first_nodes(graph, ctx)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    by_block: dict[int, list[fx.Node]] = {}
+    for n in graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default):
+        by_block.setdefault(n.meta[SWAP][1], []).append(n)
+    for block, outs in by_block.items():
+        anchor = first.get(block + ctx.plan.swap_interval, first.get("post"))
+        done = [n.args[1] for n in outs if anchor is not None and order[n] < order[anchor]]
+        if done:
+            with graph.inserting_after(anchor):
+                graph.call_function(torch.ops.protrain.swap_settle.default, (ctx.swap.handle, done, anchor))
+
+
 def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Backward: each swapped tensor comes back through `swap_in` before its first use; the tensors of block b
-    are prefetched when the backward reaches block b + 1 (one block ahead), or at the start when block b + 1
-    is not in this graph (no prefetch where its first use comes before that point).
+    """Backward: at the start, `swap_settle` waits for the forward's swap-out copies so none of their device
+    tensors outlives it; each swapped tensor comes back through `swap_in` before its first use; block b's tensors are
+    prefetched together when the backward reaches block b + swap_interval (the plan's), or at the start when
+    that block is not in this graph (no prefetch where the first use comes before that point).
 
         before:  h = placeholder; ...; g = mm(dy, h)
-        after:   h = placeholder; ...; protrain.swap_prefetch(space, 0, <first node of block b+1>); ...
+        after:   h = placeholder; protrain.swap_settle(space, [every slot], None); ...
+                 protrain.swap_prefetch(space, [0, ...], <first node of block b+k>); ...
                  h_ = protrain.swap_in(space, 0, h); g = mm(dy, h_)
     """
     if ctx.stage != "backward":
@@ -117,21 +151,17 @@ def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         ph.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
         by_block.setdefault(block, []).append((slot, back))
     handle = next(iter(swapped.values())).args[0]
-    block_of = ctx.record.block_map.block
+    with graph.inserting_after(placeholders[-1]):
+        every = sorted(slot for slots in by_block.values() for slot, _ in slots)
+        graph.call_function(torch.ops.protrain.swap_settle.default, (handle, every, None))
+    first_of = _first_nodes(graph, ctx)
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for block, slots in by_block.items():
-        ahead = [
-            n
-            for n in graph.nodes
-            if n.op == "call_function"
-            and block_of.get(n.name) == block + 1
-            and isinstance(n.meta.get("val"), torch.Tensor)
-        ]
-        anchor = ahead[0] if ahead else placeholders[-1]
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        with graph.inserting_after(anchor):
-            for slot, back in slots:
-                if order[anchor] < order[back]:  # a prefetch after the swap_in would fetch for nobody
-                    graph.call_function(torch.ops.protrain.swap_prefetch.default, (handle, slot, anchor))
+        anchor = first_of.get(block + ctx.plan.swap_interval, placeholders[-1])
+        ahead = [slot for slot, back in slots if order[anchor] < order[back]]  # else it would fetch for nobody
+        if ahead:
+            with graph.inserting_after(anchor):
+                graph.call_function(torch.ops.protrain.swap_prefetch.default, (handle, ahead, anchor))
     graph.lint()
     gm.recompile()
     return gm

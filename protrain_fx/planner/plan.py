@@ -3,7 +3,7 @@
 Later stages only read it. It is JSON-serializable so it can be dumped and replayed
 (`options={"plan": "plan.json"}`). This version carries out the chunk fields (`n_persist`, `n_buffer`,
 forced by the user; all chunks persistent by default) and the per-block activation modes (`n_checkpoint`,
-`n_swap`, or `block_modes`; none by default).
+`n_swap`, or `block_modes`; none by default) with the swap interval (`planner/cost.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class Plan:
     n_buffer: int = 0  # pre-allocated GPU buffers for non-persistent chunks
     n_swap: int = 0  # blocks whose activations are swapped to CPU memory
     n_checkpoint: int = 0  # blocks recomputed in backward
+    swap_interval: int = 1  # blocks of compute that hide one block's swap copy; backward prefetches that far ahead
     n_chunk: int = 0  # chunks of the parameter layout (0: parameters are left where they are)
     n_block: int = 0  # transformer blocks found in the graph
     chunk_bytes: int = 0
@@ -58,13 +59,19 @@ def _int_field(forced: Mapping[str, Any], key: str, default: int) -> int:
     return value
 
 
-def make_plan(n_block: int, forced: Mapping[str, Any] | None = None, layout: ChunkLayout | None = None) -> Plan:
+def make_plan(
+    n_block: int,
+    forced: Mapping[str, Any] | None = None,
+    layout: ChunkLayout | None = None,
+    *,
+    swap_interval: int = 1,
+) -> Plan:
     """The plan for a graph of `n_block` blocks, after checking the user's forced fields.
 
     Without a chunk layout (parameters not managed in chunks) everything stays where it is. With one, the
     forced `n_persist` and `n_buffer` are taken, and by default every chunk is persistent. Block modes: the
     forced `block_modes`, else the interleaved layout of the forced `n_swap` and `n_checkpoint` (none by
-    default).
+    default). `swap_interval` is the measured one (planner/cost.py), unless the user forces another.
     """
     forced = dict(forced or {})
     unknown = sorted(set(forced) - set(PLAN_FIELDS))
@@ -72,6 +79,10 @@ def make_plan(n_block: int, forced: Mapping[str, Any] | None = None, layout: Chu
         raise ValueError(f"unknown plan field(s) {unknown} in options['plan']; plan fields are {list(PLAN_FIELDS)}")
     modes = _block_modes(n_block, forced)
     n_swap, n_checkpoint = modes.count("swap"), modes.count("checkpoint")
+    interval = _int_field(forced, "swap_interval", swap_interval)
+    if interval < 1:
+        raise ValueError("options['plan']['swap_interval'] must be at least 1 (blocks)")
+    activations = {"block_modes": modes, "n_checkpoint": n_checkpoint, "n_swap": n_swap, "swap_interval": interval}
     if layout is None:
         chunked = {k: forced[k] for k in ("n_buffer", "n_chunk", "chunk_bytes") if _int_field(forced, k, 0)}
         if "n_persist" in forced and forced.get("n_chunk", 1) != 0:  # (a replayed unchunked plan has n_chunk 0)
@@ -81,7 +92,7 @@ def make_plan(n_block: int, forced: Mapping[str, Any] | None = None, layout: Chu
                 f"options['plan'] asks for {chunked}, but parameters are managed in chunks only when the model "
                 "is trained with protrain_fx.optim.AdamW; create that optimizer before the first step"
             )
-        return Plan(n_block=n_block, block_modes=modes, n_checkpoint=n_checkpoint, n_swap=n_swap)
+        return Plan(n_block=n_block, **activations)
     n_persist = _int_field(forced, "n_persist", layout.n_chunk)
     if n_persist > layout.n_chunk:
         raise ValueError(f"options['plan']['n_persist']={n_persist} exceeds the model's {layout.n_chunk} chunks")
@@ -94,9 +105,7 @@ def make_plan(n_block: int, forced: Mapping[str, Any] | None = None, layout: Chu
         n_chunk=layout.n_chunk,
         n_block=n_block,
         chunk_bytes=layout.chunk_bytes,
-        block_modes=modes,
-        n_checkpoint=n_checkpoint,
-        n_swap=n_swap,
+        **activations,
     )
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx.config import default_cache_dir
 from protrain_fx.runtime.chunks import rank_and_world_size
@@ -87,15 +88,23 @@ def hardware_profile(
     device: torch.device, *, cache_dir: Path | None = None, remeasure: bool = False
 ) -> HardwareProfile:
     """The profile of this machine for `device`: from the cache when one was measured under the same key."""
-    device = torch.device(device)
+    with unset_fake_temporarily():  # real tensors, also when planning inside AOTAutograd's partitioner
+        return _cached_or_measured(torch.device(device), cache_dir, remeasure)
+
+
+def _cached_or_measured(device: torch.device, cache_dir: Path | None, remeasure: bool) -> HardwareProfile:
     key = cache_key(device)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = (cache_dir or default_cache_dir()) / "hardware" / f"{digest}.json"
+    cached = None
     if path.is_file() and not remeasure:
         cached = HardwareProfile.from_json(json.loads(path.read_text()))
-        if cached.key == key:
-            log.info("hardware profile from %s", path)
-            return cached
+        cached = cached if cached.key == key else None
+    if not _everyone(cached is not None, device):  # measuring is a collective: all ranks measure, or none
+        cached = None
+    if cached is not None:
+        log.info("hardware profile from %s", path)
+        return cached
     profile = measure(device, key)
     rank, _ = rank_and_world_size()
     if rank == 0:
@@ -107,7 +116,11 @@ def hardware_profile(
 
 def measure(device: torch.device, key: dict | None = None) -> HardwareProfile:
     """Measure everything (a collective with several ranks: every rank calls it)."""
-    device = torch.device(device)
+    with unset_fake_temporarily():
+        return _measure(torch.device(device), key)
+
+
+def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     pin = device.type == "cuda"
     n = COPY_BYTES // 4
     host = torch.empty(n, pin_memory=pin)
@@ -133,6 +146,16 @@ def measure(device: torch.device, key: dict | None = None) -> HardwareProfile:
     for k in ("device_memory_bytes", "host_memory_bytes"):
         measured[k] = int(measured[k])
     return HardwareProfile(key=key or cache_key(device), collectives=collectives, **measured)
+
+
+def _everyone(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on every rank."""
+    _, world_size = rank_and_world_size()
+    if world_size == 1:
+        return flag
+    value = torch.tensor([0 if flag else 1], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value) == 0
 
 
 def _sync(device: torch.device) -> None:

@@ -186,6 +186,11 @@ class ChunkManager:
             self.n_buffer,
         )
 
+    @property
+    def upload_stream(self):
+        """The CUDA stream of host-to-device chunk copies (None on the CPU): swap prefetches queue behind it."""
+        return self._copy_stream
+
     @staticmethod
     def _slot_range(slot: Slot) -> tuple[int, int]:
         return slot.offset, slot.offset + slot.numel

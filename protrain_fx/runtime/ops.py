@@ -6,8 +6,10 @@
     protrain.release(manager, chunk, [last users of the chunk])          # after its last use
     protrain.reduce_grads(manager, chunk, [param indices], [grads])      # after the chunk's last gradient
     protrain.check_params(manager, [param indices], [parameters])        # forward: inputs are still ours
-    h = protrain.swap_out(space, slot, t); protrain.swap_prefetch(space, slot, after); t = protrain.swap_in(space, slot, h)
-                                                                         # swapped activations (runtime/swap.py)
+    h = protrain.swap_out(space, slot, t)                      # swapped activations (runtime/swap.py): forward,
+    protrain.swap_settle(space, [slot, ...], after)            # forward, swap_interval blocks later; backward start
+    protrain.swap_prefetch(space, [slot, ...], after)          # backward, a block's tensors ahead of their use,
+    t = protrain.swap_in(space, slot, h)                       # backward, before the first use
 
 Ordering comes from data dependencies: every read of a parameter goes through its chunk's `gather`
 output, `release` takes the outputs of the chunk's last readers as arguments, and `reduce_grads` takes
@@ -107,13 +109,23 @@ def _(space: int, slot: int, t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="cpu")
 
 
+@torch.library.custom_op("protrain::swap_settle", mutates_args=())
+def swap_settle(space: int, slots: list[int], after: torch.Tensor | None) -> None:
+    _manager(space).settle(slots)
+
+
+@swap_settle.register_fake
+def _(space: int, slots: list[int], after: torch.Tensor | None) -> None:
+    return None
+
+
 @torch.library.custom_op("protrain::swap_prefetch", mutates_args=())
-def swap_prefetch(space: int, slot: int, after: torch.Tensor) -> None:
-    _manager(space).prefetch(slot)
+def swap_prefetch(space: int, slots: list[int], after: torch.Tensor) -> None:
+    _manager(space).prefetch(slots)
 
 
 @swap_prefetch.register_fake
-def _(space: int, slot: int, after: torch.Tensor) -> None:
+def _(space: int, slots: list[int], after: torch.Tensor) -> None:
     return None
 
 
@@ -129,6 +141,7 @@ def _(space: int, slot: int, host: torch.Tensor) -> torch.Tensor:
 
 has_side_effect(torch.ops.protrain.check_params.default)
 has_side_effect(torch.ops.protrain.swap_prefetch.default)
+has_side_effect(torch.ops.protrain.swap_settle.default)
 has_side_effect(torch.ops.protrain.prefetch.default)
 has_side_effect(torch.ops.protrain.release.default)
 has_side_effect(torch.ops.protrain.reduce_grads.default)

@@ -3,14 +3,26 @@
 Each tensor that a swapped block saves for backward gets a fixed slot, decided at compile time, in one host
 arena allocated once at its exact size (pinned with `cudaHostRegister` on CUDA). The rewritten graphs call:
 
-    h = protrain.swap_out(space, slot, t)        # forward, after t's last use: copy t to its host slot
-    protrain.swap_prefetch(space, slot, after)   # backward, a block ahead: start copying the slot back
-    t = protrain.swap_in(space, slot, h)         # backward, before the first use: the device copy
+    h = protrain.swap_out(space, slot, t)           # forward, after t's last use: copy t to its host slot
+    protrain.swap_settle(space, [slots], after)     # swap_interval blocks later, and at the backward's start:
+                                                    # those copies are done and their device tensors freed
+    protrain.swap_prefetch(space, [slots], after)   # backward, swap_interval blocks ahead: copy a block back
+    t = protrain.swap_in(space, slot, h)            # backward, before the first use: the device copy
 
 On CUDA, copies run on their own streams. `swap_out` keeps the device tensor referenced until its copy's
-event has completed (checked at every later swap op) instead of `record_stream`, so the allocator never sees
-cross-stream uses; `swap_in` makes the compute stream wait for the prefetch's event only. On the CPU the
+event has completed (checked at every later swap op, and waited for by `swap_settle`) instead of
+`record_stream`, so the allocator never sees cross-stream uses; `swap_in` makes the compute stream wait for the prefetch's event only. On the CPU the
 copies are plain copies into the same slots, in the same order.
+
+Two rules keep prefetching from hurting (paper §3.2 and line 607):
+- memory: a block is prefetched only when the device has room for it under `budget_bytes` (the planned peak);
+  otherwise its tensors are copied back at their `swap_in`, when the memory they need is about to be used.
+  On CUDA "room" is the allocator's allocated bytes plus the block's; on the CPU, with no allocator to ask, the
+  bytes of prefetched tensors not yet taken.
+- bandwidth: swap prefetches and parameter-chunk uploads share the host-to-device link. A prefetch first
+  waits for every chunk upload queued so far (`upload_stream`, the chunk manager's copy stream), so a chunk
+  the compute needs next never waits behind a swap; later uploads share the link with at most the tensors
+  of one prefetched block, which the planner's swap interval leaves time for.
 """
 
 from __future__ import annotations
@@ -28,15 +40,18 @@ log = logging.getLogger(__name__)
 
 
 class SwapSpace:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, budget_bytes: int | None = None, upload_stream=None):
         self.device = torch.device(device)
+        self.budget_bytes = budget_bytes  # prefetch only while the device stays under this (None: no limit)
         self.slots: list[torch.Tensor] = []
         self.handle = ops.register(self)
+        self.deferred = 0  # blocks whose prefetch waited for their swap_in for lack of memory
         cuda = self.device.type == "cuda"
         self._d2h = torch.cuda.Stream(self.device) if cuda else None
         self._h2d = torch.cuda.Stream(self.device) if cuda else None
+        self._uploads = upload_stream  # the parameter chunks' host-to-device stream, whose copies go first
         self._stored: dict[int, object] = {}  # slot -> event of its device-to-host copy
-        self._in_flight: list[tuple[object, torch.Tensor]] = []  # (event, device tensor) until the copy is done
+        self._in_flight: dict[int, tuple[object, torch.Tensor]] = {}  # slot -> (copy event, device tensor)
         self._fetched: dict[int, tuple[torch.Tensor, object]] = {}  # slot -> (device tensor, event of its copy)
 
     def allocate(self, specs: Sequence[tuple[torch.Size, torch.dtype]]) -> None:
@@ -58,7 +73,7 @@ class SwapSpace:
 
     def _retire(self) -> None:
         """Drop the device tensors whose copy to the host has finished."""
-        self._in_flight = [(ev, t) for ev, t in self._in_flight if not ev.query()]
+        self._in_flight = {s: (ev, t) for s, (ev, t) in self._in_flight.items() if not ev.query()}
 
     def swap_out(self, slot: int, t: torch.Tensor) -> torch.Tensor:
         host = self.slots[slot]
@@ -72,18 +87,44 @@ class SwapSpace:
             host.copy_(t, non_blocking=True)
             event = self._d2h.record_event()
         self._stored[slot] = event
-        self._in_flight.append((event, t))
+        self._in_flight[slot] = (event, t)
         return host
 
-    def prefetch(self, slot: int) -> None:
-        if slot in self._fetched:
+    def settle(self, slots: Sequence[int]) -> None:
+        """The compute stream waits for the swap-out copies of `slots`, and their device tensors go: from here on
+        they hold no device memory, whatever the copies' pace was. (Without a wait the memory would return only
+        when some later swap op sees the copy done, too late for the peak the planner counted on.)"""
+        stream = torch.cuda.current_stream(self.device) if self._d2h is not None else None
+        for slot in slots:
+            event, _ = self._in_flight.pop(slot, (None, None))
+            if event is not None:
+                stream.wait_event(event)
+
+    def prefetch(self, slots: Sequence[int]) -> None:
+        """Start copying one block's `slots` back to the device, if the memory is there (module docstring)."""
+        slots = [s for s in slots if s not in self._fetched]
+        need = sum(self.slots[s].nbytes for s in slots)
+        if self.budget_bytes is not None and self._allocated() + need > self.budget_bytes:
+            self.deferred += 1
+            log.debug("swap prefetch of %d tensors (%d bytes) deferred to their use: over budget", len(slots), need)
             return
+        for slot in slots:
+            self._fetch(slot)
+
+    def _allocated(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return sum(t.nbytes for t, _ in self._fetched.values())
+
+    def _fetch(self, slot: int) -> None:
         host = self.slots[slot]
         t = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         stream = self._h2d
         if stream is not None:
             self._retire()
             stream.wait_stream(torch.cuda.current_stream(self.device))  # t's allocation
+            if self._uploads is not None:
+                stream.wait_stream(self._uploads)  # parameter chunks queued so far go first
             stored = self._stored.pop(slot, None)
             if stored is not None:
                 stream.wait_event(stored)  # the slot holds this step's values
@@ -93,7 +134,8 @@ class SwapSpace:
         self._fetched[slot] = (t, event)
 
     def swap_in(self, slot: int) -> torch.Tensor:
-        self.prefetch(slot)  # nothing to do when prefetched
+        if slot not in self._fetched:  # not prefetched (no room then, or no block ahead of it)
+            self._fetch(slot)
         t, event = self._fetched.pop(slot)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
