@@ -7,6 +7,7 @@ model = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "e
 from protrain_fx import amp, optim
 from protrain_fx.backend import GraphRecord, ProTrainBackend, protrain
 from protrain_fx.config import ProTrainConfig
+from protrain_fx.explain import explain, plan_of
 from protrain_fx.planner.plan import Plan
 from protrain_fx.runtime.adopt import prepare
 from protrain_fx.runtime.state import full_state_dict
@@ -14,11 +15,13 @@ from protrain_fx.runtime.state import full_state_dict
 __all__ = [
     "GraphRecord",
     "amp",
+    "explain",
     "Plan",
     "ProTrainBackend",
     "ProTrainConfig",
     "full_state_dict",
     "optim",
+    "plan_of",
     "prepare",
     "protrain",
 ]

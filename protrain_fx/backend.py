@@ -30,11 +30,11 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition, must_recompute
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx.capture import (
     BlockMap,
     ParamEntry,
+    block_index,
     build_block_map,
     build_param_map,
     check_inputs,
@@ -43,10 +43,11 @@ from protrain_fx.capture import (
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import Dumper
 from protrain_fx.passes.pipeline import GRAPH_PASSES, JOINT_PASSES, PassContext, run_passes
-from protrain_fx.planner.cost import swap_interval
-from protrain_fx.planner.plan import CHUNK_FIELDS, Plan, make_plan
+from protrain_fx.planner.cost import Config, CostModel, swap_interval
+from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, Plan
+from protrain_fx.planner.search import plan_graph
 from protrain_fx.profiler.hardware import hardware_profile
-from protrain_fx.profiler.interpreter import profile_iteration
+from protrain_fx.profiler.interpreter import profile_iteration, profile_on_every_rank
 from protrain_fx.profiler.profile import GraphProfile
 from protrain_fx.runtime.adopt import (
     build_manager,
@@ -56,12 +57,16 @@ from protrain_fx.runtime.adopt import (
     plan_fields_of,
     wants_chunks,
 )
+from protrain_fx.runtime.eager import eager
+from protrain_fx.runtime.monitor import StepMonitor
 from protrain_fx.runtime.ops import register_inductor_lowering
 from protrain_fx.runtime.swap import SwapSpace
 
 log = logging.getLogger(__name__)
 
 MIN_TORCH = (2, 11)
+RUNTIME_ATTR = "_protrain_runtime"  # on the model: the swap spaces and step monitors of its graphs
+PLANS_ATTR = "_protrain_plans"  # on the model: (parameters read, Plan) of each graph compiled for training
 
 
 @dataclasses.dataclass
@@ -73,6 +78,7 @@ class GraphRecord:
     block_map: BlockMap | None = None
     profile: GraphProfile | None = None
     plan: Plan | None = None
+    costs: Any = None  # the CostModel the plan was searched with (planner/cost.py)
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
     swap: Any = None  # the SwapSpace of its swapped activations (runtime/swap.py), None when no block swaps
@@ -91,16 +97,17 @@ class ProTrainBackend:
     `.graphs`, in compile order, for inspection after the fact.
     """
 
-    def __init__(self, options: dict[str, Any] | ProTrainConfig | None = None):
+    def __init__(self, options: dict[str, Any] | ProTrainConfig | None = None, *, explain: bool = False):
         self.config = ProTrainConfig.from_options(options)
         self.graphs: list[GraphRecord] = []
+        self.explain = explain  # plan only (protrain_fx.explain): no chunks built, graphs left as they are
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         check_torch_version()
         check_inputs(gm, example_inputs)
         record = GraphRecord(index=len(self.graphs))
         self.graphs.append(record)
-        partitioner = _Partitioner(self.config, record, gm, list(example_inputs))
+        partitioner = _Partitioner(self.config, record, gm, list(example_inputs), explain=self.explain)
         log.info(
             "compiling graph %d (%d nodes) with the %s executor",
             record.index,
@@ -132,11 +139,14 @@ def protrain(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[st
 class _Partitioner(CustomPartitionerFn):
     """Our stages, run on AOTAutograd's joint graph in place of its partitioner (see the module docstring)."""
 
-    def __init__(self, config: ProTrainConfig, record: GraphRecord, dynamo_gm: fx.GraphModule, example_inputs):
+    def __init__(
+        self, config: ProTrainConfig, record: GraphRecord, dynamo_gm: fx.GraphModule, example_inputs, *, explain=False
+    ):
         self.config = config
         self.record = record
         self.dynamo_gm = dynamo_gm
         self.example_inputs = example_inputs
+        self.explain = explain
 
     def uuid(self) -> None:
         return None  # never cache: each compile profiles its own graph
@@ -165,20 +175,34 @@ class _Partitioner(CustomPartitionerFn):
         manager = model_manager(roots.model)
         if manager is not None:
             check_params_managed(manager, record.param_map, self.example_inputs)
-        with manager.materialized(params) if manager else contextlib.nullcontext():
-            record.profile = profile_iteration(fw, bw, self.example_inputs, record.block_map)
         device = _device_of(self.example_inputs)
-        if manager is None and wants_chunks(params):
+
+        def profile():
+            with manager.materialized(params) if manager else contextlib.nullcontext():
+                return profile_iteration(fw, bw, self.example_inputs, record.block_map)
+
+        record.profile = profile_on_every_rank(profile, device)
+        if manager is None and (wants_chunks(params) or (self.explain and any(p.requires_grad for p in params))):
             layout = model_layout(roots, record, self.example_inputs, config.plan)
-            record.plan = self._plan(config.plan, layout, device)
-            manager = build_manager(roots.model, layout, record.plan)
+            record.plan = self._plan(config.plan, layout, device, bw, roots.model, None)
+            if not self.explain:
+                manager = build_manager(roots.model, layout, record.plan)
         else:
-            # a graph without parameters (a loss after a graph break) has no chunk decisions to check
-            forced = config.plan if params else {k: v for k, v in config.plan.items() if k not in CHUNK_FIELDS}
+            # a graph without parameters (a loss after a graph break) has no chunk or block decisions to check
+            unplanned = CHUNK_FIELDS + ACTIVATION_FIELDS if record.block_map.family is None else CHUNK_FIELDS
+            forced = config.plan if params else {k: v for k, v in config.plan.items() if k not in unplanned}
             if manager is not None:
                 forced = plan_fields_of(manager, forced)
-            record.plan = self._plan(forced, manager.layout if manager else None, device)
+            layout = manager.layout if manager else None
+            record.plan = self._plan(forced, layout, device, bw, roots.model, manager)
         log.info("graph %d plan:\n%s", record.index, record.plan)
+        if roots.model is not None and params and not self.explain:
+            roots.model.__dict__.setdefault(PLANS_ATTR, []).append((len(params), record.plan))
+        if dumper:
+            dumper.write_json("plan.json", record.plan.to_json())
+        if self.explain:
+            record.forward, record.backward = fw, bw
+            return fw, bw
 
         ctx = PassContext(
             config=config,
@@ -194,9 +218,15 @@ class _Partitioner(CustomPartitionerFn):
         saved = frozenset(n.name for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents"))
         swap = None
         if "swap" in record.plan.block_modes:
-            budget = record.plan.predicted_peak_bytes or config.gpu_memory_bytes or _capacity(device)
+            limits = (record.plan.predicted_peak_bytes, config.gpu_memory_bytes, _capacity(device))
+            budget = min((limit for limit in limits if limit), default=None)  # prefetch within the tightest
             swap = SwapSpace(device, budget_bytes=budget, upload_stream=manager.upload_stream if manager else None)
-        ctx = dataclasses.replace(ctx, saved=saved, swap=swap)
+        # (a graph of no model, a loss after a graph break, has nothing to keep its monitor alive: none there)
+        monitor = StepMonitor(device, record.plan, dumper) if dumper and roots.model is not None else None
+        for runtime_object in (swap, monitor):  # the ops reach them by weak handle: the model keeps them alive
+            if runtime_object is not None:
+                roots.model.__dict__.setdefault(RUNTIME_ATTR, []).append(runtime_object)
+        ctx = dataclasses.replace(ctx, saved=saved, swap=swap, monitor=monitor)
         fw = run_passes(fw, ctx, GRAPH_PASSES, stage="forward")
         output = next(n for n in fw.graph.nodes if n.op == "output")
         ctx = dataclasses.replace(
@@ -210,7 +240,7 @@ class _Partitioner(CustomPartitionerFn):
                 fw.graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default),
                 key=lambda n: n.args[1],
             )
-            with unset_fake_temporarily():  # the partitioner runs under AOTAutograd's fake mode
+            with eager():  # the partitioner runs under AOTAutograd's fake mode
                 swap.allocate([(n.meta["val"].shape, n.meta["val"].dtype) for n in outs])
             record.swap = swap
         if manager is not None:
@@ -225,21 +255,51 @@ class _Partitioner(CustomPartitionerFn):
             _dump(dumper, record)
         return fw, bw
 
-    def _plan(self, forced: dict[str, Any], layout, device: torch.device) -> Plan:
-        """The plan from the forced fields, with the swap interval measured when a block swaps."""
-        n_block = self.record.block_map.n_blocks
-        plan = make_plan(n_block, forced, layout)
-        if "swap" in plan.block_modes and "swap_interval" not in forced:
-            hardware = hardware_profile(device)
-            shared = plan.n_persist < plan.n_chunk  # chunks are uploaded while the forward swaps out
-            interval = swap_interval(self.record.profile, hardware, uploads_share_link=shared)
-            plan = make_plan(n_block, forced, layout, swap_interval=interval)
-        return plan
+    def _plan(self, forced: dict[str, Any], layout, device: torch.device, bw: fx.GraphModule, model, manager) -> Plan:
+        """Search the fields the user did not force, with the cost models of this graph (planner/cost.py)."""
+        record, n_block = self.record, self.record.block_map.n_blocks
+        hardware = hardware_profile(device)
+        shared = layout is not None and forced.get("n_persist", 0) < layout.n_chunk  # uploads during the forward
+        interval = forced.get("swap_interval") or swap_interval(record.profile, hardware, uploads_share_link=shared)
+        family = record.block_map.family
+        output = next(n for n in bw.graph.nodes if n.op == "output")
+        costs = CostModel.build(
+            record.profile,
+            hardware,
+            n_block=n_block,
+            swap_interval=interval,
+            layout=layout,
+            block_of_param=[block_index(s.name.split("."), family) if family else None for s in layout.slots]
+            if layout
+            else (),
+            grad_outputs=frozenset(a.name for a in output.args[0] if isinstance(a, fx.Node)),
+        )
+        # what the profile's baseline held besides activations and the chunk states the model counts itself
+        held = 0
+        if layout is not None:
+            graph_params = [self.example_inputs[e.index] for e in record.param_map.values()]
+            if manager is not None:  # this graph's parameters materialized, and the chunks' states
+                held = _nbytes(graph_params) + costs.state_bytes(Config(manager.n_persist, manager.n_buffer))
+            elif device.type == "cuda":  # the allocator counts every parameter of the model on the device
+                held = _nbytes(p for p in model.parameters() if p.device == device)
+            else:  # the CPU tracker counts the graph's inputs
+                held = _nbytes(graph_params)
+        costs = dataclasses.replace(costs, other_bytes=max(0, record.profile.baseline_bytes - held))
+        record.costs = costs
+        return plan_graph(costs, forced, layout, self.config.gpu_memory_bytes or _capacity(device))
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _capacity(device: torch.device) -> int | None:
-    """The device's memory in bytes (None on the CPU, whose memory the planner does not budget)."""
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    """What PyTorch may use of the device: its free memory and what the caching allocator holds already (None
+    on the CPU, whose memory the planner does not budget unless told with `gpu_memory_bytes`)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
@@ -253,4 +313,3 @@ def _dump(dumper: Dumper, record: GraphRecord) -> None:
     dumper.write_json("profile.json", record.profile.to_json())
     dumper.write_json("params.json", {k: v.to_json() for k, v in record.param_map.items()})
     dumper.write_json("blocks.json", record.block_map.to_json())
-    dumper.write_json("plan.json", record.plan.to_json())

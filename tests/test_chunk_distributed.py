@@ -105,23 +105,40 @@ def _gloo_rank(rank: int, world: int, port: int, errors, body) -> None:
         dist.destroy_process_group()
 
 
-def _disagreeing_worker(rank: int, world: int, port: int, errors):
+def _disagreeing_worker(rank: int, world: int, port: int, how: str, errors):
     def body():
         import models
 
         import protrain_fx
+        import protrain_fx.backend
 
-        model = models.build("toy", layers=3 + rank)  # rank 1 has one block more
+        plan = {"n_persist": 1 + rank, "n_buffer": 2} if how == "plan" else {}
+        model = models.build("toy", layers=3 + rank if how == "model" else 3)
         opt = protrain_fx.optim.AdamW(model.parameters())  # noqa: F841
-        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": {}}))
-        with pytest.raises(Exception, match=r"ranks \[1\] disagree with rank 0 on the model or plan"):
+        if how == "profiling" and rank == 1:
+
+            def broken(*args, **kwargs):
+                raise MemoryError("no memory to profile in")
+
+            protrain_fx.backend.profile_iteration = broken
+        expected = {
+            "plan": r"ranks \[1\] disagree with rank 0 on the model or plan",
+            "model": r"ranks compiled different graphs",
+            "profiling": r"profiling failed on rank 1: MemoryError: no memory to profile in",
+        }[how]
+        backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan})
+        compiled = torch.compile(model, backend=backend)
+        with pytest.raises(Exception, match=expected):
             compiled(**models.batch("toy"))
 
     _gloo_rank(rank, world, port, errors, body)
 
 
-def test_ranks_that_disagree_fail_together():
-    _spawn(_disagreeing_worker, 2)
+@pytest.mark.parametrize("how", ["plan", "model", "profiling"])
+def test_ranks_that_disagree_or_fail_fail_together(how):
+    """A plan or graph that differs between ranks, or profiling that fails on one: every rank raises the same
+    error, none waits in a collective."""
+    _spawn(_disagreeing_worker, 2, how)
 
 
 def _state_dict_worker(rank: int, world: int, port: int, errors):

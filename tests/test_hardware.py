@@ -9,7 +9,12 @@ from test_chunk_distributed import _gloo_rank, _spawn
 from protrain_fx.profiler import hardware
 from protrain_fx.profiler.hardware import HardwareProfile, hardware_profile
 
-SMALL = {"COPY_BYTES": 4 * 2**20, "ADAM_PARAMS": 2**20, "COLLECTIVE_BYTES": (2**16, 2**20)}
+SMALL = {
+    "COPY_BYTES": 4 * 2**20,
+    "ADAM_PARAMS": 2**20,
+    "COLLECTIVE_BYTES": (2**16, 2**20),
+    "CPU_COLLECTIVE_BYTES": (2**16, 2**20),
+}
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Options are validated, and what the backend cannot handle fails with a message that says what to do."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -66,7 +67,9 @@ def test_plan_json_replays(tmp_path):
     plan_file = tmp_path / "rank0" / "graph0" / "plan.json"
     again = protrain_fx.ProTrainBackend({"executor": "eager", "plan": str(plan_file)})
     torch.compile(models.build("toy"), backend=again)(**models.batch("toy")).backward()
-    assert again.graphs[0].plan == backend.graphs[0].plan
+    decisions = lambda p: dataclasses.replace(p, predicted_step_s=None, predicted_peak_bytes=None, runners_up=())  # noqa: E731
+    assert decisions(again.graphs[0].plan) == decisions(backend.graphs[0].plan)
+    assert again.graphs[0].plan.runners_up == ()  # every field given: not searched
 
 
 def test_dynamic_shapes_rejected():

@@ -153,7 +153,9 @@ def test_swap_interval_formula():
 def test_prefetch_waits_for_memory():
     """With no room under the budget, nothing is prefetched early: each tensor comes back at its swap_in, and
     training is unchanged."""
-    ref, _, backend, compiled = _compiled("toy", {"plan": {"n_swap": 2}, "gpu_memory_bytes": 1}, dropout=0.1)
+    ref, _, backend, compiled = _compiled(
+        "toy", {"plan": {"n_swap": 2, "n_checkpoint": 0}, "gpu_memory_bytes": 1}, dropout=0.1
+    )
     assert train(compiled, "toy", 3) == train(ref, "toy", 3)
     space = next(g for g in backend.graphs if g.param_map).swap
     assert space.budget_bytes == 1 and space.deferred == 2 * 3  # two blocks, three steps

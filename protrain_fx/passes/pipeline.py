@@ -5,7 +5,8 @@ unchanged. Stages:
   JOINT_PASSES   on the joint forward+backward graph, before partitioning (tagging, e.g. recompute tags)
   GRAPH_PASSES   on the partitioned forward and backward graphs (rewrites, e.g. inserting runtime ops)
 Joint passes: activation checkpointing tags (passes/activations.py). Graph passes: activation swapping
-(passes/activations.py), then the chunk passes (passes/chunks.py).
+(passes/activations.py), the chunk passes (passes/chunks.py), then with a dump directory the step marks
+that measure the plan against its predictions (passes/monitor.py).
 With a dump directory, the graph after each pass is written as readable Python (`<stage>_<i>_<pass>.py`).
 """
 
@@ -21,6 +22,7 @@ from torch import fx
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.passes.activations import checkpoint_tag_pass, swap_in_pass, swap_out_pass
 from protrain_fx.passes.chunks import chunk_gather_pass, chunk_tag_pass, grad_reduce_pass, param_check_pass
+from protrain_fx.passes.monitor import step_mark_pass
 from protrain_fx.planner.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class PassContext:
     forward_outputs: Sequence[fx.Node] = ()  # the rewritten forward graph's outputs, for backward passes
     saved: frozenset[str] = frozenset()  # names of the values the forward saves for the backward
     swap: Any = None  # the graph's protrain_fx.runtime.swap.SwapSpace, None when no block swaps
+    monitor: Any = None  # the graph's protrain_fx.runtime.monitor.StepMonitor, with a dump directory only
 
 
 Pass = Callable[..., fx.GraphModule]
@@ -53,6 +56,7 @@ GRAPH_PASSES: tuple[Pass, ...] = (
     chunk_gather_pass,
     grad_reduce_pass,
     param_check_pass,
+    step_mark_pass,
 )
 
 

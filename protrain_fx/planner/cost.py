@@ -1,17 +1,54 @@
-"""Cost figures the planner derives from the profile and the hardware profile (paper §4.3, Appendix A).
+"""The cost models (paper §4.3, Appendix A): step time and peak GPU memory of any configuration, from one profile
+of the graph (profiler/) and the hardware profile, without running it.
+
+    model = CostModel.build(profile, hardware, layout=..., family=..., ...)
+    model.step_s(Config(n_persist=4, n_buffer=2, n_swap=1, n_checkpoint=6))
+    model.peak_bytes(Config(...))
+
+Runtime (Appendix A.1). T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim), with the forward and backward
+summed per chunk window as max(compute, communication):
+  forward  window i: max(compute of chunk i-1, upload + all-gather of chunk i if not persistent, swap-outs);
+  backward window i: max(compute + recompute of chunk i, upload + gather of the chunk the backward needs next
+                         unless persistent or still buffered from the forward, reduce (+ offload) of the chunk
+                         it left, swap prefetches);
+  with one buffer a chunk's load cannot overlap the compute of the chunk before it (one buffer, in use).
+A node's compute belongs to the chunk of its block (pre-block nodes to the first chunk, post-block ones to the
+last). Without a chunk layout the step is the profiled compute plus recompute.
+
+Peak memory (Appendix A.2). The profile ran with every block unoptimized and every parameter on the device.
+Per node, `allocated_before + max(intra, inter, 0)` less the baseline (what was allocated before the forward)
+is its activation peak there; the configuration's peak is the highest of those, each less the activations the
+configuration does not hold at that point, plus the model states the configuration keeps on the device and
+whatever else the baseline held, times α:
+  checkpointed block b: its saved bytes but its output (the next block's input stays saved) are gone in the
+    forward after b and in the backward until b is reached, where recompute brings them back along with
+    b's forward transient;
+  swapped block b: its saved bytes are gone from swap_interval blocks after b (runtime/swap.py's settle point)
+    until the backward reaches b (prefetches beyond that run only within the budget, so add no peak);
+  states: persistent chunks (parameters, fp32 master and gradient, AdamW's two states), chunk buffers, the
+    landing shard and the fp32 reduce buffer of offloaded chunks; with chunks the gradients the profile kept are
+    taken out too (the runtime reduces them away per chunk).
+α is measured: the allocator's reserved over allocated peak in the profiling run (1 on the CPU).
 
 swap_interval: how many blocks of forward compute it takes to hide one block's swap-out copy,
     N_interval = ceil(max over blocks of (bytes the block saves / device-to-host bandwidth) / block forward time)
-It is fixed before the search (paper line 231): a swap block's copy finishes within the next N_interval blocks,
-and the backward prefetches a swapped block N_interval blocks ahead of its first use.
+It is fixed before the search (paper line 231).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 
+from protrain_fx.planner.chunking import ChunkLayout
+from protrain_fx.planner.plan import interleaved_modes
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile
+
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per parameter element
+GRAD_BYTES = 4  # fp32 gradient per element
+MASTER_BYTES = 4  # fp32 master per element (none when the parameters are fp32 themselves)
 
 
 def swap_interval(profile: GraphProfile, hardware: HardwareProfile, *, uploads_share_link: bool) -> int:
@@ -20,3 +57,267 @@ def swap_interval(profile: GraphProfile, hardware: HardwareProfile, *, uploads_s
     rate = hardware.d2h_concurrent_bytes_per_s if uploads_share_link else hardware.d2h_bytes_per_s
     ratios = [b.saved_bytes / rate / b.forward_s for b in profile.blocks if b.forward_s > 0]
     return max(1, math.ceil(max(ratios, default=1.0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The searched fields of a plan (paper: n_persist, n_buffer, n_swap, n_checkpoint)."""
+
+    n_persist: int = 0
+    n_buffer: int = 0
+    n_swap: int = 0
+    n_checkpoint: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    """A run of profiled nodes of one graph and one place: a block (0..n_block-1), or -1 before the blocks and
+    n_block after them. `peak` is the highest per-node peak in it, as profiled."""
+
+    graph: str
+    place: int
+    peak: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    n_block: int
+    swap_interval: int
+    block_fwd_s: tuple[float, ...]
+    block_bwd_s: tuple[float, ...]
+    block_saved: tuple[int, ...]  # activation bytes each block keeps for the backward
+    block_output: tuple[int, ...]  # bytes of the block's output (a checkpointed block's neighbour keeps it)
+    block_transient: tuple[int, ...]  # highest intra-op spike of the block's forward (recompute brings it back)
+    other_fwd_s: tuple[float, float]  # forward compute before and after the blocks
+    other_bwd_s: tuple[float, float]
+    segments: tuple[_Segment, ...]  # peaks above the profile's baseline
+    hardware: HardwareProfile
+    alpha: float = 1.0
+    other_bytes: int = 0
+    # the chunk layout (n_chunk 0: parameters are not in chunks and stay where they are)
+    n_chunk: int = 0
+    chunk_elems: int = 0
+    shard_elems: int = 0
+    element_size: int = 2
+    world_size: int = 1
+    block_chunk: tuple[int, ...] = ()  # chunk holding each block's parameters
+    chunk_params: tuple[int, ...] = ()  # parameter elements in each chunk (padding excluded)
+    forced_modes: tuple[str, ...] = ()  # the user's block_modes, in place of the interleaved layout
+    overlap: bool = True  # copies and host work run beside the compute (False on the CPU: the same cores do all)
+
+    @classmethod
+    def build(
+        cls,
+        profile: GraphProfile,
+        hardware: HardwareProfile,
+        *,
+        n_block: int,
+        swap_interval: int = 1,
+        layout: ChunkLayout | None = None,
+        block_of_param: Sequence[int | None] = (),
+        other_bytes: int = 0,
+        grad_outputs: frozenset[str] = frozenset(),
+    ) -> CostModel:
+        """The model of one graph. `block_of_param`: the block of each of the layout's slots (None outside blocks);
+        `other_bytes`: what the device holds besides the activations and the states `state_bytes` counts (with a
+        layout: the profile's baseline less the parameters; without: the whole baseline); `grad_outputs`: names of
+        the backward nodes that are parameter gradients (with a layout, the runtime frees each after its chunk's
+        reduce)."""
+        blocks = {b.block: b for b in profile.blocks}
+        fwd, bwd = [0.0] * n_block, [0.0] * n_block
+        saved = [blocks[b].saved_bytes if b in blocks else 0 for b in range(n_block)]
+        output, transient = [0] * n_block, [0] * n_block
+        other = {("forward", "pre"): 0.0, ("forward", "post"): 0.0, ("backward", "pre"): 0.0, ("backward", "post"): 0.0}
+        segments: list[_Segment] = []
+        grads_held = 0
+        # Where each node is, -1 before the blocks to n_block after them. Forward: the highest block reached so far
+        # (the views AOTAutograd adds at the end of the forward, tagged with early blocks, stay after the last
+        # block); a node outside the blocks once the last block is entered is after them. Backward: the highest
+        # block with nodes still to come (nodes tagged with a lower block that run early, as shared gradients do,
+        # do not end the blocks above them); a node outside the blocks sits before that block (n_block at the
+        # start), or before the blocks (-1) once none is to come.
+        places, highest = [0] * len(profile.nodes), -1
+        for i in reversed(range(len(profile.nodes))):
+            node = profile.nodes[i]
+            if node.graph == "backward":
+                if node.block is not None:
+                    highest = max(highest, node.block)
+                    places[i] = highest
+                else:
+                    places[i] = highest + 1 if highest >= 0 else -1
+        reached = -1
+        for i, node in enumerate(profile.nodes):
+            if node.graph == "forward":
+                if node.block is not None:
+                    reached = max(reached, node.block)
+                elif reached == n_block - 1:
+                    reached = n_block
+                places[i] = reached
+        for node, at in zip(profile.nodes, places):
+            if node.block is None or at != node.block:
+                key = (node.graph, "post" if at == n_block else "pre")
+                other[key] += node.latency_s
+            elif node.graph == "backward":
+                bwd[node.block] += node.latency_s
+            else:
+                fwd[node.block] += node.latency_s
+                if node.output_bytes:
+                    output[node.block] = node.output_bytes  # the block's last new tensor, in the end
+                transient[node.block] = max(transient[node.block], node.intra_delta_bytes)
+            spike = max(node.intra_delta_bytes, node.inter_delta_bytes, 0)
+            peak = node.allocated_before + spike - profile.baseline_bytes - grads_held
+            if layout is not None and node.graph == "backward" and node.name in grad_outputs:
+                grads_held += node.output_bytes
+            if segments and (segments[-1].graph, segments[-1].place) == (node.graph, at):
+                segments[-1] = dataclasses.replace(segments[-1], peak=max(segments[-1].peak, peak))
+            else:
+                segments.append(_Segment(node.graph, at, peak))
+        chunks = {}
+        if layout is not None:
+            block_chunk = [layout.n_chunk - 1] * n_block
+            chunk_params = [0] * layout.n_chunk
+            for slot, block in zip(layout.slots, block_of_param):
+                chunk_params[slot.chunk] += slot.numel
+                if block is not None and block < n_block:
+                    block_chunk[block] = min(block_chunk[block], slot.chunk)
+            chunks = dict(
+                n_chunk=layout.n_chunk,
+                chunk_elems=layout.chunk_elems,
+                shard_elems=layout.shard_elems,
+                element_size=layout.element_size,
+                world_size=layout.world_size,
+                block_chunk=tuple(block_chunk),
+                chunk_params=tuple(chunk_params),
+            )
+        return cls(
+            n_block=n_block,
+            swap_interval=swap_interval,
+            block_fwd_s=tuple(fwd),
+            block_bwd_s=tuple(bwd),
+            block_saved=tuple(saved),
+            block_output=tuple(output),
+            block_transient=tuple(transient),
+            other_fwd_s=(other[("forward", "pre")], other[("forward", "post")]),
+            other_bwd_s=(other[("backward", "pre")], other[("backward", "post")]),
+            segments=tuple(segments),
+            hardware=hardware,
+            alpha=profile.fragmentation,
+            overlap=not profile.device.startswith("cpu"),
+            other_bytes=other_bytes,
+            **chunks,
+        )
+
+    # ----- memory ------------------------------------------------------------------------------------
+
+    def modes(self, config: Config) -> tuple[str, ...]:
+        return self.forced_modes or interleaved_modes(self.n_block, config.n_swap, config.n_checkpoint)
+
+    def saving(self, block: int, mode: str) -> int:
+        """Bytes a block in `mode` does not hold between its forward and its backward."""
+        if mode == "swap":
+            return self.block_saved[block]
+        if mode == "checkpoint":
+            return max(0, self.block_saved[block] - self.block_output[block])
+        return 0
+
+    def activation_peak(self, modes: Sequence[str]) -> int:
+        """The highest activation memory (model states excluded) over the iteration, with these block modes."""
+        savings = [self.saving(b, m) for b, m in enumerate(modes)]
+        peak = 0
+        for seg in self.segments:
+            if seg.graph == "forward":
+                gone = sum(
+                    s
+                    for b, s in enumerate(savings)
+                    if (modes[b] == "checkpoint" and b < seg.place)
+                    or (modes[b] == "swap" and min(b + self.swap_interval, self.n_block) <= seg.place)
+                )
+                extra = 0
+            else:
+                gone = sum(s for b, s in enumerate(savings) if b < seg.place)
+                extra = (
+                    self.block_transient[seg.place]
+                    if 0 <= seg.place < self.n_block and modes[seg.place] == "checkpoint"
+                    else 0
+                )
+            peak = max(peak, seg.peak - gone + extra)
+        return peak
+
+    def state_bytes(self, config: Config) -> int:
+        """Device bytes of the model states a chunk configuration keeps (runtime/chunks.py allocates these)."""
+        if self.n_chunk == 0:
+            return 0
+        master = 0 if self.element_size == 4 else MASTER_BYTES
+        persistent = config.n_persist * self.chunk_elems * (self.element_size + master + GRAD_BYTES)
+        persistent += sum(self.chunk_params[: config.n_persist]) * ADAM_STATE_BYTES
+        buffers = config.n_buffer * self.chunk_elems * self.element_size
+        offloaded = config.n_persist < self.n_chunk
+        landing = self.shard_elems * 4 if offloaded and master else 0
+        reduce = self.chunk_elems * 4 if offloaded else 0  # the fp32 gradient a non-persistent chunk reduces from
+        return persistent + buffers + landing + reduce
+
+    def peak_bytes(self, config: Config) -> int:
+        activations = self.activation_peak(self.modes(config))
+        return int((activations + self.state_bytes(config) + self.other_bytes) * self.alpha)
+
+    # ----- time --------------------------------------------------------------------------------------
+
+    def _load_s(self) -> float:
+        """Bring one non-persistent chunk to the device: its fp32 master shard up, then the all-gather."""
+        hw = self.hardware
+        gather = hw.collective_s("all_gather", self.chunk_elems * self.element_size) if self.world_size > 1 else 0.0
+        return self.shard_elems * 4 / hw.h2d_bytes_per_s + gather
+
+    def _reduce_s(self, chunk: int, n_persist: int) -> float:
+        hw = self.hardware
+        reduce = hw.collective_s("reduce_scatter", self.chunk_elems * 4) if self.world_size > 1 else 0.0
+        return reduce + (self.shard_elems * 4 / hw.d2h_bytes_per_s if chunk >= n_persist else 0.0)
+
+    def step_s(self, config: Config) -> float:
+        """Predicted seconds per training step (forward, backward and optimizer) of `config`."""
+        modes = self.modes(config)
+        recompute = [self.block_fwd_s[b] if m == "checkpoint" else 0.0 for b, m in enumerate(modes)]
+        hw = self.hardware
+        swap_out = [self.block_saved[b] / hw.d2h_bytes_per_s if m == "swap" else 0.0 for b, m in enumerate(modes)]
+        swap_in = [self.block_saved[b] / hw.h2d_bytes_per_s if m == "swap" else 0.0 for b, m in enumerate(modes)]
+        if self.n_chunk == 0:
+            compute = sum(self.other_fwd_s) + sum(self.other_bwd_s) + sum(self.block_fwd_s) + sum(self.block_bwd_s)
+            exposed = max(0.0, sum(swap_out) - sum(self.block_fwd_s)) + max(0.0, sum(swap_in) - sum(self.block_bwd_s))
+            if not self.overlap:
+                exposed = sum(swap_out) + sum(swap_in)
+            return compute + sum(recompute) + exposed
+        n = self.n_chunk
+        fwd_c, bwd_c, rec_c, out_c, in_c = ([0.0] * n for _ in range(5))
+        fwd_c[0] += self.other_fwd_s[0]
+        fwd_c[n - 1] += self.other_fwd_s[1]
+        bwd_c[0] += self.other_bwd_s[0]
+        bwd_c[n - 1] += self.other_bwd_s[1]
+        for b, c in enumerate(self.block_chunk):
+            fwd_c[c] += self.block_fwd_s[b]
+            bwd_c[c] += self.block_bwd_s[b]
+            rec_c[c] += recompute[b]
+            out_c[c] += swap_out[b]
+            in_c[min(self.block_chunk[min(b + self.swap_interval, self.n_block - 1)], n - 1)] += swap_in[b]
+        load = self._load_s()
+        # one buffer: a chunk loads only once the previous one is released; on the CPU nothing overlaps
+        serial = config.n_buffer == 1 or not self.overlap
+        t_fwd = 0.0
+        for i in range(n + 1):
+            comp = fwd_c[i - 1] if i > 0 else 0.0
+            comm = load if config.n_persist <= i < n else 0.0
+            out = out_c[i - 1] if i > 0 else 0.0
+            t_fwd += comp + comm + out if serial else max(comp, comm, out)
+        t_bwd = 0.0
+        for i in reversed(range(-1, n)):  # the backward runs the chunks last to first
+            comp = bwd_c[i] + rec_c[i] if i >= 0 else 0.0
+            nxt = i - 1
+            buffered = nxt >= n - config.n_buffer  # the last chunks of the forward are still in buffers
+            comm = load if 0 <= nxt and nxt >= config.n_persist and not buffered else 0.0
+            comm += in_c[i] if i >= 0 else 0.0
+            left = self._reduce_s(i + 1, config.n_persist) if i + 1 < n else 0.0
+            t_bwd += comp + comm + left if serial else max(comp, comm, left)
+        gpu_optim = sum(self.chunk_params[: config.n_persist]) * hw.device_adam_s_per_param
+        cpu_optim = sum(self.chunk_params[config.n_persist :]) / self.world_size * hw.host_adam_s_per_param
+        if not self.overlap:
+            return t_fwd + t_bwd + gpu_optim + cpu_optim
+        return t_fwd + max(t_bwd + gpu_optim, cpu_optim)

@@ -43,13 +43,30 @@ class Plan:
         return json.dumps(self.to_json(), indent=2)
 
     def __str__(self) -> str:
-        rows = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "runners_up"]
-        width = max(len(name) for name, _ in rows)
-        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+        """A table: one row per field, the plan in the first column and its runners-up after it."""
+        plans = [self, *self.runners_up]
+        names = [f.name for f in dataclasses.fields(self) if f.name != "runners_up"]
+        header = ["", "plan", *(f"runner-up {i}" for i in range(1, len(plans)))]
+        rows = [header] + [[name, *(_cell(name, getattr(p, name)) for p in plans)] for name in names]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _cell(name: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if name == "block_modes":  # one letter a block: n(one), c(heckpoint), s(wap)
+        return "".join(m[0] for m in value) or "-"
+    if name == "predicted_step_s":
+        return f"{value * 1e3:.1f} ms"
+    if name in ("predicted_peak_bytes", "chunk_bytes"):
+        return f"{value / 2**20:.1f} MiB"
+    return str(value)
 
 
 PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
 CHUNK_FIELDS = ("n_persist", "n_buffer", "n_chunk", "chunk_bytes")
+ACTIVATION_FIELDS = ("n_swap", "n_checkpoint", "block_modes", "swap_interval")
 
 
 def _int_field(forced: Mapping[str, Any], key: str, default: int) -> int:

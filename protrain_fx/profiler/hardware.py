@@ -22,16 +22,17 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx.config import default_cache_dir
 from protrain_fx.runtime.chunks import rank_and_world_size
+from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.host import available_host_bytes, meminfo_bytes
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 COPY_BYTES = 256 * 2**20  # per bandwidth measurement
 ADAM_PARAMS = 16 * 2**20
 COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
+CPU_COLLECTIVE_BYTES = (2**20, 16 * 2**20)  # gloo on a few cores: larger messages only take long (extrapolated)
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 
@@ -88,7 +90,7 @@ def hardware_profile(
     device: torch.device, *, cache_dir: Path | None = None, remeasure: bool = False
 ) -> HardwareProfile:
     """The profile of this machine for `device`: from the cache when one was measured under the same key."""
-    with unset_fake_temporarily():  # real tensors, also when planning inside AOTAutograd's partitioner
+    with eager():  # real tensors, also when planning inside AOTAutograd's partitioner
         return _cached_or_measured(torch.device(device), cache_dir, remeasure)
 
 
@@ -96,10 +98,8 @@ def _cached_or_measured(device: torch.device, cache_dir: Path | None, remeasure:
     key = cache_key(device)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = (cache_dir or default_cache_dir()) / "hardware" / f"{digest}.json"
-    cached = None
-    if path.is_file() and not remeasure:
-        cached = HardwareProfile.from_json(json.loads(path.read_text()))
-        cached = cached if cached.key == key else None
+    cached = None if remeasure else _read(path)
+    cached = cached if cached is not None and cached.key == key else None
     if not _everyone(cached is not None, device):  # measuring is a collective: all ranks measure, or none
         cached = None
     if cached is not None:
@@ -107,16 +107,29 @@ def _cached_or_measured(device: torch.device, cache_dir: Path | None, remeasure:
         return cached
     profile = measure(device, key)
     rank, _ = rank_and_world_size()
-    if rank == 0:
+    if rank == 0:  # written whole under a temporary name, then renamed: a reader never sees half a file
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(profile.to_json(), indent=2))
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(profile.to_json(), indent=2))
+        os.replace(partial, path)
         log.info("hardware profile measured and written to %s", path)
     return profile
 
 
+def _read(path: Path) -> HardwareProfile | None:
+    """The cached profile at `path`, or None when there is none or it cannot be read (measured again then)."""
+    try:
+        return HardwareProfile.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, KeyError) as e:
+        log.warning("hardware profile cache %s unreadable (%s): measuring again", path, e)
+        return None
+
+
 def measure(device: torch.device, key: dict | None = None) -> HardwareProfile:
     """Measure everything (a collective with several ranks: every rank calls it)."""
-    with unset_fake_temporarily():
+    with eager():
         return _measure(torch.device(device), key)
 
 
@@ -206,7 +219,7 @@ def _collectives(device: torch.device) -> dict[str, list[tuple[int, float]]]:
     if world_size == 1:
         return {}
     out: dict[str, list[tuple[int, float]]] = {}
-    for nbytes in COLLECTIVE_BYTES:
+    for nbytes in COLLECTIVE_BYTES if device.type == "cuda" else CPU_COLLECTIVE_BYTES:
         shard = torch.zeros(nbytes // 4 // world_size, device=device)
         whole = torch.zeros(shard.numel() * world_size, device=device)
         for op, fn in _collective_calls(shard, whole, world_size).items():

@@ -17,19 +17,22 @@ small kernel takes:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
 
 from protrain_fx.capture import OUTSIDE, BlockMap
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
+from protrain_fx.runtime.chunks import rank_and_world_size
+from protrain_fx.runtime.eager import eager
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +180,7 @@ def profile_iteration(
         _iteration(fw, bw, primals, block_map, device, tracker=None)
     tracker = CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()
     nodes, baseline, peak, saved_bytes = _iteration(fw, bw, primals, block_map, device, tracker=tracker)
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     timed, *_ = _iteration(fw, bw, primals, block_map, device, tracker=None)
     assert [r.name for r in timed] == [r.name for r in nodes], "timing and memory runs saw different nodes"
     for record, t in zip(nodes, timed):
@@ -196,6 +200,7 @@ def profile_iteration(
         saved_bytes=saved_bytes,
         nodes=nodes,
         blocks=aggregate_blocks(nodes),
+        reserved_bytes=reserved,
     )
     log.info(
         "profiled %d nodes on %s: forward %.2f ms, backward %.2f ms, peak %.1f MiB, saved activations %.1f MiB",
@@ -232,7 +237,7 @@ def _iteration(
     )
     # the partitioner runs under AOTAutograd's fake mode: real tensors need it switched off
     with (
-        unset_fake_temporarily(),
+        eager(),
         torch.no_grad(),
         torch.random.fork_rng(devices=rng_devices),
         tracker or contextlib.nullcontext(),
@@ -245,8 +250,13 @@ def _iteration(
         outs = fw_run.boxed_run(list(primals))
         values = dict(zip((n.name for n in fw_outputs), tree_leaves(outs)))
         saved_bytes = _mark_saved(fw_run.records, values, saved_names, _storages(list(primals))) if tracker else 0
-        bw_args = [values[n.name] if n.name in saved_names else _tangent(n) for n in bw_placeholders]
-        del outs, values
+        # the forward returns its outputs, then the saved values in the order of the backward's saved inputs
+        # (their names differ once a pass has rewritten them: swap_out nodes, RNG states)
+        saved_inputs = [n for n in bw_placeholders if n.name in saved_names]
+        leaves = tree_leaves(outs)
+        by_input = dict(zip((n.name for n in saved_inputs), leaves[len(leaves) - len(saved_inputs) :]))
+        bw_args = [by_input[n.name] if n.name in by_input else _tangent(n) for n in bw_placeholders]
+        del outs, values, leaves, by_input
         bw_run = _runner(bw, "backward", block_map, device, tracker)
         bw_run.boxed_run(bw_args)
     peak = max(baseline, fw_run.peak_bytes, bw_run.peak_bytes) if tracker else 0
@@ -279,3 +289,60 @@ def _mark_saved(
             record.saved_bytes += nbytes
             total += nbytes
     return total
+
+
+def profile_on_every_rank(run, device: torch.device) -> GraphProfile:
+    """`run()`'s profile, made the same on every rank so that every rank plans alike: each node's time and
+    memory figures are the highest any rank measured. A rank whose profiling fails, or whose graph differs,
+    makes every rank raise the same error instead of leaving the others waiting in a collective."""
+    failure, profile = None, None
+    try:
+        profile = run()
+    except Exception as e:  # reported on every rank below, then raised here
+        failure = e
+    _, world_size = rank_and_world_size()
+    if world_size == 1:
+        if failure is not None:
+            raise failure
+        return profile
+    with eager():  # real tensors for the collectives (the partitioner runs under fake mode)
+        return _agreed(profile, failure, world_size, device)
+
+
+def _agreed(profile: GraphProfile | None, failure, world_size: int, device: torch.device) -> GraphProfile:
+    nodes = [] if profile is None else [(n.graph, n.name) for n in profile.nodes]
+    reports = [None] * world_size
+    dist.all_gather_object(reports, (None if failure is None else f"{type(failure).__name__}: {failure}", nodes))
+    errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(reports) if err is not None]
+    if errors:
+        raise RuntimeError("profiling failed on " + "; ".join(errors)) from failure
+    if any(n != reports[0][1] for _, n in reports):
+        raise RuntimeError(
+            "ranks compiled different graphs (their profiled nodes differ): every rank must run the same model "
+            "on inputs of the same shapes"
+        )
+    fields = ("latency_s", "allocated_before", "intra_delta_bytes", "inter_delta_bytes", "output_bytes", "saved_bytes")
+    values = torch.tensor(
+        [[float(getattr(n, f)) for f in fields] for n in profile.nodes], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    for node, row in zip(profile.nodes, values.tolist()):
+        for f, v in zip(fields, row):
+            setattr(node, f, v if f == "latency_s" else int(v))
+    scalars = torch.tensor(
+        [profile.peak_bytes, profile.baseline_bytes, profile.saved_bytes, profile.reserved_bytes],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(scalars, op=dist.ReduceOp.MAX)
+    peak, baseline, saved, reserved = (int(v) for v in scalars.tolist())
+    return dataclasses.replace(
+        profile,
+        forward_s=sum(n.latency_s for n in profile.nodes if n.graph == "forward"),
+        backward_s=sum(n.latency_s for n in profile.nodes if n.graph == "backward"),
+        peak_bytes=peak,
+        baseline_bytes=baseline,
+        saved_bytes=saved,
+        reserved_bytes=reserved,
+        blocks=aggregate_blocks(profile.nodes),
+    )

@@ -49,6 +49,8 @@ class CpuMemoryTracker(TorchDispatchMode):
     dies (a finalizer on the storage object, which PyTorch keeps alive exactly as long as the storage).
     """
 
+    supports_higher_order_operators = True  # e.g. run_and_save_rng_state in recomputing graphs: outputs counted
+
     def __init__(self):
         super().__init__()
         self._live: dict[int, int] = {}

@@ -57,6 +57,12 @@ class GraphProfile:
     saved_bytes: int  # activation bytes kept from forward to backward (parameters and inputs excluded)
     nodes: list[NodeProfile]
     blocks: list[BlockProfile]
+    reserved_bytes: int = 0  # the allocator's reserved bytes after the memory run (0 on the CPU)
+
+    @property
+    def fragmentation(self) -> float:
+        """Reserved over peak allocated bytes of the profiled iteration (1 on the CPU): the memory model's α."""
+        return max(1.0, self.reserved_bytes / self.peak_bytes) if self.reserved_bytes and self.peak_bytes else 1.0
 
     @property
     def iteration_s(self) -> float:

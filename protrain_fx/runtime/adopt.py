@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx.capture import FrameRoots, block_index, find_block_family
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
 from protrain_fx.planner.plan import Plan, make_plan
 from protrain_fx.runtime.chunks import ChunkManager, rank_and_world_size, replaced_param_error
+from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.optim import OPTIMIZER_ATTR
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def _layout(ordered: list[tuple[str, nn.Parameter]], family, forced: Mapping[str
 def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkManager:
     by_name = dict(model.named_parameters())
     params = [by_name[slot.name] for slot in layout.slots]
-    with unset_fake_temporarily():  # called from the partitioner, under AOTAutograd's fake mode
+    with eager():  # called from the partitioner, under AOTAutograd's fake mode
         manager = ChunkManager(params, layout, n_persist=plan.n_persist, n_buffer=plan.n_buffer)
     model.__dict__[MODEL_ATTR] = manager
     return manager

@@ -34,10 +34,10 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from protrain_fx.planner.chunking import ChunkLayout, Slot
 from protrain_fx.runtime import ops
+from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.host import check_host_memory, pinned_arena
 from protrain_fx.runtime.host_queue import HostQueue
 
@@ -477,7 +477,7 @@ class ChunkManager:
         """Give offloaded parameters their values back for a while (profiling a graph compiled after adoption)."""
         offloaded = [p for p in params if id(p) in self.index and not self.is_persistent(p)]
         self.wait_for_update()
-        with torch.no_grad(), unset_fake_temporarily():
+        with torch.no_grad(), eager():
             chunks = {c: self.full_values(c) for c in sorted({self.slot_of(p).chunk for p in offloaded})}
             for p in offloaded:
                 slot = self.slot_of(p)
@@ -486,7 +486,7 @@ class ChunkManager:
         try:
             yield
         finally:
-            with unset_fake_temporarily():
+            with eager():
                 for p in offloaded:
                     p.untyped_storage().resize_(0)
 

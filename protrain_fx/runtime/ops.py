@@ -10,6 +10,7 @@
     protrain.swap_settle(space, [slot, ...], after)            # forward, swap_interval blocks later; backward start
     protrain.swap_prefetch(space, [slot, ...], after)          # backward, a block's tensors ahead of their use,
     t = protrain.swap_in(space, slot, h)                       # backward, before the first use
+    protrain.step_mark(monitor, x)                             # forward start: a step (runtime/monitor.py)
 
 Ordering comes from data dependencies: every read of a parameter goes through its chunk's `gather`
 output, `release` takes the outputs of the chunk's last readers as arguments, and `reduce_grads` takes
@@ -109,6 +110,16 @@ def _(space: int, slot: int, t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="cpu")
 
 
+@torch.library.custom_op("protrain::step_mark", mutates_args=())
+def step_mark(monitor: int, first: torch.Tensor) -> None:
+    _manager(monitor).mark()
+
+
+@step_mark.register_fake
+def _(monitor: int, first: torch.Tensor) -> None:
+    return None
+
+
 @torch.library.custom_op("protrain::swap_settle", mutates_args=())
 def swap_settle(space: int, slots: list[int], after: torch.Tensor | None) -> None:
     _manager(space).settle(slots)
@@ -142,6 +153,7 @@ def _(space: int, slot: int, host: torch.Tensor) -> torch.Tensor:
 has_side_effect(torch.ops.protrain.check_params.default)
 has_side_effect(torch.ops.protrain.swap_prefetch.default)
 has_side_effect(torch.ops.protrain.swap_settle.default)
+has_side_effect(torch.ops.protrain.step_mark.default)
 has_side_effect(torch.ops.protrain.prefetch.default)
 has_side_effect(torch.ops.protrain.release.default)
 has_side_effect(torch.ops.protrain.reduce_grads.default)

@@ -1,0 +1,164 @@
+"""The search (paper §4.3): the fastest configuration whose predicted peak fits the GPU.
+
+    best, runners_up = search(model, capacity_bytes, forced={"n_swap": 0})
+
+Exhaustive over n_swap, n_checkpoint, n_buffer and n_persist with the paper's pruning:
+- n_swap is bounded by the swap interval: each swapped block needs swap_interval blocks of compute to hide its
+  copy behind, so n_swap <= n_block // swap_interval;
+- for fixed activation modes and buffers, memory grows with n_persist, so n_persist is visited upwards and
+  the first configuration over capacity ends that row (every later one is larger);
+- configurations over capacity are never timed.
+Among those that fit, the lowest predicted step time wins; ties (within TIE_REL) go to the one with the most
+headroom (with no capacity, on the CPU, to the one that changes the least). A field the user forces is held at
+its value and the rest searched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from protrain_fx.planner.chunking import ChunkLayout
+from protrain_fx.planner.cost import Config, CostModel
+from protrain_fx.planner.plan import Plan, make_plan
+
+log = logging.getLogger(__name__)
+
+TIE_REL = 0.005  # step times within 0.5% count as equal
+MAX_BUFFER = 4  # chunk buffers beyond this never helped: one in use, one loading, one being released, one spare
+N_RUNNERS_UP = 3
+
+
+class NoPlanFits(ValueError):
+    """Even the configuration needing the least memory does not fit the GPU."""
+
+    def __init__(self, peak_bytes: int, config: Config, capacity_bytes: int):
+        self.peak_bytes, self.config, self.capacity_bytes = peak_bytes, config, capacity_bytes
+        super().__init__(
+            f"no plan fits the GPU: the smallest ({config}) needs {peak_bytes / 2**30:.2f} GiB, the GPU has "
+            f"{capacity_bytes / 2**30:.2f} GiB for it. To make it fit: use a smaller batch or sequence length, "
+            "spread the model over more GPUs (chunks are sharded across ranks), or free GPU memory; a larger "
+            "host memory lets more chunks be offloaded. If the capacity is wrong, set options={'gpu_memory_bytes': ...}."
+        )
+
+
+def _values(forced: Mapping[str, Any], key: str, values) -> list[int]:
+    return [forced[key]] if key in forced else list(values)
+
+
+def candidates(model: CostModel, forced: Mapping[str, Any]):
+    """Every configuration the search considers, in rows of increasing n_persist (so of increasing memory)."""
+    n_swap_max = model.n_block // model.swap_interval
+    for n_swap in _values(forced, "n_swap", range(n_swap_max + 1)):
+        for n_checkpoint in _values(forced, "n_checkpoint", range(model.n_block - n_swap + 1)):
+            if n_swap + n_checkpoint > model.n_block:
+                continue
+            if model.n_chunk == 0:
+                yield [Config(0, 0, n_swap, n_checkpoint)]
+                continue
+            # buffers in use at once: the chunk computing and the one loading, and with recompute the chunk the
+            # recomputed block reads (the chunk passes reject a plan with fewer)
+            least = 3 if n_checkpoint else 2
+            for n_buffer in _values(forced, "n_buffer", range(least, MAX_BUFFER + 1)):
+                row = []
+                for n_persist in _values(forced, "n_persist", range(model.n_chunk + 1)):
+                    offloaded = model.n_chunk - n_persist
+                    if offloaded and n_buffer > offloaded and "n_buffer" not in forced:
+                        continue  # (a forced count is the user's: more buffers than chunks only costs memory)
+                    row.append(Config(n_persist, n_buffer if offloaded else 0, n_swap, n_checkpoint))
+                yield row
+
+
+def search(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, Any] | None = None):
+    """The best configuration as (Config, step seconds, peak bytes), and the runners-up likewise.
+    Raises NoPlanFits."""
+    forced = dict(forced or {})
+    fits: list[tuple[Config, float, int]] = []
+    smallest: tuple[int, Config] | None = None
+    seen: set[Config] = set()
+    for row in candidates(model, forced):
+        for config in row:  # n_persist upwards: memory only grows along a row
+            peak = model.peak_bytes(config)
+            if smallest is None or peak < smallest[0]:
+                smallest = (peak, config)
+            if capacity_bytes is not None and peak > capacity_bytes:
+                break
+            if config not in seen:
+                seen.add(config)
+                fits.append((config, model.step_s(config), peak))
+    if not fits:
+        assert smallest is not None, "no configuration to search"
+        raise NoPlanFits(smallest[0], smallest[1], capacity_bytes)
+    return rank(fits, headroom=capacity_bytes is not None)
+
+
+def rank(fits: list[tuple[Config, float, int]], *, headroom: bool = True):
+    """(best, runners-up): the fastest, ties within TIE_REL going to the lowest peak (the most headroom), or with
+    no capacity to keep headroom under (the CPU) to the highest (the least rewritten plan); then by step time."""
+    fastest = min(step for _, step, _ in fits)
+    sign = 1 if headroom else -1
+    best = min((f for f in fits if f[1] <= fastest * (1 + TIE_REL)), key=lambda f: (sign * f[2], f[1]))
+    rest = sorted((f for f in fits if f is not best), key=lambda f: (f[1], f[2]))
+    log.info(
+        "searched %d configurations that fit; best %s: %.1f ms, %.2f GiB",
+        len(fits),
+        best[0],
+        best[1] * 1e3,
+        best[2] / 2**30,
+    )
+    return best, rest[:N_RUNNERS_UP]
+
+
+def brute_force(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, Any] | None = None):
+    """Every configuration, no pruning: what `search` must agree with (tests)."""
+    forced = dict(forced or {})
+    configs = set(itertools.chain.from_iterable(candidates(model, forced)))
+    fits = [(c, model.step_s(c), model.peak_bytes(c)) for c in configs]
+    return [f for f in fits if capacity_bytes is None or f[2] <= capacity_bytes]
+
+
+SEARCHED = tuple(f.name for f in dataclasses.fields(Config))
+
+
+def plan_graph(
+    costs: CostModel, forced: Mapping[str, Any], layout: ChunkLayout | None, capacity_bytes: int | None
+) -> Plan:
+    """The plan of one graph: the forced fields as given (checked by make_plan), the rest searched, with the
+    predictions and the runners-up. Fully forced plans are not searched; one predicted over capacity is kept,
+    with a warning."""
+    forced = dict(forced)
+    make_plan(costs.n_block, forced, layout, swap_interval=costs.swap_interval)  # the user's fields, checked
+    held = {k: forced[k] for k in SEARCHED if k in forced}
+    if "block_modes" in forced:
+        modes = tuple(forced["block_modes"])
+        held.update(n_swap=modes.count("swap"), n_checkpoint=modes.count("checkpoint"))
+        costs = dataclasses.replace(costs, forced_modes=modes)
+    if layout is None:
+        held.update(n_persist=0, n_buffer=0)
+    elif held.get("n_persist") == layout.n_chunk:
+        held["n_buffer"] = 0
+    if all(k in held for k in SEARCHED):
+        config = Config(**held)
+        best, runners_up = (config, costs.step_s(config), costs.peak_bytes(config)), []
+        if capacity_bytes is not None and best[2] > capacity_bytes:
+            log.warning(
+                "the forced plan %s is predicted to need %.2f GiB, more than the %.2f GiB the GPU has for it",
+                config,
+                best[2] / 2**30,
+                capacity_bytes / 2**30,
+            )
+    else:
+        best, runners_up = search(costs, capacity_bytes, held)
+
+    def to_plan(found: tuple[Config, float, int]) -> Plan:
+        config, step_s, peak = found
+        fields = dataclasses.asdict(config)
+        if layout is None:
+            fields = {k: v for k, v in fields.items() if k not in ("n_persist", "n_buffer")}
+        plan = make_plan(costs.n_block, {**forced, **fields}, layout, swap_interval=costs.swap_interval)
+        return dataclasses.replace(plan, predicted_step_s=step_s, predicted_peak_bytes=peak)
+
+    return dataclasses.replace(to_plan(best), runners_up=tuple(to_plan(r) for r in runners_up))

@@ -1,0 +1,71 @@
+"""StepMonitor: measured step time and peak memory of a compiled graph, set beside the plan's predictions.
+
+With a dump directory, the forward graph starts with `protrain.step_mark(monitor, x)`: each call is one training
+step's start. After `warmup` steps it starts measuring (the peak memory counter is reset then), and after
+`steps` more it writes `predicted_vs_measured.json` next to `plan.json`: the predicted and measured step time
+(the time between forward starts, on CUDA by events on the compute stream) and peak allocated bytes (CUDA
+only; the CPU has no allocator to ask), with their relative errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from protrain_fx.planner.plan import Plan
+from protrain_fx.runtime import ops
+
+log = logging.getLogger(__name__)
+
+
+class StepMonitor:
+    def __init__(self, device: torch.device, plan: Plan, dumper, *, warmup: int = 2, steps: int = 5):
+        self.device = torch.device(device)
+        self.plan, self.dumper = plan, dumper
+        self.warmup, self.steps = warmup, steps
+        self.marks: list = []
+        self.handle = ops.register(self)
+
+    def mark(self) -> None:
+        if len(self.marks) > self.warmup + self.steps:
+            return
+        cuda = self.device.type == "cuda"
+        if len(self.marks) == self.warmup and cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+        if len(self.marks) == self.warmup + self.steps + 1:
+            self._write()
+
+    def measured(self) -> tuple[float, int | None]:
+        """(seconds per step, peak allocated bytes or None) over the measured steps."""
+        first, last = self.marks[self.warmup], self.marks[-1]
+        if self.device.type == "cuda":
+            last.synchronize()
+            return first.elapsed_time(last) / 1e3 / self.steps, torch.cuda.max_memory_allocated(self.device)
+        return (last - first) / self.steps, None
+
+    def _write(self) -> None:
+        step_s, peak = self.measured()
+        plan = self.plan
+
+        def error(predicted, measured):
+            return None if predicted is None or not measured else (predicted - measured) / measured
+
+        report = {
+            "steps": self.steps,
+            "predicted_step_s": plan.predicted_step_s,
+            "measured_step_s": step_s,
+            "step_error": error(plan.predicted_step_s, step_s),
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "measured_peak_bytes": peak,
+            "peak_error": error(plan.predicted_peak_bytes, peak),
+        }
+        self.dumper.write_json("predicted_vs_measured.json", report)
+        log.info("predicted vs measured: %s", report)

@@ -1,0 +1,82 @@
+"""explain, plan_of, the plan dump and its replay, predicted_vs_measured.json (protrain_fx/explain.py,
+runtime/monitor.py)."""
+
+import json
+
+import models
+import pytest
+import torch
+
+import protrain_fx
+from protrain_fx.planner.plan import Plan
+
+REQUIRED = (
+    "n_persist n_buffer n_swap n_checkpoint n_chunk n_block chunk_bytes block_modes predicted_step_s "
+    "predicted_peak_bytes runners_up"
+).split()
+
+
+def test_explain_plans_without_training_or_moving_anything():
+    model = models.build("llama", layers=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = protrain_fx.explain(model, models.batch("llama"), {"executor": "eager"})
+    assert isinstance(plan, Plan) and all(hasattr(plan, f) for f in REQUIRED)
+    assert plan.n_chunk > 1 and plan.n_block == 4 and plan.predicted_step_s > 0 and plan.predicted_peak_bytes > 0
+    assert len(plan.runners_up) == 3
+    table = str(plan)
+    assert "runner-up 3" in table and "predicted_step_s" in table and "ms" in table
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(k.startswith("_protrain") for k in model.__dict__)  # no chunks, no plan in force
+
+
+def test_explain_takes_positional_batches_and_says_what_is_wrong():
+    model = models.build("toy", layers=2)
+    batch = models.batch("toy")
+    plan = protrain_fx.explain(model, tuple(batch.values()), {"executor": "eager"})
+    assert plan.n_block == 2
+    with pytest.raises(TypeError, match="example_batch must be a dict"):
+        protrain_fx.explain(model, [1, 2], {"executor": "eager"})
+    with pytest.raises(TypeError, match="takes the model"):
+        protrain_fx.explain(lambda x: x, batch)
+
+
+def test_plan_of_the_compiled_model():
+    model = models.build("llama", layers=2)
+    compiled = torch.compile(model, backend="protrain", options={"executor": "eager"})
+    with pytest.raises(ValueError, match="run one training step"):
+        protrain_fx.plan_of(compiled)
+    protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled(**models.batch("llama")).loss.backward()
+    plan = protrain_fx.plan_of(compiled)
+    assert plan.n_chunk > 1 and plan.n_persist == plan.n_chunk  # (the CPU: no capacity to save memory for)
+    assert protrain_fx.plan_of(model) is plan
+
+
+def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
+    """The dump has plan.json, and after a few steps predicted_vs_measured.json; plan.json given back as
+    options={"plan": path} is the same plan, not searched again."""
+    model = models.build("llama", layers=3)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    options = {"executor": "eager", "dump_dir": str(tmp_path), "plan": {"n_checkpoint": 1}}
+    backend = protrain_fx.ProTrainBackend(options)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    for step in range(8):
+        compiled(**models.batch("llama", seed=step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    graph_dir = tmp_path / "rank0" / "graph0"
+    dumped = json.loads((graph_dir / "plan.json").read_text())
+    assert dumped["n_checkpoint"] == 1 and dumped["runners_up"]
+    report = json.loads((graph_dir / "predicted_vs_measured.json").read_text())
+    assert report["measured_step_s"] > 0 and report["predicted_step_s"] == dumped["predicted_step_s"]
+    assert report["measured_peak_bytes"] is None  # no allocator on the CPU
+
+    torch._dynamo.reset()
+    fresh = models.build("llama", layers=3)
+    protrain_fx.optim.AdamW(fresh.parameters(), lr=1e-3)
+    replay = protrain_fx.ProTrainBackend({"executor": "eager", "plan": str(graph_dir / "plan.json")})
+    torch.compile(fresh, backend=replay, dynamic=False)(**models.batch("llama")).loss.backward()
+    plan = replay.graphs[0].plan
+    searched = ("n_persist", "n_buffer", "n_swap", "n_checkpoint", "block_modes", "n_chunk", "chunk_bytes")
+    assert all(getattr(plan, f) == (tuple(dumped[f]) if f == "block_modes" else dumped[f]) for f in searched)
+    assert plan.runners_up == ()  # every field given: nothing searched

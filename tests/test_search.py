@@ -1,0 +1,138 @@
+"""The cost models and the search (planner/cost.py, planner/search.py) on synthetic profiles with GPU-like
+hardware figures, where every choice has a price: the search returns the brute-force optimum, respects the
+capacity and the forced fields, and reacts to capacity as the paper's Table "Automatically searched
+configurations" does; and a real tiny model gets the everything-on-the-GPU plan when memory is plenty."""
+
+import random
+
+import models
+import pytest
+import torch
+
+import protrain_fx
+from protrain_fx.planner.cost import Config, CostModel, _Segment
+from protrain_fx.planner.search import TIE_REL, NoPlanFits, brute_force, plan_graph, rank, search
+from protrain_fx.profiler.hardware import HardwareProfile
+
+GiB = 2**30
+H100_LIKE = HardwareProfile(
+    key={},
+    h2d_bytes_per_s=50e9,
+    d2h_bytes_per_s=50e9,
+    h2d_concurrent_bytes_per_s=40e9,
+    d2h_concurrent_bytes_per_s=40e9,
+    device_adam_s_per_param=2e-11,
+    host_adam_s_per_param=2e-10,
+    device_memory_bytes=80 * GiB,
+    host_memory_bytes=128 * GiB,
+    collectives={},
+)
+
+
+def synthetic(n_block=8, n_chunk=6, seed=0, block_saved=1 * GiB, chunk_elems=2**28) -> CostModel:
+    """A transformer-like model: activations pile up over the forward and drain over the backward."""
+    rng = random.Random(seed)
+    fwd = tuple(rng.uniform(0.004, 0.008) for _ in range(n_block))
+    saved = tuple(int(block_saved * rng.uniform(0.8, 1.2)) for _ in range(n_block))
+    segments, held = [_Segment("forward", -1, 0)], 0
+    for b in range(n_block):
+        held += saved[b]
+        segments.append(_Segment("forward", b, held + saved[b] // 4))
+    segments += [_Segment("forward", n_block, held + GiB), _Segment("backward", n_block, held + 2 * GiB)]
+    for b in reversed(range(n_block)):
+        segments.append(_Segment("backward", b, held + saved[b] // 2))
+        held -= saved[b]
+    return CostModel(
+        n_block=n_block,
+        swap_interval=2,
+        block_fwd_s=fwd,
+        block_bwd_s=tuple(2 * t for t in fwd),
+        block_saved=saved,
+        block_output=tuple(s // 16 for s in saved),
+        block_transient=tuple(s // 8 for s in saved),
+        other_fwd_s=(0.001, 0.004),
+        other_bwd_s=(0.001, 0.008),
+        segments=tuple(segments),
+        hardware=H100_LIKE,
+        n_chunk=n_chunk,
+        chunk_elems=chunk_elems,
+        shard_elems=chunk_elems,
+        element_size=2,
+        block_chunk=tuple(b * n_chunk // n_block for b in range(n_block)),
+        chunk_params=(chunk_elems,) * n_chunk,
+    )
+
+
+def _capacities(model):
+    everything = model.peak_bytes(Config(model.n_chunk, 0, 0, 0))
+    least = min(model.peak_bytes(c) for c, _, _ in brute_force(model, None))
+    return [int(least + (everything - least) * f) for f in (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.2)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_search_finds_the_brute_force_optimum(seed):
+    """Pruning (n_persist rows cut at the first plan over capacity, swap count bounded) never drops the optimum."""
+    model = synthetic(seed=seed, n_block=6 + seed, n_chunk=4 + seed)
+    for capacity in _capacities(model):
+        best, runners_up = search(model, capacity)
+        expected, _ = rank(brute_force(model, capacity))
+        assert best == expected, capacity
+        assert best[2] <= capacity and all(r[2] <= capacity for r in runners_up)
+        assert all(r[1] * (1 + TIE_REL) >= best[1] for r in runners_up)  # (ties go to headroom)
+
+
+def test_search_reacts_to_capacity():
+    """Plenty of memory: every chunk on the GPU, no block recomputed or swapped; less memory: fewer persistent
+    chunks and more blocks checkpointed or swapped (paper Table "Automatically searched configurations")."""
+    model = synthetic()
+    plans = [search(model, capacity)[0][0] for capacity in reversed(_capacities(model))]
+    roomy, tight = plans[0], plans[-1]
+    assert roomy == Config(model.n_chunk, 0, 0, 0)
+    assert tight.n_persist < model.n_chunk and tight.n_checkpoint + tight.n_swap > 0
+    persist = [p.n_persist for p in plans]
+    assert persist == sorted(persist, reverse=True)
+
+
+def test_forced_fields_are_held():
+    model = synthetic()
+    capacity = _capacities(model)[3]
+    best, _ = search(model, capacity, {"n_persist": 2, "n_checkpoint": 3})
+    assert best[0].n_persist == 2 and best[0].n_checkpoint == 3
+    plan = plan_graph(model, {"n_swap": 1}, None, capacity)
+    assert plan.n_swap == 1 and plan.predicted_peak_bytes <= capacity and len(plan.runners_up) == 3
+
+
+def test_nothing_fits_says_what_is_needed():
+    model = synthetic()
+    least = min(model.peak_bytes(c) for c, _, _ in brute_force(model, None))
+    with pytest.raises(NoPlanFits, match=r"needs .* GiB.*smaller batch.*more GPUs") as err:
+        search(model, least - 1)
+    assert err.value.peak_bytes == least
+
+
+def test_memory_model_terms():
+    """Checkpointing or swapping a block takes its saved bytes (a checkpointed one keeps its output) off every
+    point between its forward and its backward; chunk states count 18 bytes per persistent element."""
+    model = synthetic(n_chunk=4)
+    none = model.activation_peak(("none",) * model.n_block)
+    first = ("checkpoint",) + ("none",) * (model.n_block - 1)
+    assert none - model.activation_peak(first) == model.block_saved[0] - model.block_output[0]
+    swapped = ("swap",) + ("none",) * (model.n_block - 1)
+    assert none - model.activation_peak(swapped) == model.block_saved[0]
+    elems = model.chunk_elems
+    assert model.state_bytes(Config(4, 0, 0, 0)) == 4 * elems * (2 + 4 + 4 + 8)
+    assert model.state_bytes(Config(3, 2, 0, 0)) == 3 * elems * 18 + 2 * elems * 2 + elems * 4 + elems * 4
+
+
+def test_tiny_model_keeps_everything_on_the_device():
+    """No capacity limit (the CPU): the searched plan of a real tiny model changes nothing, and carries its
+    predictions and runners-up."""
+    model = models.build("llama", layers=4)
+    protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager"})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    compiled(**models.batch("llama")).loss.backward()
+    plan = backend.graphs[0].plan
+    assert plan.n_persist == plan.n_chunk > 1 and plan.n_checkpoint == plan.n_swap == 0
+    assert plan.predicted_step_s > 0 and plan.predicted_peak_bytes > 0 and plan.runners_up
+    assert "predicted_peak_bytes" in str(plan)
