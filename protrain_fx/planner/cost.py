@@ -81,6 +81,8 @@ class _Segment:
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
+    """What the cost formulas read about one graph; `build` derives it from the profiles and the chunk layout."""
+
     n_block: int
     swap_interval: int
     block_fwd_s: tuple[float, ...]

@@ -28,7 +28,7 @@ from protrain_fx.planner.plan import Plan, make_plan
 log = logging.getLogger(__name__)
 
 TIE_REL = 0.005  # step times within 0.5% count as equal
-MAX_BUFFER = 4  # chunk buffers beyond this never helped: one in use, one loading, one being released, one spare
+MAX_BUFFER = 4  # buffers searched: one in use, one loading, one recomputed from, one spare (more is forced only)
 N_RUNNERS_UP = 3
 
 
