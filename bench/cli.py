@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from bench.model import DTYPES, PRESETS, ModelSpec
+from bench.predict import predict
 from bench.worker import RESULT_PREFIX, SYSTEMS, emit, train
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def worker(args: argparse.Namespace) -> int:
     spec = ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
     try:
         run = {name: getattr(args, name) for name in ("batch", "steps", "warmup", "dtype", "seed")}
-        result = train(args.system, spec, plan=json.loads(args.plan), **run)
+        result = train(args.system, spec, plan=json.loads(args.plan), dump_dir=args.dump_dir or None, **run)
     except Exception as e:
         emit({"system": args.system, "error": f"{type(e).__name__}: {e}"})
         raise
@@ -95,6 +96,7 @@ def _row(r: dict) -> tuple[str, ...]:
 def _run_worker(system: str, args: argparse.Namespace) -> dict:
     flags = [*dataclasses.asdict(ModelSpec()), *RUN_FLAGS]
     cmd = [sys.executable, "-m", "bench", "worker", "--system", system, "--dtype", args.dtype, "--plan", args.plan]
+    cmd += ["--dump-dir", args.dump_dir]
     cmd += [arg for name in flags for arg in (f"--{name}", str(getattr(args, name)))]
     log.info("running %s", shlex.join(cmd))
     proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)  # stderr (tqdm, logs) passes through
@@ -130,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
         default="bfloat16",
         help="weight dtype; for fsdp2-* the compute dtype, weights fp32 (default bfloat16)",
     )
+    sizes.add_argument("--dump-dir", default="", help="protrain's dump directory (protrain systems; '' for none)")
     sizes.add_argument(
         "--plan", default="{}", help="JSON plan fields forced on protrain-chunks, e.g. '{\"n_persist\": 4}'"
     )
@@ -140,6 +143,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default="protrain,compile,eager", help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--out", default="out/compare.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=compare)
+    p = sub.add_parser("predict", parents=[sizes], help="predicted vs measured step time and peak memory of plans")
+    p.add_argument("--plans", default="[{}]", help="JSON list of plans forced on protrain-chunks ({} searches)")
+    p.add_argument("--out", default="out/predict.json", help="where the JSON report goes ('' for none)")
+    p.add_argument("--keep-dumps", default="", help="keep each plan's dump directory here, as plan<i>")
+    p.set_defaults(func=predict)
     p = sub.add_parser("worker", parents=[sizes], help="one system's run (started by compare)")
     p.add_argument("--system", choices=list(SYSTEMS), required=True)
     p.set_defaults(func=worker)

@@ -50,11 +50,12 @@ class Result:
     step_times_s: list[float]
 
 
-def wrap(model: nn.Module, system: str, plan: dict | None = None) -> nn.Module:
+def wrap(model: nn.Module, system: str, plan: dict | None = None, dump_dir: str | None = None) -> nn.Module:
+    dump = {"dump_dir": dump_dir} if dump_dir else {}
     if system == "protrain":
-        return torch.compile(model, backend="protrain")  # the default inductor executor
+        return torch.compile(model, backend="protrain", options=dump)  # the default inductor executor
     if system == "protrain-chunks":  # model states in chunks (protrain_fx.optim.AdamW), plan forced by --plan
-        return torch.compile(model, backend="protrain", options={"plan": plan or {}})
+        return torch.compile(model, backend="protrain", options={"plan": plan or {}, **dump})
     if system == "compile":
         return torch.compile(model)
     if system == "eager" or system in FSDP2_SYSTEMS:
@@ -72,6 +73,7 @@ def train(
     dtype: str,
     seed: int,
     plan: dict | None = None,
+    dump_dir: str | None = None,
 ) -> Result:
     """Train `warmup + steps` AdamW steps of the model under `system` and measure them."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,7 +82,7 @@ def train(
         model, opt = _model_and_optimizer(system, spec, device, DTYPES[dtype], seed)
         params = sum(p.numel() for p in model.parameters())
         log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
-        step_model = wrap(model, system, plan)
+        step_model = wrap(model, system, plan, dump_dir)
         batches = random_batches(spec, batch, warmup + steps, device, seed)
         if cuda:
             torch.cuda.empty_cache()

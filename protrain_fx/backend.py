@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,6 +83,7 @@ class GraphRecord:
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
     swap: Any = None  # the SwapSpace of its swapped activations (runtime/swap.py), None when no block swaps
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of profile, hardware, search
 
 
 def check_torch_version(version: str = torch.__version__) -> None:
@@ -181,7 +183,9 @@ class _Partitioner(CustomPartitionerFn):
             with manager.materialized(params) if manager else contextlib.nullcontext():
                 return profile_iteration(fw, bw, self.example_inputs, record.block_map)
 
+        start = time.perf_counter()
         record.profile = profile_on_every_rank(profile, device)
+        record.seconds["profile"] = time.perf_counter() - start
         if manager is None and (wants_chunks(params) or (self.explain and any(p.requires_grad for p in params))):
             layout = model_layout(roots, record, self.example_inputs, config.plan)
             record.plan = self._plan(config.plan, layout, device, bw, roots.model, None)
@@ -195,11 +199,19 @@ class _Partitioner(CustomPartitionerFn):
                 forced = plan_fields_of(manager, forced)
             layout = manager.layout if manager else None
             record.plan = self._plan(forced, layout, device, bw, roots.model, manager)
-        log.info("graph %d plan:\n%s", record.index, record.plan)
+        log.info(
+            "graph %d planned (%s):\n%s",
+            record.index,
+            ", ".join(f"{stage} {s:.2f} s" for stage, s in record.seconds.items()),
+            record.plan,
+        )
         if roots.model is not None and params and not self.explain:
             roots.model.__dict__.setdefault(PLANS_ATTR, []).append((len(params), record.plan))
         if dumper:
             dumper.write_json("plan.json", record.plan.to_json())
+            dumper.write_json("seconds.json", record.seconds)
+            if record.costs is not None:
+                dumper.write_json("costs.json", _cost_terms(record.costs, record.plan))
         if self.explain:
             record.forward, record.backward = fw, bw
             return fw, bw
@@ -258,21 +270,25 @@ class _Partitioner(CustomPartitionerFn):
     def _plan(self, forced: dict[str, Any], layout, device: torch.device, bw: fx.GraphModule, model, manager) -> Plan:
         """Search the fields the user did not force, with the cost models of this graph (planner/cost.py)."""
         record, n_block = self.record, self.record.block_map.n_blocks
+        start = time.perf_counter()
         hardware = hardware_profile(device)
+        record.seconds["hardware"] = time.perf_counter() - start
         shared = layout is not None and forced.get("n_persist", 0) < layout.n_chunk  # uploads during the forward
-        interval = forced.get("swap_interval") or swap_interval(record.profile, hardware, uploads_share_link=shared)
         family = record.block_map.family
         output = next(n for n in bw.graph.nodes if n.op == "output")
         costs = CostModel.build(
             record.profile,
             hardware,
             n_block=n_block,
-            swap_interval=interval,
             layout=layout,
             block_of_param=[block_index(s.name.split("."), family) if family else None for s in layout.slots]
             if layout
             else (),
             grad_outputs=frozenset(a.name for a in output.args[0] if isinstance(a, fx.Node)),
+            fused=self.config.executor == "inductor",
+        )
+        interval = forced.get("swap_interval") or swap_interval(
+            costs.block_saved, costs.block_fwd_s, hardware, uploads_share_link=shared
         )
         # what the profile's baseline held besides activations and the chunk states the model counts itself
         held = 0
@@ -284,9 +300,31 @@ class _Partitioner(CustomPartitionerFn):
                 held = _nbytes(p for p in model.parameters() if p.device == device)
             else:  # the CPU tracker counts the graph's inputs
                 held = _nbytes(graph_params)
-        costs = dataclasses.replace(costs, other_bytes=max(0, record.profile.baseline_bytes - held))
+        costs = dataclasses.replace(
+            costs, swap_interval=interval, other_bytes=max(0, record.profile.baseline_bytes - held)
+        )
         record.costs = costs
-        return plan_graph(costs, forced, layout, self.config.gpu_memory_bytes or _capacity(device))
+        start = time.perf_counter()
+        plan = plan_graph(costs, forced, layout, self.config.gpu_memory_bytes or _capacity(device))
+        record.seconds["search"] = time.perf_counter() - start
+        return plan
+
+
+def _cost_terms(costs: CostModel, plan: Plan) -> dict[str, Any]:
+    """The plan's predicted step split into its terms, and what the models read (costs.json of a dump)."""
+    config = Config(plan.n_persist, plan.n_buffer, plan.n_swap, plan.n_checkpoint)
+    costs = dataclasses.replace(costs, forced_modes=plan.block_modes)
+    return {
+        **costs.phases(config),
+        "activation_peak_bytes": costs.activation_peak(plan.block_modes),
+        "state_bytes": costs.state_bytes(config),
+        "other_bytes": costs.other_bytes,
+        "alpha": costs.alpha,
+        "swap_interval": costs.swap_interval,
+        "block_fwd_s": costs.block_fwd_s,
+        "block_bwd_s": costs.block_bwd_s,
+        "block_saved_bytes": costs.block_saved,
+    }
 
 
 def _nbytes(tensors) -> int:

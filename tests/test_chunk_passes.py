@@ -80,3 +80,35 @@ def test_grad_reduce_pass_hands_gradients_over():
     assert torch.equal(manager.grad[0][:32], torch.full((32,), 2.0)) and torch.equal(
         manager.grad[0][32:56], torch.full((24,), 2.0)
     )
+
+
+def test_offloaded_reduce_waits_for_the_last_read():
+    """A weight's gradient can be ready before the backward's last read of the weight (gw = gy^T x needs no w,
+    gx = gy w does): an offloaded chunk's reduce, where its CPU update starts, must come after that read too,
+    ordered by data (the readers' outputs are its arguments), not only by its place in the graph."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, 4))
+    w_value = w.detach().clone()
+    layout = layout_at([ParamInfo("w", 12, None)], chunk_elems=64, element_size=4, world_size=1)
+    manager = ChunkManager([w], layout, n_persist=0, n_buffer=1)  # offloaded: w's storage is emptied
+
+    def backward(w, x, gy):
+        return gy.t() @ x, gy @ w  # (gradient of w, gradient of x)
+
+    x, gy = torch.randn(5, 4), torch.randn(5, 3)
+    bw = make_fx(backward)(w_value, x, gy)
+    slot = manager.slot_of(w)
+    tag = ParamTag(manager.handle, 0, slot.chunk, slot.offset, slot.numel, False)
+    next(n for n in bw.graph.nodes if n.op == "placeholder").meta[TAG] = tag
+    bw = chunk_gather_pass(bw, types.SimpleNamespace(manager=manager, stage="backward"))
+    primals = [
+        types.SimpleNamespace(name="primals_1", meta={TAG: tag}),
+        types.SimpleNamespace(name="primals_2", meta={}),
+    ]
+    bw = grad_reduce_pass(bw, types.SimpleNamespace(stage="backward", forward_placeholders=primals))
+    nodes = list(bw.graph.nodes)
+    release = next(n for n in nodes if n.target is torch.ops.protrain.release.default)
+    reduce = next(n for n in nodes if n.target is torch.ops.protrain.reduce_grads.default)
+    assert nodes.index(reduce) > nodes.index(release) and reduce.args[4] == release.args[2]
+    _, grad_x = bw(w, x, gy)
+    torch.testing.assert_close(grad_x, gy @ w_value, rtol=0, atol=0)

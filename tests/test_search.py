@@ -3,6 +3,7 @@ hardware figures, where every choice has a price: the search returns the brute-f
 capacity and the forced fields, and reacts to capacity as the paper's Table "Automatically searched
 configurations" does; and a real tiny model gets the everything-on-the-GPU plan when memory is plenty."""
 
+import dataclasses
 import random
 
 import models
@@ -21,6 +22,8 @@ H100_LIKE = HardwareProfile(
     d2h_bytes_per_s=50e9,
     h2d_concurrent_bytes_per_s=40e9,
     d2h_concurrent_bytes_per_s=40e9,
+    device_bytes_per_s=3e12,
+    kernel_s=3e-6,
     device_adam_s_per_param=2e-11,
     host_adam_s_per_param=2e-10,
     device_memory_bytes=80 * GiB,
@@ -136,3 +139,23 @@ def test_tiny_model_keeps_everything_on_the_device():
     assert plan.n_persist == plan.n_chunk > 1 and plan.n_checkpoint == plan.n_swap == 0
     assert plan.predicted_step_s > 0 and plan.predicted_peak_bytes > 0 and plan.runners_up
     assert "predicted_peak_bytes" in str(plan)
+
+
+def test_the_next_forward_waits_for_the_host_optimizer():
+    """Offloaded chunks step on the host as their gradients arrive, one after another; the next forward loads a
+    chunk only once it is stepped. A host fast enough costs nothing; past that, every extra second the host
+    spends on the offloaded chunks is a second of step time."""
+    model = synthetic()
+    config = Config(n_persist=2, n_buffer=2)
+    offloaded = sum(model.chunk_params[2:])
+
+    def with_host(s_per_param):
+        hardware = dataclasses.replace(H100_LIKE, host_adam_s_per_param=s_per_param)
+        return dataclasses.replace(model, hardware=hardware)
+
+    fast = with_host(0.0).phases(config)
+    assert fast["cpu_optim_wait_s"] == 0.0
+    assert with_host(0.0).step_s(config) == pytest.approx(fast["forward_s"] + fast["backward_s"] + fast["gpu_optim_s"])
+    slow, slower = with_host(1e-9), with_host(2e-9)
+    assert slow.phases(config)["cpu_optim_wait_s"] > 0
+    assert slower.step_s(config) - slow.step_s(config) == pytest.approx(offloaded * 1e-9)

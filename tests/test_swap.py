@@ -15,7 +15,6 @@ from helpers import losses_side_by_side, saved_activation_bytes, train
 import protrain_fx
 from protrain_fx.planner.cost import swap_interval
 from protrain_fx.profiler.hardware import hardware_profile
-from protrain_fx.profiler.profile import BlockProfile, GraphProfile
 
 LAYOUTS = {
     "all-swap": {"n_swap": 3},
@@ -136,18 +135,18 @@ def test_measured_swap_interval():
     _, _, backend, compiled = _compiled("toy", {"plan": {"n_swap": 1}})
     compiled(**models.batch("toy")).backward()
     record = backend.graphs[0]
-    expected = swap_interval(record.profile, hardware_profile(torch.device("cpu")), uploads_share_link=False)
+    costs, hardware = record.costs, hardware_profile(torch.device("cpu"))
+    expected = swap_interval(costs.block_saved, costs.block_fwd_s, hardware, uploads_share_link=False)
     assert record.plan.swap_interval == expected >= 1
 
 
 def test_swap_interval_formula():
     """ceil(max over blocks of copy time / forward time), at the contended rate when chunks upload meanwhile."""
-    blocks = [BlockProfile(0, forward_s=1.0, saved_bytes=2.5e9), BlockProfile(1, forward_s=2.0, saved_bytes=1e9)]
-    profile = GraphProfile("cpu", 3.0, 6.0, 0, 0, 0, [], blocks)
+    saved, forward_s = (2.5e9, 1e9), (1.0, 2.0)
     hardware = hardware_profile(torch.device("cpu"))
     hardware = type(hardware)(**{**hardware.__dict__, "d2h_bytes_per_s": 1e9, "d2h_concurrent_bytes_per_s": 0.5e9})
-    assert swap_interval(profile, hardware, uploads_share_link=False) == 3  # 2.5 s of copy over 1 s of compute
-    assert swap_interval(profile, hardware, uploads_share_link=True) == 5
+    assert swap_interval(saved, forward_s, hardware, uploads_share_link=False) == 3  # 2.5 s copy, 1 s compute
+    assert swap_interval(saved, forward_s, hardware, uploads_share_link=True) == 5
 
 
 def test_prefetch_waits_for_memory():
@@ -162,3 +161,44 @@ def test_prefetch_waits_for_memory():
     _, _, roomy, compiled = _compiled("toy", {"plan": {"n_swap": 2}})
     train(compiled, "toy", 3)
     assert roomy.graphs[0].swap.deferred == 0
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class _ReturnsSaved(torch.nn.Module):
+    """Blocks whose last output is both returned to the user and saved for the backward (by the head's matmul)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).sum(), x
+
+
+def test_output_that_is_also_saved_stays_on_the_device():
+    """A tensor the forward both returns and saves is swapped for the backward, and the user still gets it on the
+    device, equal to eager's (a swap of the user's output once failed the pass)."""
+    torch.manual_seed(0)
+    ref = _ReturnsSaved()
+    model = copy.deepcopy(ref)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_swap": 2}})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    x = torch.randn(4, 8)
+    (loss, hidden), (ref_loss, ref_hidden) = compiled(x), ref(x)
+    loss.backward()
+    ref_loss.backward()
+    assert hidden.device == x.device and torch.equal(hidden, ref_hidden)
+    assert backend.graphs[0].swap is not None
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)

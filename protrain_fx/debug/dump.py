@@ -1,7 +1,9 @@
 """Dumps for a user debugging the backend: PROTRAIN_DUMP_DIR=dir (or options={"dump_dir": dir}).
 
 Layout: <dir>/rank<r>/graph<k>/ with forward.py and backward.py (readable Python), joint.py, profile.csv,
-profile.json, params.json, blocks.json, plan.json. Graph numbers count up per rank in compile order.
+profile.json, params.json, blocks.json, plan.json, costs.json (the predicted step split into its terms, and what the
+cost models read), seconds.json (wall time of profiling, the hardware profile and
+the search) and, after a few steps, predicted_vs_measured.json. Graph numbers count up per rank in compile order.
 """
 
 from __future__ import annotations

@@ -63,8 +63,11 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     outs = list(output.args[0])
     order = {n: i for i, n in enumerate(graph.nodes)}
     slot = 0
+    # the forward returns the user's outputs, then what the backward saves (as many as it has saved inputs); a
+    # tensor that is both stays on the device for the user
+    first_saved = len(outs) - len(ctx.saved)
     for position, node in enumerate(outs):
-        if not isinstance(node, fx.Node) or node.name not in ctx.saved:
+        if position < first_saved or not isinstance(node, fx.Node) or node.name not in ctx.saved:
             continue
         block = ctx.record.block_map.block.get(node.name)
         val = node.meta.get("val")
@@ -72,7 +75,7 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             continue
         if _base(node).op == "placeholder":
             continue  # a parameter or an input (or a view of one): its memory is not the block's to free
-        last = max([node, *(u for u in node.users if u.op != "output")], key=order.__getitem__)
+        last = max([node, *(u for u in node.users if u.op != "output" and u in order)], key=order.__getitem__)
         with graph.inserting_after(last):
             host = graph.call_function(torch.ops.protrain.swap_out.default, (ctx.swap.handle, slot, node))
         with val.fake_mode:

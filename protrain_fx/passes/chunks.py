@@ -20,7 +20,8 @@ after compile is an error, not silently ignored values and gradients).
 grad_reduce_pass (backward graph), for each chunk c (persistent ones too):
 
     before:  return (g1, g2, ...)                 # gradients of the primals, in primal order
-    after:   protrain.reduce_grads(m, c, [i1, i2], [g1, g2])   # after the chunk's last gradient
+    after:   protrain.reduce_grads(m, c, [i1, i2], [g1, g2], [r])   # after the chunk's last gradient and the
+                                                                     # outputs r of its last readers
              return (None, None, ...)             # the chunk owns its gradients; param.grad stays None
 """
 
@@ -180,13 +181,17 @@ def grad_reduce_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if not by_chunk:
         return gm
     order = {n: i for i, n in enumerate(graph.nodes)}
+    releases = {n.args[1]: n for n in graph.find_nodes(op="call_function", target=torch.ops.protrain.release.default)}
     for chunk, items in by_chunk.items():
-        last = max((g for _, _, g in items), key=order.__getitem__)
+        # an offloaded chunk's last readers too: its update starts at the reduce, and must not change what they read
+        readers = list(releases[chunk].args[2]) if chunk in releases else []
+        after = [releases[chunk]] if chunk in releases else []
+        last = max([*(g for _, _, g in items), *after], key=order.__getitem__)
         manager = primals[items[0][0]].meta[TAG].manager
         with graph.inserting_after(last):
             graph.call_function(
                 torch.ops.protrain.reduce_grads.default,
-                (manager, chunk, [i for _, i, _ in items], [g for _, _, g in items]),
+                (manager, chunk, [i for _, i, _ in items], [g for _, _, g in items], readers),
             )
         for position, _, _ in items:
             grads[position] = None

@@ -5,9 +5,17 @@ of the graph (profiler/) and the hardware profile, without running it.
     model.step_s(Config(n_persist=4, n_buffer=2, n_swap=1, n_checkpoint=6))
     model.peak_bytes(Config(...))
 
-Runtime (Appendix A.1). T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim), with the forward and backward
-summed per chunk window as max(compute, communication):
+Compute times are the profiled node times; under inductor (`fused`) the nodes it fuses cost the bytes their
+fused kernels move at the device's memory bandwidth instead (`node_s`, profiler/fusion.py).
+
+Runtime (Appendix A.1). The paper's T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim), refined for when the
+host's AdamW can run: T_iter = T_fwd + T_bwd + T_gpu_optim + the next forward's wait for the host, where the host
+steps each offloaded chunk once its gradient has been reduced and copied down (one at a time, the lowest landed
+chunk first, as runtime/host_queue.py does) and the next forward waits where it would load a chunk the host has
+not stepped yet. The forward and
+backward are summed per chunk window as max(compute, communication):
   forward  window i: max(compute of chunk i-1, upload + all-gather of chunk i if not persistent, swap-outs);
+  (a swapped block's copies are spread over the swap_interval blocks after it, which they run beside)
   backward window i: max(compute + recompute of chunk i, upload + gather of the chunk the backward needs next
                          unless persistent or still buffered from the forward, reduce (+ offload) of the chunk
                          it left, swap prefetches);
@@ -19,7 +27,9 @@ Peak memory (Appendix A.2). The profile ran with every block unoptimized and eve
 Per node, `allocated_before + max(intra, inter, 0)` less the baseline (what was allocated before the forward)
 is its activation peak there; the configuration's peak is the highest of those, each less the activations the
 configuration does not hold at that point, plus the model states the configuration keeps on the device and
-whatever else the baseline held, times α:
+whatever else the baseline held (under inductor less the tensors its fused kernels never allocate,
+`unfused_bytes` of profiler/fusion.py); that is the allocated peak, and times α what the allocator reserves (what
+must fit the GPU):
   checkpointed block b: its saved bytes but its output (the next block's input stays saved) are gone in the
     forward after b and in the backward until b is reached, where recompute brings them back along with
     b's forward transient;
@@ -43,20 +53,34 @@ from collections.abc import Sequence
 
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.plan import interleaved_modes
+from protrain_fx.profiler.fusion import EXTERN
 from protrain_fx.profiler.hardware import HardwareProfile
-from protrain_fx.profiler.profile import GraphProfile
+from protrain_fx.profiler.profile import GraphProfile, NodeProfile
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per parameter element
 GRAD_BYTES = 4  # fp32 gradient per element
 MASTER_BYTES = 4  # fp32 master per element (none when the parameters are fp32 themselves)
 
 
-def swap_interval(profile: GraphProfile, hardware: HardwareProfile, *, uploads_share_link: bool) -> int:
+def swap_interval(
+    block_saved: Sequence[int], block_fwd_s: Sequence[float], hardware: HardwareProfile, *, uploads_share_link: bool
+) -> int:
     """The swap interval in blocks (at least 1). `uploads_share_link`: parameter chunks are uploaded during the
     forward, so the copies run at the bandwidth measured with both directions busy."""
     rate = hardware.d2h_concurrent_bytes_per_s if uploads_share_link else hardware.d2h_bytes_per_s
-    ratios = [b.saved_bytes / rate / b.forward_s for b in profile.blocks if b.forward_s > 0]
+    ratios = [saved / rate / seconds for saved, seconds in zip(block_saved, block_fwd_s) if seconds > 0]
     return max(1, math.ceil(max(ratios, default=1.0)))
+
+
+def node_s(node: NodeProfile, hardware: HardwareProfile) -> float:
+    """A node's time under inductor (profiler/fusion.py): a library kernel's as profiled; a fused region's
+    bytes at the device's memory bandwidth but at least a kernel launch, on the region's last node; views
+    nothing."""
+    if node.kernel == EXTERN:
+        return node.latency_s
+    if not node.fused_bytes:
+        return 0.0
+    return max(node.fused_bytes / hardware.device_bytes_per_s, hardware.kernel_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,12 +143,13 @@ class CostModel:
         block_of_param: Sequence[int | None] = (),
         other_bytes: int = 0,
         grad_outputs: frozenset[str] = frozenset(),
+        fused: bool = False,
     ) -> CostModel:
         """The model of one graph. `block_of_param`: the block of each of the layout's slots (None outside blocks);
         `other_bytes`: what the device holds besides the activations and the states `state_bytes` counts (with a
         layout: the profile's baseline less the parameters; without: the whole baseline); `grad_outputs`: names of
         the backward nodes that are parameter gradients (with a layout, the runtime frees each after its chunk's
-        reduce)."""
+        reduce); `fused`: the graphs run under a fusing compiler (inductor), see `node_s`."""
         blocks = {b.block: b for b in profile.blocks}
         fwd, bwd = [0.0] * n_block, [0.0] * n_block
         saved = [blocks[b].saved_bytes if b in blocks else 0 for b in range(n_block)]
@@ -156,18 +181,21 @@ class CostModel:
                     reached = n_block
                 places[i] = reached
         for node, at in zip(profile.nodes, places):
+            seconds = node_s(node, hardware) if fused else node.latency_s
             if node.block is None or at != node.block:
                 key = (node.graph, "post" if at == n_block else "pre")
-                other[key] += node.latency_s
+                other[key] += seconds
             elif node.graph == "backward":
-                bwd[node.block] += node.latency_s
+                bwd[node.block] += seconds
             else:
-                fwd[node.block] += node.latency_s
+                fwd[node.block] += seconds
                 if node.output_bytes:
                     output[node.block] = node.output_bytes  # the block's last new tensor, in the end
                 transient[node.block] = max(transient[node.block], node.intra_delta_bytes)
             spike = max(node.intra_delta_bytes, node.inter_delta_bytes, 0)
             peak = node.allocated_before + spike - profile.baseline_bytes - grads_held
+            if fused:  # tensors a fused kernel never allocates
+                peak -= node.unfused_bytes
             if layout is not None and node.graph == "backward" and node.name in grad_outputs:
                 grads_held += node.output_bytes
             if segments and (segments[-1].graph, segments[-1].place) == (node.graph, at):
@@ -259,8 +287,12 @@ class CostModel:
         return persistent + buffers + landing + reduce
 
     def peak_bytes(self, config: Config) -> int:
-        activations = self.activation_peak(self.modes(config))
-        return int((activations + self.state_bytes(config) + self.other_bytes) * self.alpha)
+        """The highest allocated bytes of a step (what torch.cuda.max_memory_allocated reports)."""
+        return self.activation_peak(self.modes(config)) + self.state_bytes(config) + self.other_bytes
+
+    def reserved_bytes(self, config: Config) -> int:
+        """The peak times α: what the allocator reserves for it, so what must fit the GPU."""
+        return int(self.peak_bytes(config) * self.alpha)
 
     # ----- time --------------------------------------------------------------------------------------
 
@@ -277,39 +309,59 @@ class CostModel:
 
     def step_s(self, config: Config) -> float:
         """Predicted seconds per training step (forward, backward and optimizer) of `config`."""
+        t = self.phases(config)
+        if not self.overlap:
+            return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_s"]
+        return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_wait_s"]
+
+    def phases(self, config: Config) -> dict[str, float]:
+        """The terms of `step_s`: forward and backward seconds (copies they do not hide included), the optimizer's
+        on the device and on the host, and how long the next forward waits for the host's (no optimizer without
+        chunks: it is the user's then)."""
         modes = self.modes(config)
         recompute = [self.block_fwd_s[b] if m == "checkpoint" else 0.0 for b, m in enumerate(modes)]
         hw = self.hardware
         swap_out = [self.block_saved[b] / hw.d2h_bytes_per_s if m == "swap" else 0.0 for b, m in enumerate(modes)]
         swap_in = [self.block_saved[b] / hw.h2d_bytes_per_s if m == "swap" else 0.0 for b, m in enumerate(modes)]
         if self.n_chunk == 0:
-            compute = sum(self.other_fwd_s) + sum(self.other_bwd_s) + sum(self.block_fwd_s) + sum(self.block_bwd_s)
-            exposed = max(0.0, sum(swap_out) - sum(self.block_fwd_s)) + max(0.0, sum(swap_in) - sum(self.block_bwd_s))
-            if not self.overlap:
-                exposed = sum(swap_out) + sum(swap_in)
-            return compute + sum(recompute) + exposed
+            hidden = (sum(self.block_fwd_s), sum(self.block_bwd_s)) if self.overlap else (0.0, 0.0)
+            return {
+                "forward_s": sum(self.other_fwd_s) + sum(self.block_fwd_s) + max(0.0, sum(swap_out) - hidden[0]),
+                "backward_s": sum(self.other_bwd_s)
+                + sum(self.block_bwd_s)
+                + sum(recompute)
+                + max(0.0, sum(swap_in) - hidden[1]),
+                "gpu_optim_s": 0.0,
+                "cpu_optim_s": 0.0,
+                "cpu_optim_wait_s": 0.0,
+            }
         n = self.n_chunk
         fwd_c, bwd_c, rec_c, out_c, in_c = ([0.0] * n for _ in range(5))
         fwd_c[0] += self.other_fwd_s[0]
         fwd_c[n - 1] += self.other_fwd_s[1]
         bwd_c[0] += self.other_bwd_s[0]
         bwd_c[n - 1] += self.other_bwd_s[1]
+        last, k = self.n_block - 1, self.swap_interval
         for b, c in enumerate(self.block_chunk):
             fwd_c[c] += self.block_fwd_s[b]
             bwd_c[c] += self.block_bwd_s[b]
             rec_c[c] += recompute[b]
-            out_c[c] += swap_out[b]
-            in_c[min(self.block_chunk[min(b + self.swap_interval, self.n_block - 1)], n - 1)] += swap_in[b]
+            # a swapped block's copies run beside the next swap_interval blocks: out after it in the forward (its
+            # settle point is k blocks on), in before it in the backward (prefetched k blocks ahead)
+            for j in range(1, k + 1):
+                out_c[self.block_chunk[min(b + j, last)]] += swap_out[b] / k
+                in_c[self.block_chunk[min(b + j, last)]] += swap_in[b] / k
         load = self._load_s()
         # one buffer: a chunk loads only once the previous one is released; on the CPU nothing overlaps
         serial = config.n_buffer == 1 or not self.overlap
-        t_fwd = 0.0
+        t_fwd, window_start = 0.0, [0.0] * (n + 1)
         for i in range(n + 1):
+            window_start[i] = t_fwd  # window i loads chunk i beside chunk i-1's compute
             comp = fwd_c[i - 1] if i > 0 else 0.0
             comm = load if config.n_persist <= i < n else 0.0
             out = out_c[i - 1] if i > 0 else 0.0
             t_fwd += comp + comm + out if serial else max(comp, comm, out)
-        t_bwd = 0.0
+        t_bwd, arrival = 0.0, [0.0] * n
         for i in reversed(range(-1, n)):  # the backward runs the chunks last to first
             comp = bwd_c[i] + rec_c[i] if i >= 0 else 0.0
             nxt = i - 1
@@ -318,8 +370,27 @@ class CostModel:
             comm += in_c[i] if i >= 0 else 0.0
             left = self._reduce_s(i + 1, config.n_persist) if i + 1 < n else 0.0
             t_bwd += comp + comm + left if serial else max(comp, comm, left)
+            if i + 1 < n:
+                arrival[i + 1] = t_bwd  # chunk i+1's gradient is reduced and on the host
         gpu_optim = sum(self.chunk_params[: config.n_persist]) * hw.device_adam_s_per_param
-        cpu_optim = sum(self.chunk_params[config.n_persist :]) / self.world_size * hw.host_adam_s_per_param
-        if not self.overlap:
-            return t_fwd + t_bwd + gpu_optim + cpu_optim
-        return t_fwd + max(t_bwd + gpu_optim, cpu_optim)
+        # the host steps offloaded chunks one at a time, each once its gradient is there, the lowest landed one
+        # first (runtime/host_queue.py: the next forward needs it first); the next forward loads a chunk only once
+        # it is stepped, so it waits where the host has not caught up
+        adam = [self.chunk_params[i] / self.world_size * hw.host_adam_s_per_param for i in range(n)]
+        pending, clock, wait = set(range(config.n_persist, n)), 0.0, 0.0
+        while pending:
+            landed = [c for c in pending if arrival[c] <= clock]
+            if not landed:
+                clock = min(arrival[c] for c in pending)
+                continue
+            chunk = min(landed)
+            pending.remove(chunk)
+            clock += adam[chunk]
+            wait = max(wait, clock - (t_bwd + gpu_optim + window_start[chunk]))
+        return {
+            "forward_s": t_fwd,
+            "backward_s": t_bwd,
+            "gpu_optim_s": gpu_optim,
+            "cpu_optim_s": sum(adam[config.n_persist :]),
+            "cpu_optim_wait_s": wait,
+        }

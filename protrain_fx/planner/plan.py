@@ -30,7 +30,8 @@ class Plan:
     chunk_bytes: int = 0
     block_modes: tuple[str, ...] = ()
     predicted_step_s: float | None = None
-    predicted_peak_bytes: int | None = None
+    predicted_peak_bytes: int | None = None  # allocated, as torch.cuda.max_memory_allocated counts
+    predicted_reserved_bytes: int | None = None  # the peak times the fragmentation α: what must fit the GPU
     runners_up: tuple[Plan, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
@@ -59,7 +60,7 @@ def _cell(name: str, value: Any) -> str:
         return "".join(m[0] for m in value) or "-"
     if name == "predicted_step_s":
         return f"{value * 1e3:.1f} ms"
-    if name in ("predicted_peak_bytes", "chunk_bytes"):
+    if name in ("predicted_peak_bytes", "predicted_reserved_bytes", "chunk_bytes"):
         return f"{value / 2**20:.1f} MiB"
     return str(value)
 

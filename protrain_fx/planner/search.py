@@ -33,7 +33,7 @@ N_RUNNERS_UP = 3
 
 
 class NoPlanFits(ValueError):
-    """Even the configuration needing the least memory does not fit the GPU."""
+    """Even the configuration needing the least memory does not fit the GPU (`peak_bytes`: its reserved bytes)."""
 
     def __init__(self, peak_bytes: int, config: Config, capacity_bytes: int):
         self.peak_bytes, self.config, self.capacity_bytes = peak_bytes, config, capacity_bytes
@@ -81,14 +81,14 @@ def search(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, An
     seen: set[Config] = set()
     for row in candidates(model, forced):
         for config in row:  # n_persist upwards: memory only grows along a row
-            peak = model.peak_bytes(config)
-            if smallest is None or peak < smallest[0]:
-                smallest = (peak, config)
-            if capacity_bytes is not None and peak > capacity_bytes:
+            reserved = model.reserved_bytes(config)
+            if smallest is None or reserved < smallest[0]:
+                smallest = (reserved, config)
+            if capacity_bytes is not None and reserved > capacity_bytes:
                 break
             if config not in seen:
                 seen.add(config)
-                fits.append((config, model.step_s(config), peak))
+                fits.append((config, model.step_s(config), model.peak_bytes(config)))
     if not fits:
         assert smallest is not None, "no configuration to search"
         raise NoPlanFits(smallest[0], smallest[1], capacity_bytes)
@@ -117,7 +117,7 @@ def brute_force(model: CostModel, capacity_bytes: int | None, forced: Mapping[st
     forced = dict(forced or {})
     configs = set(itertools.chain.from_iterable(candidates(model, forced)))
     fits = [(c, model.step_s(c), model.peak_bytes(c)) for c in configs]
-    return [f for f in fits if capacity_bytes is None or f[2] <= capacity_bytes]
+    return [f for f in fits if capacity_bytes is None or model.reserved_bytes(f[0]) <= capacity_bytes]
 
 
 SEARCHED = tuple(f.name for f in dataclasses.fields(Config))
@@ -143,11 +143,11 @@ def plan_graph(
     if all(k in held for k in SEARCHED):
         config = Config(**held)
         best, runners_up = (config, costs.step_s(config), costs.peak_bytes(config)), []
-        if capacity_bytes is not None and best[2] > capacity_bytes:
+        if capacity_bytes is not None and costs.reserved_bytes(config) > capacity_bytes:
             log.warning(
                 "the forced plan %s is predicted to need %.2f GiB, more than the %.2f GiB the GPU has for it",
                 config,
-                best[2] / 2**30,
+                costs.reserved_bytes(config) / 2**30,
                 capacity_bytes / 2**30,
             )
     else:
@@ -159,6 +159,9 @@ def plan_graph(
         if layout is None:
             fields = {k: v for k, v in fields.items() if k not in ("n_persist", "n_buffer")}
         plan = make_plan(costs.n_block, {**forced, **fields}, layout, swap_interval=costs.swap_interval)
-        return dataclasses.replace(plan, predicted_step_s=step_s, predicted_peak_bytes=peak)
+        reserved = costs.reserved_bytes(config)
+        return dataclasses.replace(
+            plan, predicted_step_s=step_s, predicted_peak_bytes=peak, predicted_reserved_bytes=reserved
+        )
 
     return dataclasses.replace(to_plan(best), runners_up=tuple(to_plan(r) for r in runners_up))

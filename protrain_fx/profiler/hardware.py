@@ -6,6 +6,7 @@ once and cached on disk.
     profile.collective_s("all_gather", 64 * 2**20)              # time of one collective of that many bytes
 
 Measured: host-to-device and device-to-host bandwidth from pinned memory, each alone and both at once; the
+device's own memory bandwidth and the least time a kernel takes; the
 all-gather, reduce-scatter and all-reduce time by message size for the current world size (none with one
 rank); the fused AdamW time per parameter on the device and on the host; the device's memory (nvidia-ml-py
 where available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU
@@ -38,7 +39,9 @@ from protrain_fx.runtime.host import available_host_bytes, meminfo_bytes
 log = logging.getLogger(__name__)
 
 COPY_BYTES = 256 * 2**20  # per bandwidth measurement
-ADAM_PARAMS = 16 * 2**20
+ADAM_PARAMS = 64 * 2**20  # 1 GiB of fp32 state: past the caches, as a model chunk is
+ADAM_STEPS = 3
+KERNELS = 1000  # back-to-back tiny kernels timed for the launch floor
 COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
 CPU_COLLECTIVE_BYTES = (2**20, 16 * 2**20)  # gloo on a few cores: larger messages only take long (extrapolated)
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -51,6 +54,8 @@ class HardwareProfile:
     d2h_bytes_per_s: float
     h2d_concurrent_bytes_per_s: float  # each direction while both copy at once (one measurement, both fields)
     d2h_concurrent_bytes_per_s: float
+    device_bytes_per_s: float  # device memory bandwidth, read plus write (a device-to-device copy)
+    kernel_s: float  # the least time a kernel takes, launched back to back (a one-element add)
     device_adam_s_per_param: float
     host_adam_s_per_param: float
     device_memory_bytes: int  # total
@@ -143,12 +148,17 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     h2d = _rate(COPY_BYTES, lambda: dev.copy_(host, non_blocking=True), device)
     d2h = _rate(COPY_BYTES, lambda: host2.copy_(dev2, non_blocking=True), device)
     both = _concurrent(dev, host, host2, dev2, device)
+    local = 2 * _rate(COPY_BYTES, lambda: dev2.copy_(dev), device)  # each byte read once and written once
+    one = torch.zeros(1, device=device)
+    kernel = _timed(lambda: [one.add_(1) for _ in range(KERNELS)], device) / KERNELS
     _, memory = _device_facts(device)
     measured = {
         "h2d_bytes_per_s": h2d,
         "d2h_bytes_per_s": d2h,
         "h2d_concurrent_bytes_per_s": both,
         "d2h_concurrent_bytes_per_s": both,
+        "device_bytes_per_s": local,
+        "kernel_s": kernel,
         "device_adam_s_per_param": _adam_s_per_param(device),
         "host_adam_s_per_param": _adam_s_per_param(torch.device("cpu")),
     }
@@ -206,11 +216,20 @@ def _concurrent(dev, host, host2, dev2, device: torch.device) -> float:
 
 
 def _adam_s_per_param(device: torch.device) -> float:
-    """torch's fused AdamW on ADAM_PARAMS fp32 parameters, per parameter."""
+    """torch's fused AdamW on ADAM_PARAMS fp32 parameters, per parameter: the fastest of a few steps, since the
+    host measurement runs while inductor's compile workers start up beside it."""
     p = torch.zeros(ADAM_PARAMS, device=device)
     p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-    return _timed(opt.step, device) / ADAM_PARAMS
+    opt.step()  # the states are allocated in the first step
+    times = []
+    for _ in range(ADAM_STEPS):
+        _sync(device)
+        start = time.perf_counter()
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times) / ADAM_PARAMS
 
 
 def _collectives(device: torch.device) -> dict[str, list[tuple[int, float]]]:

@@ -29,6 +29,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from protrain_fx.capture import OUTSIDE, BlockMap
+from protrain_fx.profiler.fusion import kernel_classes
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
 from protrain_fx.runtime.chunks import rank_and_world_size
@@ -188,6 +189,12 @@ def profile_iteration(
     by_graph = {"forward": fw, "backward": bw}
     for kind, gm in by_graph.items():
         named = {r.name: r for r in nodes if r.graph == kind}
+        for name, k in kernel_classes(gm).items():
+            named[name].kernel, named[name].fused_bytes, named[name].unfused_bytes = (
+                k.kind,
+                k.fused_bytes,
+                k.unfused_bytes,
+            )
         for node in gm.graph.nodes:
             if node.name in named:
                 node.meta["protrain"] = named[node.name]

@@ -17,6 +17,7 @@ class NodeProfile:
         allocated at the previous node's end (memory used by work outside the nodes, e.g. frees and
         anything the interpreter does between ops).
     output_bytes: bytes of new storages the op returned (views of inputs count 0).
+    kernel, fused_bytes, unfused_bytes: what inductor makes of the node, from the graph alone (profiler/fusion.py).
     saved_bytes: bytes of this node's output kept for backward (forward nodes; 0 elsewhere).
     """
 
@@ -32,6 +33,9 @@ class NodeProfile:
     output_bytes: int
     saved_for_backward: bool = False
     saved_bytes: int = 0
+    kernel: str = "extern"  # under a fusing executor: extern | fused | view (profiler/fusion.py)
+    fused_bytes: int = 0  # bytes the fused region this node ends moves (0 unless it ends one)
+    unfused_bytes: int = 0  # bytes held here op by op that fused kernels never allocate
 
 
 @dataclasses.dataclass

@@ -115,6 +115,9 @@ class ChunkManager:
         self._host = HostQueue(spare_core=self.device.type == "cuda")  # runs the offloaded chunks' CPU steps
         weakref.finalize(self, self._host.close)
         self._pending: dict[int, concurrent.futures.Future] = {}  # offloaded chunk -> its CPU AdamW step
+        # device gradients being copied to the host, with the event that ends the copy: held until it has ended
+        # (the allocator must not hand their memory out while the copy reads it), dropped as soon as it has
+        self._copying: list[tuple[torch.cuda.Event, torch.Tensor]] = []
         self._version: dict[int, int] = {}  # chunk -> updates published (written by the worker thread)
         self._buffered_version: dict[int, int] = {}  # chunk -> version its buffered copy holds
         self.has_grad: set[int] = set()  # chunks whose gradient holds this step's values
@@ -384,11 +387,13 @@ class ChunkManager:
             self._stepped.add(chunk)
             update = self.optimizer.chunk_update(self, chunk)  # hyperparameters and gradients as of now
 
+        self._copying = [(event, t) for event, t in self._copying if not event.query()]
+        if copied is not None:
+            self._copying.append((copied, shard))
+
         def take_in() -> None:
-            """On the worker thread, once the copy has landed. `shard` (the device gradient) stays referenced
-            until then: the allocator must not reuse it while the copy reads it."""
+            """On the worker thread, once the copy has landed."""
             with torch.profiler.record_function("protrain::cpu_adamw"):
-                assert shard is not None, f"chunk {chunk}: gradient shard released before its copy"
                 if accumulate:
                     self.grad[chunk].add_(self.staging)
                 if update is not None:

@@ -3,13 +3,14 @@
 With a dump directory, the forward graph starts with `protrain.step_mark(monitor, x)`: each call is one training
 step's start. After `warmup` steps it starts measuring (the peak memory counter is reset then), and after
 `steps` more it writes `predicted_vs_measured.json` next to `plan.json`: the predicted and measured step time
-(the time between forward starts, on CUDA by events on the compute stream) and peak allocated bytes (CUDA
-only; the CPU has no allocator to ask), with their relative errors.
+(the median time between forward starts, on CUDA by events on the compute stream), peak allocated bytes and peak
+reserved bytes (CUDA only; the CPU has no allocator to ask), with their relative errors.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 
 import torch
@@ -44,12 +45,17 @@ class StepMonitor:
             self._write()
 
     def measured(self) -> tuple[float, int | None]:
-        """(seconds per step, peak allocated bytes or None) over the measured steps."""
-        first, last = self.marks[self.warmup], self.marks[-1]
+        """(median seconds per step, peak allocated bytes or None) over the measured steps (the median: one step
+        slowed by something outside training, a host hiccup, does not move it)."""
+        marks = self.marks[self.warmup :]
         if self.device.type == "cuda":
-            last.synchronize()
-            return first.elapsed_time(last) / 1e3 / self.steps, torch.cuda.max_memory_allocated(self.device)
-        return (last - first) / self.steps, None
+            marks[-1].synchronize()
+            steps = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+            return statistics.median(steps), torch.cuda.max_memory_allocated(self.device)
+        return statistics.median(b - a for a, b in zip(marks, marks[1:])), None
+
+    def measured_reserved(self) -> int | None:
+        return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else None
 
     def _write(self) -> None:
         step_s, peak = self.measured()
@@ -66,6 +72,9 @@ class StepMonitor:
             "predicted_peak_bytes": plan.predicted_peak_bytes,
             "measured_peak_bytes": peak,
             "peak_error": error(plan.predicted_peak_bytes, peak),
+            "predicted_reserved_bytes": plan.predicted_reserved_bytes,
+            "measured_reserved_bytes": self.measured_reserved(),
+            "reserved_error": error(plan.predicted_reserved_bytes, self.measured_reserved()),
         }
         self.dumper.write_json("predicted_vs_measured.json", report)
         log.info("predicted vs measured: %s", report)

@@ -4,7 +4,8 @@
     protrain.prefetch(manager, next_chunk, buf)                # start loading the next chunk on the copy stream
     w    = aten.view(aten.slice(buf, 0, offset, offset + numel), shape)   # a parameter, read from the buffer
     protrain.release(manager, chunk, [last users of the chunk])          # after its last use
-    protrain.reduce_grads(manager, chunk, [param indices], [grads])      # after the chunk's last gradient
+    protrain.reduce_grads(manager, chunk, [param indices], [grads], [last readers])  # after the chunk's last
+                                                               # gradient and (offloaded) its last read
     protrain.check_params(manager, [param indices], [parameters])        # forward: inputs are still ours
     h = protrain.swap_out(space, slot, t)                      # swapped activations (runtime/swap.py): forward,
     protrain.swap_settle(space, [slot, ...], after)            # forward, swap_interval blocks later; backward start
@@ -14,7 +15,8 @@
 
 Ordering comes from data dependencies: every read of a parameter goes through its chunk's `gather`
 output, `release` takes the outputs of the chunk's last readers as arguments, and `reduce_grads` takes
-the gradients. `release` and `reduce_grads` return nothing and are registered as side-effecting, so no
+the gradients and those same last readers' outputs (an offloaded chunk's CPU update starts at its reduce, so no
+read of its parameters may come after it, whatever order the compiler picks among independent nodes). `release` and `reduce_grads` return nothing and are registered as side-effecting, so no
 compiler removes them.
 
 Custom ops are process-wide and take only tensors and numbers, so a graph names its ChunkManager by an
@@ -80,13 +82,15 @@ def _(manager: int, chunk: int, after: list[torch.Tensor]) -> None:
 
 
 @torch.library.custom_op("protrain::reduce_grads", mutates_args=())
-def reduce_grads(manager: int, chunk: int, params: list[int], grads: list[torch.Tensor]) -> None:
+def reduce_grads(
+    manager: int, chunk: int, params: list[int], grads: list[torch.Tensor], after: list[torch.Tensor]
+) -> None:
     m = _manager(manager)
     m.reduce_grads(chunk, [m.params[i] for i in params], grads)
 
 
 @reduce_grads.register_fake
-def _(manager: int, chunk: int, params: list[int], grads: list[torch.Tensor]) -> None:
+def _(manager: int, chunk: int, params: list[int], grads: list[torch.Tensor], after: list[torch.Tensor]) -> None:
     return None
 
 

@@ -1,0 +1,111 @@
+"""`python -m bench predict`: the planner's predicted step time and peak memory against the measured ones.
+
+    python -m bench predict --preset 1b --batch 8 --plans '[{}, {"n_checkpoint": 8}, {"n_persist": 4}]'
+
+Each plan (fields forced on `protrain-chunks`; `{}` is the searched plan) trains in its own worker process with a
+dump directory, so that the backend's step monitor writes `predicted_vs_measured.json` (runtime/monitor.py:
+time between forward starts over 5 steps after 2, peak allocated bytes over them) and `seconds.json` (profile,
+hardware profile and search wall time). The table sets the plan in force, its prediction and the measurement
+side by side; the JSON (`--out`) keeps every file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+MONITOR_STEPS = 2 + 5 + 1  # the step monitor's warmup and measured steps, and the step that ends them
+
+
+def predict(args: argparse.Namespace) -> int:
+    from bench.cli import _git_commit, _run_worker
+
+    plans = json.loads(args.plans)
+    if not isinstance(plans, list) or not all(isinstance(p, dict) for p in plans):
+        raise SystemExit("--plans must be a JSON list of plan dicts, e.g. '[{}, {\"n_checkpoint\": 4}]'")
+    if args.warmup + args.steps < MONITOR_STEPS:
+        raise SystemExit(f"need --warmup + --steps >= {MONITOR_STEPS} for the step monitor to report")
+    rows = []
+    for i, plan in enumerate(plans):
+        with tempfile.TemporaryDirectory(prefix="protrain-predict-") as tmp:
+            dump = Path(args.keep_dumps) / f"plan{i}" if args.keep_dumps else Path(tmp)
+            run = argparse.Namespace(**{**vars(args), "plan": json.dumps(plan), "dump_dir": str(dump)})
+            result = _run_worker("protrain-chunks", run)
+            rows.append({"forced": plan, "result": result, "graphs": _graph_files(dump)})
+    print(format_table(rows))
+    if args.out:
+        report = {"commit": _git_commit(), "args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if any("error" in r["result"] for r in rows) else 0
+
+
+def _graph_files(dump: Path) -> list[dict]:
+    """plan.json, seconds.json and predicted_vs_measured.json of every graph rank 0 compiled for training."""
+    graphs = []
+    for folder in sorted(dump.glob("rank0/graph*")):
+        files = {f.stem: json.loads(f.read_text()) for f in folder.glob("*.json") if f.stem in _KEPT}
+        if "predicted_vs_measured" in files:
+            graphs.append({"graph": folder.name, **files})
+    return graphs
+
+
+_KEPT = ("plan", "seconds", "costs", "predicted_vs_measured")
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (
+        "forced",
+        "n_persist/buffer/swap/ckpt",
+        "pred ms",
+        "meas ms",
+        "err",
+        "pred GiB",
+        "meas GiB",
+        "err",
+        "profile s",
+        "search s",
+        "bench ms",
+    )
+    lines = [header]
+    for row in rows:
+        forced = json.dumps(row["forced"], separators=(",", ":"))
+        if "error" in row["result"] or not row["graphs"]:
+            lines.append((forced, "FAILED: " + row["result"].get("error", "no step monitor report")))
+            continue
+        for g in row["graphs"]:
+            plan, pvm, sec = g["plan"], g["predicted_vs_measured"], g.get("seconds", {})
+            fields = "/".join(str(plan.get(k)) for k in ("n_persist", "n_buffer", "n_swap", "n_checkpoint"))
+            lines.append(
+                (
+                    forced,
+                    fields,
+                    f"{pvm['predicted_step_s'] * 1e3:.1f}",
+                    f"{pvm['measured_step_s'] * 1e3:.1f}",
+                    _pct(pvm["step_error"]),
+                    _gib(pvm["predicted_peak_bytes"]),
+                    _gib(pvm["measured_peak_bytes"]),
+                    _pct(pvm["peak_error"]),
+                    f"{sec.get('profile', 0):.1f}",
+                    f"{sec.get('search', 0):.2f}",
+                    f"{row['result']['step_time_s'] * 1e3:.1f}",
+                )
+            )
+    widths = [max(len(line[i]) for line in lines if len(line) == len(header)) for i in range(len(header))]
+    out = [" | ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)) for line in lines]
+    out.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:+.1f}%"
+
+
+def _gib(x: int | None) -> str:
+    return "-" if x is None else f"{x / GiB:.2f}"

@@ -1,0 +1,132 @@
+"""What a fusing compiler (inductor) makes of a graph's nodes: which run as library kernels and which are fused.
+
+The profile times each node as its own kernel, which is what the eager executor runs. Inductor runs the same
+library kernels for matrix products, attention and its fallback ops ("extern" nodes), but fuses the other
+nodes between them into generated kernels that each read their inputs and write their outputs once. So under
+inductor a fused region costs about the bytes it moves divided by the device's memory bandwidth, whatever its
+nodes cost one by one (the profiled node-by-node time was about 2x inductor's on a 1B LLaMA).
+
+`kernel_classes(gm)` returns, per node name, a `Kernel`: its class, fused bytes and unfused bytes:
+  "extern": a library kernel; its profiled time stands.
+  "view": a view, a getitem or any node that makes no new tensor; free.
+  "fused": part of a fused region. Regions are the connected groups of fused nodes (views passed through) at
+      the same "extern depth" (the most extern nodes on any path from the graph inputs), since a kernel cannot
+      hold two nodes with a library kernel between them. A region's bytes, the tensors it reads from outside
+      and the tensors it writes (that anything outside reads, or that a reduction and another node both read),
+      are put on its last node; its other nodes get 0.
+  unfused_bytes: the tensors made inside a fused region and read only there (a fused kernel keeps them in
+      registers) that are alive at the node in the op-by-op profile; the memory model takes them out of the
+      profiled peak there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import networkx as nx
+import torch
+from torch import fx
+from torch.utils._pytree import tree_leaves
+
+EXTERN = "extern"
+FUSED = "fused"
+VIEW = "view"
+
+_aten = torch.ops.aten
+# lowered by inductor, but to a call of a library kernel (cuBLAS, cuDNN), not to generated code
+_LIBRARY_OPS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    _aten.convolution.default,
+    _aten.convolution_backward.default,
+}
+_CALL_OPS = ("call_function", "call_method", "call_module")
+
+
+def _is_extern(target) -> bool:
+    from torch._inductor.lowering import fallbacks, lowerings
+
+    if not isinstance(target, torch._ops.OpOverload):
+        return not _is_alias(target)  # custom Python callables run as they are
+    return target in _LIBRARY_OPS or target in fallbacks or target not in lowerings
+
+
+def _is_alias(target) -> bool:
+    import operator
+
+    return target is operator.getitem or getattr(target, "is_view", False)
+
+
+def _nbytes(node: fx.Node) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    kind: str  # EXTERN | FUSED | VIEW
+    fused_bytes: int = 0  # a region's last node: the bytes the region's kernel moves
+    unfused_bytes: int = 0  # bytes the profile holds at this node that the fused kernels never allocate
+
+
+def _numel(node: fx.Node) -> int:
+    return sum(t.numel() for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
+
+
+def _realized(node: fx.Node, readers: dict[fx.Node, set[fx.Node]]) -> bool:
+    """Inductor writes out a value that a reduction and another node both read, rather than compute it twice."""
+    users = readers.get(node, set())
+    return len(users) > 1 and any(u.op in _CALL_OPS and _numel(u) < _numel(node) for u in users)
+
+
+def kernel_classes(gm: fx.GraphModule) -> dict[str, Kernel]:
+    nodes = [n for n in gm.graph.nodes if n.op in _CALL_OPS]
+    root: dict[fx.Node, fx.Node] = {}  # a view -> the node whose tensor it views (itself for others)
+    for n in gm.graph.nodes:
+        base = n.args[0] if n.op in _CALL_OPS and _is_alias(n.target) and n.args else None
+        root[n] = root.get(base, n) if isinstance(base, fx.Node) else n
+    kind = {n: VIEW if root[n] is not n else EXTERN if _is_extern(n.target) else FUSED for n in nodes}
+    depth: dict[fx.Node, int] = {}
+    for n in gm.graph.nodes:
+        preds = [root[p] for p in n.all_input_nodes]
+        depth[n] = max((depth[p] + (kind.get(p) == EXTERN) for p in preds), default=0)
+
+    regions = nx.Graph()
+    regions.add_nodes_from(n for n in nodes if kind[n] == FUSED)
+    for n in nodes:
+        if kind[n] != FUSED:
+            continue
+        for p in n.all_input_nodes:
+            p = root[p]
+            if kind.get(p) == FUSED and depth[p] == depth[n]:
+                regions.add_edge(p, n)
+
+    readers: dict[fx.Node, set[fx.Node]] = {}  # root tensor -> the non-view nodes (or output) that read it
+    for n in gm.graph.nodes:
+        if n.op in _CALL_OPS and kind[n] == VIEW:
+            continue
+        for p in n.all_input_nodes:
+            readers.setdefault(root[p], set()).add(n)
+
+    out = {n.name: Kernel(kind[n]) for n in nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    internal: list[tuple[int, int, int]] = []  # (made at, last read at, bytes) of tensors a fused kernel keeps inside
+    for members in nx.connected_components(regions):
+        read = {root[p] for n in members for p in n.all_input_nodes if root[p] not in members}
+        written = {n for n in members if any(r not in members for r in readers.get(n, ())) or _realized(n, readers)}
+        last = max(members, key=order.__getitem__)
+        out[last.name] = Kernel(FUSED, fused_bytes=sum(_nbytes(t) for t in read | written))
+        for n in members - written:
+            internal.append((order[n], max(order[r] for r in readers.get(n, {n})), _nbytes(n)))
+    # what the profile holds at each node that the fused kernels never allocate: a tensor from its making to its
+    # last read (a running sum over graph positions)
+    delta = [0] * (len(order) + 1)
+    for made, read, size in internal:
+        delta[made] += size
+        delta[read + 1] -= size
+    alive = list(itertools.accumulate(delta))
+    for n in nodes:
+        out[n.name] = dataclasses.replace(out[n.name], unfused_bytes=alive[order[n]])
+    return out

@@ -1,0 +1,44 @@
+"""What inductor makes of a graph (profiler/fusion.py): library kernels, views, and fused regions with the bytes
+their kernels move and the intermediates they never allocate."""
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from protrain_fx.profiler.fusion import EXTERN, FUSED, VIEW, kernel_classes
+
+
+def f(x, w):
+    y = x * 2
+    z = y + 1  # {mul, add}: one kernel before the matmul, y never leaves it
+    m = z @ w.t()
+    return torch.relu(m)  # after the matmul: a kernel of its own
+
+
+def test_regions_between_library_kernels():
+    x, w = torch.randn(16, 8), torch.randn(4, 8)
+    gm = make_fx(f, tracing_mode="fake")(x, w)
+    kernels = kernel_classes(gm)
+    by_target = {str(n.target): kernels[n.name] for n in gm.graph.nodes if n.name in kernels}
+    nbytes = 16 * 8 * 4
+    assert by_target["aten.mm.default"].kind == EXTERN and by_target["aten.t.default"].kind == VIEW
+    assert kernels["mul"].kind == kernels["add"].kind == kernels["relu"].kind == FUSED
+    assert kernels["mul"].fused_bytes == 0  # the region's bytes are on its last node
+    assert kernels["add"].fused_bytes == 2 * nbytes  # reads x, writes z (the matmul reads it)
+    assert kernels["relu"].fused_bytes == 2 * 16 * 4 * 4  # reads m, writes the output
+    # y lives from mul to add in the op-by-op run, never under fusion
+    assert kernels["mul"].unfused_bytes == kernels["add"].unfused_bytes == nbytes
+    assert kernels["mm"].unfused_bytes == kernels["relu"].unfused_bytes == 0
+
+
+def softmax(x):
+    e = torch.exp(x)
+    return e / e.sum(-1, keepdim=True)  # e read by a reduction and by the division: inductor writes it out
+
+
+def test_value_read_by_a_reduction_and_another_node_is_written():
+    gm = make_fx(softmax, tracing_mode="fake")(torch.randn(16, 8))
+    kernels = kernel_classes(gm)
+    nbytes = 16 * 8 * 4
+    assert kernels["exp"].unfused_bytes == 0  # not credited: it exists under inductor too
+    assert kernels["div"].fused_bytes == 3 * nbytes  # reads x, writes e and the output
+    assert kernels["div"].unfused_bytes == 16 * 4  # the row sums stay inside
