@@ -59,10 +59,13 @@ def _llama(hidden=2048, layers=16):
     return LlamaForCausalLM(cfg).cuda().to(torch.bfloat16)
 
 
+UNCHANGED = {"plan": {"n_swap": 0, "n_checkpoint": 0}}  # the graphs run as profiled: no block swapped or recomputed
+
+
 def measure_against_profile(executor: str, batch=8, seq=1024, steps=6, backend=None):
     """Returns (profiled s, measured s, profiled peak above start, measured peak above start) of forward+backward."""
     model = _llama()
-    backend = backend or protrain_fx.ProTrainBackend({"executor": executor})
+    backend = backend or protrain_fx.ProTrainBackend({"executor": executor, **UNCHANGED})
     compiled = torch.compile(model, backend=backend, dynamic=False)
     ids = torch.randint(0, 32000, (batch, seq), device="cuda")
     times, peaks = [], []
@@ -99,7 +102,7 @@ def test_profile_against_inductor_execution():
     """Inductor fuses ops, so it runs faster and with fewer transients than the op-by-op profile. The cost model's
     fused estimate of the compute (planner/cost.py: node_s) must be within 10% of inductor's measured time, and the
     profile must never under-predict the compiled peak."""
-    backend = protrain_fx.ProTrainBackend({"executor": "inductor"})
+    backend = protrain_fx.ProTrainBackend({"executor": "inductor", **UNCHANGED})
     prof_s, meas_s, prof_peak, meas_peak = measure_against_profile("inductor", backend=backend)
     terms = [g.costs.phases(Config()) for g in backend.graphs if g.costs is not None]
     fused_s = sum(t["forward_s"] + t["backward_s"] for t in terms)

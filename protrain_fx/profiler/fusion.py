@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 
 import networkx as nx
 import torch
@@ -55,13 +56,15 @@ def _is_extern(target) -> bool:
 
 
 def _is_alias(target) -> bool:
-    import operator
-
     return target is operator.getitem or getattr(target, "is_view", False)
 
 
 def _nbytes(node: fx.Node) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
+
+
+def _numel(node: fx.Node) -> int:
+    return sum(t.numel() for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +74,6 @@ class Kernel:
     unfused_bytes: int = 0  # bytes the profile holds at this node that the fused kernels never allocate
 
 
-def _numel(node: fx.Node) -> int:
-    return sum(t.numel() for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
-
-
 def _realized(node: fx.Node, readers: dict[fx.Node, set[fx.Node]]) -> bool:
     """Inductor writes out a value that a reduction and another node both read, rather than compute it twice."""
     users = readers.get(node, set())
@@ -82,6 +81,7 @@ def _realized(node: fx.Node, readers: dict[fx.Node, set[fx.Node]]) -> bool:
 
 
 def kernel_classes(gm: fx.GraphModule) -> dict[str, Kernel]:
+    """Every call node's `Kernel` (see the module docstring), from the graph's shapes alone."""
     nodes = [n for n in gm.graph.nodes if n.op in _CALL_OPS]
     root: dict[fx.Node, fx.Node] = {}  # a view -> the node whose tensor it views (itself for others)
     for n in gm.graph.nodes:

@@ -241,6 +241,7 @@ class ChunkManager:
         """The chunk's parameters, whole, in a device buffer (copied in unless still resident or prefetched)."""
         assert chunk >= self.n_persist, f"chunk {chunk} is persistent: its parameters are read directly"
         self._in_use.add(chunk)
+        self._drop_copied()  # (the last gradients of the backward before are copied down by now, mostly)
         self.wait_for_update(chunk)
         if chunk in self._released:
             self._released.remove(chunk)
@@ -387,7 +388,7 @@ class ChunkManager:
             self._stepped.add(chunk)
             update = self.optimizer.chunk_update(self, chunk)  # hyperparameters and gradients as of now
 
-        self._copying = [(event, t) for event, t in self._copying if not event.query()]
+        self._drop_copied()
         if copied is not None:
             self._copying.append((copied, shard))
 
@@ -400,6 +401,10 @@ class ChunkManager:
                     update()
 
         self._pending[chunk] = self._host.submit(chunk, copied, take_in)
+
+    def _drop_copied(self) -> None:
+        """Let go of the device gradients whose copy to the host has ended."""
+        self._copying = [(event, t) for event, t in self._copying if not event.query()]
 
     def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """Sum of `flat` over ranks, this rank's shard of it (gloo has no reduce-scatter: all-reduce, then slice)."""
@@ -428,6 +433,7 @@ class ChunkManager:
         self._arrivals.clear()
         self._stepped.clear()
         self.found_inf.zero_()
+        self._drop_copied()
 
     def wait_for_update(self, chunk: int | None = None) -> None:
         """Block until the CPU optimizer step of `chunk` (of every chunk if None) is done."""
