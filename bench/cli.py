@@ -13,6 +13,7 @@ from pathlib import Path
 
 from bench.model import DTYPES, PRESETS, ModelSpec
 from bench.predict import predict
+from bench.table import table
 from bench.worker import RESULT_PREFIX, SYSTEMS, emit, train
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,7 @@ def worker(args: argparse.Namespace) -> int:
 
 def format_table(results: list[dict]) -> str:
     header = ("system", "tokens/s", "step ms", "peak GPU GiB", "peak RSS GiB", "loss first", "loss last", "params M")
-    rows = [header, *(_row(r) for r in results)]
-    widths = [max(len(row[i]) for row in rows if len(row) == len(header)) for i in range(len(header))]
-    # a FAILED row has two cells: zip stops early and its error runs on past the columns
-    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return table([header, *(_row(r) for r in results)])
 
 
 def _row(r: dict) -> tuple[str, ...]:

@@ -4,7 +4,7 @@
 
 Each plan (fields forced on `protrain-chunks`; `{}` is the searched plan) trains in its own worker process with a
 dump directory, so that the backend's step monitor writes `predicted_vs_measured.json` (runtime/monitor.py:
-time between forward starts over 5 steps after 2, peak allocated bytes over them) and `seconds.json` (profile,
+median time between forward starts over 5 steps after 2, peak allocated bytes over them) and `seconds.json` (profile,
 hardware profile and search wall time). The table sets the plan in force, its prediction and the measurement
 side by side; the JSON (`--out`) keeps every file.
 """
@@ -17,10 +17,13 @@ import logging
 import tempfile
 from pathlib import Path
 
+from bench.table import table
+from protrain_fx.runtime.monitor import MEASURED_STEPS, WARMUP_STEPS
+
 log = logging.getLogger(__name__)
 
 GiB = 2**30
-MONITOR_STEPS = 2 + 5 + 1  # the step monitor's warmup and measured steps, and the step that ends them
+MONITOR_STEPS = WARMUP_STEPS + MEASURED_STEPS + 1  # the step monitor's, and the step that ends them
 
 
 def predict(args: argparse.Namespace) -> int:
@@ -73,7 +76,7 @@ def format_table(rows: list[dict]) -> str:
         "search s",
         "bench ms",
     )
-    lines = [header]
+    lines: list[tuple[str, ...]] = [header]
     for row in rows:
         forced = json.dumps(row["forced"], separators=(",", ":"))
         if "error" in row["result"] or not row["graphs"]:
@@ -97,10 +100,7 @@ def format_table(rows: list[dict]) -> str:
                     f"{row['result']['step_time_s'] * 1e3:.1f}",
                 )
             )
-    widths = [max(len(line[i]) for line in lines if len(line) == len(header)) for i in range(len(header))]
-    out = [" | ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)) for line in lines]
-    out.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(out)
+    return table(lines)
 
 
 def _pct(x: float | None) -> str:

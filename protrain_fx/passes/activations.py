@@ -75,7 +75,7 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             continue
         if _base(node).op == "placeholder":
             continue  # a parameter or an input (or a view of one): its memory is not the block's to free
-        last = max([node, *(u for u in node.users if u.op != "output" and u in order)], key=order.__getitem__)
+        last = max([node, *(u for u in node.users if u.op != "output")], key=order.__getitem__)
         with graph.inserting_after(last):
             host = graph.call_function(torch.ops.protrain.swap_out.default, (ctx.swap.handle, slot, node))
         with val.fake_mode:

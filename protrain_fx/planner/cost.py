@@ -290,9 +290,10 @@ class CostModel:
         """The highest allocated bytes of a step (what torch.cuda.max_memory_allocated reports)."""
         return self.activation_peak(self.modes(config)) + self.state_bytes(config) + self.other_bytes
 
-    def reserved_bytes(self, config: Config) -> int:
-        """The peak times α: what the allocator reserves for it, so what must fit the GPU."""
-        return int(self.peak_bytes(config) * self.alpha)
+    def reserved_bytes(self, config: Config, peak_bytes: int | None = None) -> int:
+        """The peak (`peak_bytes` if already known) times α: what the allocator reserves for it, so what must
+        fit the GPU."""
+        return int((self.peak_bytes(config) if peak_bytes is None else peak_bytes) * self.alpha)
 
     # ----- time --------------------------------------------------------------------------------------
 

@@ -81,14 +81,15 @@ def search(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, An
     seen: set[Config] = set()
     for row in candidates(model, forced):
         for config in row:  # n_persist upwards: memory only grows along a row
-            reserved = model.reserved_bytes(config)
+            peak = model.peak_bytes(config)
+            reserved = model.reserved_bytes(config, peak)
             if smallest is None or reserved < smallest[0]:
                 smallest = (reserved, config)
             if capacity_bytes is not None and reserved > capacity_bytes:
                 break
             if config not in seen:
                 seen.add(config)
-                fits.append((config, model.step_s(config), model.peak_bytes(config)))
+                fits.append((config, model.step_s(config), peak))
     if not fits:
         assert smallest is not None, "no configuration to search"
         raise NoPlanFits(smallest[0], smallest[1], capacity_bytes)
@@ -117,7 +118,7 @@ def brute_force(model: CostModel, capacity_bytes: int | None, forced: Mapping[st
     forced = dict(forced or {})
     configs = set(itertools.chain.from_iterable(candidates(model, forced)))
     fits = [(c, model.step_s(c), model.peak_bytes(c)) for c in configs]
-    return [f for f in fits if capacity_bytes is None or model.reserved_bytes(f[0]) <= capacity_bytes]
+    return [f for f in fits if capacity_bytes is None or model.reserved_bytes(f[0], f[2]) <= capacity_bytes]
 
 
 SEARCHED = tuple(f.name for f in dataclasses.fields(Config))
@@ -159,7 +160,7 @@ def plan_graph(
         if layout is None:
             fields = {k: v for k, v in fields.items() if k not in ("n_persist", "n_buffer")}
         plan = make_plan(costs.n_block, {**forced, **fields}, layout, swap_interval=costs.swap_interval)
-        reserved = costs.reserved_bytes(config)
+        reserved = costs.reserved_bytes(config, peak)
         return dataclasses.replace(
             plan, predicted_step_s=step_s, predicted_peak_bytes=peak, predicted_reserved_bytes=reserved
         )

@@ -21,8 +21,14 @@ from protrain_fx.runtime import ops
 log = logging.getLogger(__name__)
 
 
+WARMUP_STEPS = 2  # steps before measuring (compile, first-use costs)
+MEASURED_STEPS = 5
+
+
 class StepMonitor:
-    def __init__(self, device: torch.device, plan: Plan, dumper, *, warmup: int = 2, steps: int = 5):
+    def __init__(
+        self, device: torch.device, plan: Plan, dumper, *, warmup: int = WARMUP_STEPS, steps: int = MEASURED_STEPS
+    ):
         self.device = torch.device(device)
         self.plan, self.dumper = plan, dumper
         self.warmup, self.steps = warmup, steps
