@@ -5,7 +5,7 @@ forward+backward graph and calls our partitioner (`_Partitioner`) on it, which i
 
     joint graph --capture--> param map, block map
                --partition (min-cut, as inductor does)--> forward, backward graphs
-               --profile--> one real iteration, NodeProfile on every node
+               --profile--> one real iteration, NodeProfile on every node (tensors on demand when too large)
                --plan--> Plan --passes--> rewritten forward, backward --executor--> inductor | eager FX
 
 With the inductor executor the partitioner is installed through inductor's `custom_partitioner_fn`
@@ -17,7 +17,6 @@ compiled as they are, with no profile or plan.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -49,6 +48,7 @@ from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, Plan
 from protrain_fx.planner.search import plan_graph
 from protrain_fx.profiler.hardware import hardware_profile
 from protrain_fx.profiler.interpreter import profile_iteration, profile_on_every_rank
+from protrain_fx.profiler.on_demand import OnDemand, storage_key
 from protrain_fx.profiler.profile import GraphProfile
 from protrain_fx.runtime.adopt import (
     build_manager,
@@ -180,8 +180,20 @@ class _Partitioner(CustomPartitionerFn):
         device = _device_of(self.example_inputs)
 
         def profile():
-            with manager.materialized(params) if manager else contextlib.nullcontext():
+            if manager is not None:  # a prepared model: its offloaded parameters are fetched as they are used
+                manager.wait_for_update()
+                on_demand = OnDemand(manager, params)
+                return profile_iteration(fw, bw, self.example_inputs, record.block_map, on_demand)
+            try:
                 return profile_iteration(fw, bw, self.example_inputs, record.block_map)
+            except torch.OutOfMemoryError:
+                log.warning(
+                    "graph %d: profiling ran out of GPU memory; profiling again with activations and gradients "
+                    "held only while used",
+                    record.index,
+                )
+            torch.cuda.empty_cache()  # what the failed iteration left cached, once its frames are gone
+            return profile_iteration(fw, bw, self.example_inputs, record.block_map, OnDemand())
 
         start = time.perf_counter()
         record.profile = profile_on_every_rank(profile, device)
@@ -212,9 +224,11 @@ class _Partitioner(CustomPartitionerFn):
             dumper.write_json("seconds.json", record.seconds)
             if record.costs is not None:
                 dumper.write_json("costs.json", _cost_terms(record.costs, record.plan))
-        if self.explain:
+        if self.explain and manager is None:
             record.forward, record.backward = fw, bw
             return fw, bw
+        # (a prepared model's graphs are rewritten even to explain: its offloaded parameters hold no values, so
+        # the forward that compiling runs needs its chunks gathered)
 
         ctx = PassContext(
             config=config,
@@ -294,8 +308,16 @@ class _Partitioner(CustomPartitionerFn):
         held = 0
         if layout is not None:
             graph_params = [self.example_inputs[e.index] for e in record.param_map.values()]
-            if manager is not None:  # this graph's parameters materialized, and the chunks' states
-                held = _nbytes(graph_params) + costs.state_bytes(Config(manager.n_persist, manager.n_buffer))
+            if manager is not None:
+                # the profile counts the offloaded parameters as held (profiler/on_demand.py); the persistent ones
+                # are in their chunks: on the GPU among all the chunk states, on the CPU (whose tracker counts the
+                # graph's inputs) the chunks the graph reads
+                persistent = [p for p in graph_params if manager.is_persistent(p)]
+                held = _nbytes(p for p in graph_params if not manager.is_persistent(p))
+                if device.type == "cuda":
+                    held += costs.state_bytes(Config(manager.n_persist, manager.n_buffer))
+                else:
+                    held += sum({storage_key(p): p.untyped_storage().nbytes() for p in persistent}.values())
             elif device.type == "cuda":  # the allocator counts every parameter of the model on the device
                 held = _nbytes(p for p in model.parameters() if p.device == device)
             else:  # the CPU tracker counts the graph's inputs

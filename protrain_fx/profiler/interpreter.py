@@ -26,11 +26,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.fx.graph import _BoxedCodeGen
 from torch.utils._pytree import tree_leaves
 
 from protrain_fx.capture import OUTSIDE, BlockMap
 from protrain_fx.profiler.fusion import kernel_classes
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
+from protrain_fx.profiler.on_demand import AbsentCounting, GraphRun, OnDemand, Replay, storage_key
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
 from protrain_fx.runtime.chunks import rank_and_world_size
 from protrain_fx.runtime.eager import eager
@@ -38,20 +40,24 @@ from protrain_fx.runtime.eager import eager
 log = logging.getLogger(__name__)
 
 
-def _storages(values: Any) -> dict[int, int]:
-    """data_ptr -> nbytes of the distinct storages behind the tensors in a pytree."""
+def _storages(values: Any, dropped: dict[int, int] | None = None) -> dict[int, int]:
+    """storage key -> nbytes of the distinct storages behind the tensors in a pytree; `dropped`: the sizes of
+    storages held on demand (profiler/on_demand.py), which may hold 0 bytes now."""
     out: dict[int, int] = {}
     for t in tree_leaves(values):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            s = t.untyped_storage()
-            if s.nbytes():
-                out[s.data_ptr()] = s.nbytes()
+            key = storage_key(t)
+            nbytes = t.untyped_storage().nbytes() or (dropped or {}).get(key, 0)
+            if nbytes:
+                out[key] = nbytes
     return out
 
 
 _CALL_OPS = ("call_function", "call_method", "call_module")
 # ~0.1 s at H100/H200 clocks: enough for the CPU to queue a graph's kernels ahead of the GPU
 _PREFILL_CYCLES = 200_000_000
+# ~1 ms: after tensors are dropped or brought back on demand, time for the CPU to catch up with the GPU
+_REFILL_CYCLES = 2_000_000
 
 
 def _new_record(node: fx.Node, graph_kind: str, block_map: BlockMap) -> NodeProfile:
@@ -94,42 +100,87 @@ class _Clock:
 
 
 class TimedGraph:
-    """Times each node of a graph: a copy with `clock.mark()` after every node, run as compiled Python."""
+    """Times each node of a graph: a copy with `clock.mark()` after every node, run as compiled Python with
+    boxed arguments (each freed after its last use, as AOTAutograd's runtime does).
 
-    def __init__(self, gm: fx.GraphModule, *, graph_kind: str, block_map: BlockMap, device: torch.device):
+    With a `Replay` (tensors held on demand) the drops and fetches it learned run between the nodes, each
+    followed by a fresh mark, so that they stay out of the node times; after a copy from the host the GPU's
+    queue is refilled.
+    """
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        *,
+        graph_kind: str,
+        block_map: BlockMap,
+        device: torch.device,
+        replay: Replay | None = None,
+    ):
         self.clock = _Clock(device)
+        self.replay = replay
         graph = fx.Graph()
+        graph.set_codegen(_BoxedCodeGen())
         env: dict[fx.Node, fx.Node] = {}
+        named = {n.name: n for n in gm.graph.nodes}
         self.records: list[NodeProfile] = []
+        self.spans: list[tuple[int, int]] = []  # per record: the marks before and after its node
+        marks = 1  # boxed_run's first
+
+        def values(events):  # the copied nodes of (node name, tensor leaf) events
+            return tuple((env[named[name]], leaf) for name, leaf in events)
+
         for node in gm.graph.nodes:
+            i = len(self.records)
+            if node.op in _CALL_OPS and replay is not None:
+                drops, fetches = values(replay.drop_after.get(i - 1, ())), values(replay.fetch_before.get(i, ()))
+                if drops or fetches:
+                    graph.call_function(self._between, (drops, fetches))
+                    graph.call_function(self.clock.mark)
+                    marks += 1
             env[node] = graph.node_copy(node, env.__getitem__)
             if node.op in _CALL_OPS:
                 graph.call_function(self.clock.mark)
+                self.spans.append((marks - 1, marks))
+                marks += 1
                 self.records.append(_new_record(node, graph_kind, block_map))
         self.module = fx.GraphModule(gm, graph)
+
+    def _between(self, drops, fetches) -> None:
+        from_host = self.replay.between(drops, fetches)  # a copy from the host leaves the GPU's queue empty
+        if self.clock.cuda:
+            torch.cuda._sleep(_PREFILL_CYCLES if from_host else _REFILL_CYCLES)
 
     def boxed_run(self, args: list[Any]) -> Any:
         if self.clock.cuda:
             torch.cuda._sleep(_PREFILL_CYCLES)
         self.clock.mark()
-        out = self.module(*args)
-        args.clear()
-        for record, seconds in zip(self.records, self.clock.intervals()):
-            record.latency_s = seconds
+        out = self.module(args)
+        seconds = self.clock.intervals()
+        for record, (start, end) in zip(self.records, self.spans):
+            record.latency_s = sum(seconds[start:end])
         return out
 
 
 class ProfilingInterpreter(fx.Interpreter):
     """Runs one graph and records the memory behaviour of each node (see the module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, *, graph_kind: str, block_map: BlockMap, tracker):
+    def __init__(
+        self, gm: fx.GraphModule, *, graph_kind: str, block_map: BlockMap, tracker, run: GraphRun | None = None
+    ):
         super().__init__(gm, garbage_collect_values=True)
         self.tracker = tracker
         self.graph_kind = graph_kind
         self.block_map = block_map
+        self.run_hooks = run  # tensors held on demand (profiler/on_demand.py)
         self.records: list[NodeProfile] = []
         self.peak_bytes = 0  # highest allocation seen during the run
         self._after_previous = 0
+
+    def boxed_run(self, args: list[Any]) -> Any:
+        if self.run_hooks is not None:
+            self.run_hooks.start(args)
+        return super().boxed_run(args)
 
     def run(self, *args, **kwargs):
         self._after_previous = self.tracker.allocated()
@@ -141,20 +192,25 @@ class ProfilingInterpreter(fx.Interpreter):
     def run_node(self, node: fx.Node) -> Any:
         if node.op not in _CALL_OPS:
             return super().run_node(node)
+        i = len(self.records)
         record = _new_record(node, self.graph_kind, self.block_map)
         self.records.append(record)
         tracker = self.tracker
-        record.allocated_before = before = tracker.allocated()
         record.inter_delta_bytes = max(0, tracker.peak() - self._after_previous)
         self.peak_bytes = max(self.peak_bytes, tracker.peak())
+        if self.run_hooks is not None:  # what it fetches is counted already (as absent)
+            self.run_hooks.before(i)
+        record.allocated_before = before = tracker.allocated()
         tracker.reset_peak()
         inputs = _storages([self.env[n] for n in node.all_input_nodes if n in self.env])
         out = super().run_node(node)
         record.intra_delta_bytes = max(0, tracker.peak() - before)
         self.peak_bytes = max(self.peak_bytes, tracker.peak())
+        record.output_bytes = sum(b for p, b in _storages(out).items() if p not in inputs)
+        if self.run_hooks is not None:
+            self.run_hooks.after(i, out)
         self._after_previous = tracker.allocated()
         tracker.reset_peak()
-        record.output_bytes = sum(b for p, b in _storages(out).items() if p not in inputs)
         return out
 
 
@@ -166,9 +222,16 @@ def _tangent(node: fx.Node) -> torch.Tensor | None:
 
 
 def profile_iteration(
-    fw: fx.GraphModule, bw: fx.GraphModule, primals: Sequence[Any], block_map: BlockMap
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    primals: Sequence[Any],
+    block_map: BlockMap,
+    on_demand: OnDemand | None = None,
 ) -> GraphProfile:
     """Run `fw` then `bw` on `primals` (the graph's real inputs) and return the GraphProfile.
+
+    With `on_demand` (profiler/on_demand.py) parameters, saved activations and gradients are held only while
+    used, and memory is reported as if they were held throughout: for a model or batch larger than the GPU.
 
     Memory and time are measured in separate iterations (see the module docstring); on CUDA an untimed
     iteration runs first, so first-use costs (kernel loading, library handles and workspaces) stay out of
@@ -177,12 +240,15 @@ def profile_iteration(
     """
     device = next((t.device for t in primals if isinstance(t, torch.Tensor) and t.device.type != "cpu"), None)
     device = device or torch.device("cpu")
-    if device.type == "cuda":
-        _iteration(fw, bw, primals, block_map, device, tracker=None)
+    if device.type == "cuda":  # on demand, what to drop and fetch is learned here for the timed run
+        warm = AbsentCounting(CudaMemoryTracker(device), on_demand) if on_demand is not None else None
+        _iteration(fw, bw, primals, block_map, device, warm, on_demand)
     tracker = CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()
-    nodes, baseline, peak, saved_bytes = _iteration(fw, bw, primals, block_map, device, tracker=tracker)
+    if on_demand is not None:
+        tracker = AbsentCounting(tracker, on_demand)
+    nodes, baseline, peak, saved_bytes = _iteration(fw, bw, primals, block_map, device, tracker, on_demand)
     reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-    timed, *_ = _iteration(fw, bw, primals, block_map, device, tracker=None)
+    timed, *_ = _iteration(fw, bw, primals, block_map, device, None, on_demand)
     assert [r.name for r in timed] == [r.name for r in nodes], "timing and memory runs saw different nodes"
     for record, t in zip(nodes, timed):
         record.latency_s = t.latency_s
@@ -208,6 +274,7 @@ def profile_iteration(
         nodes=nodes,
         blocks=aggregate_blocks(nodes),
         reserved_bytes=reserved,
+        measured_peak_bytes=tracker.measured_peak if on_demand is not None else peak,
     )
     log.info(
         "profiled %d nodes on %s: forward %.2f ms, backward %.2f ms, peak %.1f MiB, saved activations %.1f MiB",
@@ -228,6 +295,7 @@ def _iteration(
     block_map: BlockMap,
     device: torch.device,
     tracker,
+    on_demand: OnDemand | None = None,
 ) -> tuple[list[NodeProfile], int, int, int]:
     """One forward + backward run; returns (node records, bytes allocated at the start, peak bytes, saved
     activation bytes); the byte counts are 0 without a tracker.
@@ -239,6 +307,21 @@ def _iteration(
     fw_outputs = [n for n in tree_leaves(fw_out_node.args[0]) if isinstance(n, fx.Node)]
     bw_placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
     saved_names = {n.name for n in bw_placeholders if not n.name.startswith("tangents")}
+    n_saved = len([n for n in bw_placeholders if n.name in saved_names])
+    # held on demand: the forward's saved values after their last forward use, the backward's gradients
+    fw_drop = frozenset(n.name for n in fw_outputs[len(fw_outputs) - n_saved :])
+    bw_out_node = next(n for n in bw.graph.nodes if n.op == "output")
+    bw_drop = frozenset(n.name for n in tree_leaves(bw_out_node.args[0]) if isinstance(n, fx.Node))
+    if on_demand is None:
+        runs = (None, None)
+    elif tracker is None:  # a timed run repeats what the last run learned
+        runs = (on_demand.replay(fw), on_demand.replay(bw))
+    else:
+        runs = (
+            on_demand.graph_run(fw, drop=fw_drop, tracker=tracker),
+            on_demand.graph_run(bw, drop=bw_drop, tracker=tracker),
+        )
+    dropped = on_demand.sizes if on_demand is not None else None
     rng_devices = (
         [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     )
@@ -253,10 +336,14 @@ def _iteration(
         if tracker:
             tracker.track(t for t in primals if isinstance(t, torch.Tensor))
             baseline = tracker.allocated()
-        fw_run = _runner(fw, "forward", block_map, device, tracker)
+        fw_run = _runner(fw, "forward", block_map, device, tracker, runs[0])
         outs = fw_run.boxed_run(list(primals))
         values = dict(zip((n.name for n in fw_outputs), tree_leaves(outs)))
-        saved_bytes = _mark_saved(fw_run.records, values, saved_names, _storages(list(primals))) if tracker else 0
+        saved_bytes = (
+            _mark_saved(fw_run.records, values, saved_names, _storages(list(primals), dropped), dropped)
+            if tracker
+            else 0
+        )
         # the forward returns its outputs, then the saved values in the order of the backward's saved inputs
         # (their names differ once a pass has rewritten them: swap_out nodes, RNG states)
         saved_inputs = [n for n in bw_placeholders if n.name in saved_names]
@@ -264,20 +351,26 @@ def _iteration(
         by_input = dict(zip((n.name for n in saved_inputs), leaves[len(leaves) - len(saved_inputs) :]))
         bw_args = [by_input[n.name] if n.name in by_input else _tangent(n) for n in bw_placeholders]
         del outs, values, leaves, by_input
-        bw_run = _runner(bw, "backward", block_map, device, tracker)
+        bw_run = _runner(bw, "backward", block_map, device, tracker, runs[1])
         bw_run.boxed_run(bw_args)
+        if on_demand is not None:
+            on_demand.end_iteration()
     peak = max(baseline, fw_run.peak_bytes, bw_run.peak_bytes) if tracker else 0
     return fw_run.records + bw_run.records, baseline, peak, saved_bytes
 
 
-def _runner(gm: fx.GraphModule, graph_kind: str, block_map: BlockMap, device: torch.device, tracker):
+def _runner(gm: fx.GraphModule, graph_kind: str, block_map: BlockMap, device: torch.device, tracker, run):
     if tracker is None:
-        return TimedGraph(gm, graph_kind=graph_kind, block_map=block_map, device=device)
-    return ProfilingInterpreter(gm, graph_kind=graph_kind, block_map=block_map, tracker=tracker)
+        return TimedGraph(gm, graph_kind=graph_kind, block_map=block_map, device=device, replay=run)
+    return ProfilingInterpreter(gm, graph_kind=graph_kind, block_map=block_map, tracker=tracker, run=run)
 
 
 def _mark_saved(
-    records: list[NodeProfile], values: dict[str, Any], saved_names: set[str], input_storages: dict[int, int]
+    records: list[NodeProfile],
+    values: dict[str, Any],
+    saved_names: set[str],
+    input_storages: dict[int, int],
+    dropped: dict[int, int] | None = None,
 ) -> int:
     """Mark forward nodes whose outputs backward reads; each activation storage is counted once, at its first
     saved node. Parameters and inputs kept for backward are not activations and count 0."""
@@ -289,7 +382,7 @@ def _mark_saved(
             continue
         record = by_name[name]
         record.saved_for_backward = True
-        for ptr, nbytes in _storages(values[name]).items():
+        for ptr, nbytes in _storages(values[name], dropped).items():
             if ptr in input_storages or ptr in counted:
                 continue
             counted.add(ptr)
@@ -337,12 +430,18 @@ def _agreed(profile: GraphProfile | None, failure, world_size: int, device: torc
         for f, v in zip(fields, row):
             setattr(node, f, v if f == "latency_s" else int(v))
     scalars = torch.tensor(
-        [profile.peak_bytes, profile.baseline_bytes, profile.saved_bytes, profile.reserved_bytes],
+        [
+            profile.peak_bytes,
+            profile.baseline_bytes,
+            profile.saved_bytes,
+            profile.reserved_bytes,
+            profile.measured_peak_bytes,
+        ],
         dtype=torch.float64,
         device=device,
     )
     dist.all_reduce(scalars, op=dist.ReduceOp.MAX)
-    peak, baseline, saved, reserved = (int(v) for v in scalars.tolist())
+    peak, baseline, saved, reserved, measured = (int(v) for v in scalars.tolist())
     return dataclasses.replace(
         profile,
         forward_s=sum(n.latency_s for n in profile.nodes if n.graph == "forward"),
@@ -351,5 +450,6 @@ def _agreed(profile: GraphProfile | None, failure, world_size: int, device: torc
         baseline_bytes=baseline,
         saved_bytes=saved,
         reserved_bytes=reserved,
+        measured_peak_bytes=measured,
         blocks=aggregate_blocks(profile.nodes),
     )

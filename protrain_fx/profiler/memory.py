@@ -32,6 +32,9 @@ class CudaMemoryTracker:
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """The allocator already counts every CUDA tensor."""
 
+    def forget(self, storage) -> None:
+        """The allocator sees a storage resized to 0 bytes by itself."""
+
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device)
 
@@ -76,6 +79,10 @@ class CpuMemoryTracker(TorchDispatchMode):
             self._allocated += nbytes
             self._peak = max(self._peak, self._allocated)
             weakref.finalize(storage, self._release, key)
+
+    def forget(self, storage) -> None:
+        """Stop counting a storage (about to be resized to 0 bytes); `track` counts it again once refilled."""
+        self._release(storage._cdata)
 
     def _release(self, key: int) -> None:
         self._allocated -= self._live.pop(key, 0)

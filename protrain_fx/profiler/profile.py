@@ -62,11 +62,14 @@ class GraphProfile:
     nodes: list[NodeProfile]
     blocks: list[BlockProfile]
     reserved_bytes: int = 0  # the allocator's reserved bytes after the memory run (0 on the CPU)
+    # what was allocated at most in fact: less than peak_bytes where tensors were held on demand (on_demand.py)
+    measured_peak_bytes: int = 0
 
     @property
     def fragmentation(self) -> float:
         """Reserved over peak allocated bytes of the profiled iteration (1 on the CPU): the memory model's α."""
-        return max(1.0, self.reserved_bytes / self.peak_bytes) if self.reserved_bytes and self.peak_bytes else 1.0
+        peak = self.measured_peak_bytes or self.peak_bytes
+        return max(1.0, self.reserved_bytes / peak) if self.reserved_bytes and peak else 1.0
 
     @property
     def iteration_s(self) -> float:

@@ -29,7 +29,7 @@ import concurrent.futures
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,6 @@ from torch import nn
 
 from protrain_fx.planner.chunking import ChunkLayout, Slot
 from protrain_fx.runtime import ops
-from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.host import check_host_memory, pinned_arena
 from protrain_fx.runtime.host_queue import HostQueue
 
@@ -482,24 +481,6 @@ class ChunkManager:
         if chunk < self.n_persist and self.flat[chunk] is not self.master[chunk]:
             self.flat[chunk].copy_(self.master[chunk])
         self._version[chunk] = self._version.get(chunk, 0) + 1
-
-    @contextlib.contextmanager
-    def materialized(self, params: Sequence[nn.Parameter]) -> Iterator[None]:
-        """Give offloaded parameters their values back for a while (profiling a graph compiled after adoption)."""
-        offloaded = [p for p in params if id(p) in self.index and not self.is_persistent(p)]
-        self.wait_for_update()
-        with torch.no_grad(), eager():
-            chunks = {c: self.full_values(c) for c in sorted({self.slot_of(p).chunk for p in offloaded})}
-            for p in offloaded:
-                slot = self.slot_of(p)
-                p.untyped_storage().resize_(p.numel() * p.element_size())
-                p.copy_(chunks[slot.chunk][slot.offset : slot.offset + slot.numel].view(p.shape))
-        try:
-            yield
-        finally:
-            with eager():
-                for p in offloaded:
-                    p.untyped_storage().resize_(0)
 
     def full_values(self, chunk: int) -> torch.Tensor:
         """The chunk's current parameters, whole, on the host (a collective when sharded)."""

@@ -1,0 +1,103 @@
+"""Profiling with tensors held on demand (profiler/on_demand.py, paper §3.2): a prepared model's offloaded
+parameters fetched per use, saved activations and gradients dropped while not used. The profile must be the
+one a run holding everything gives: memory fields equal node by node (the CPU tracker counts storages
+exactly), while what was in fact allocated at the peak is less."""
+
+import copy
+
+import models
+import pytest
+import torch
+
+import protrain_fx
+from protrain_fx import backend as backend_module
+from protrain_fx.profiler.on_demand import OnDemand, storage_key
+
+MEMORY_FIELDS = ("intra_delta_bytes", "inter_delta_bytes", "output_bytes", "saved_bytes", "saved_for_backward")
+
+
+def _compiled(model, kind):
+    """The record of the model's first graph, compiled for training."""
+    backend = protrain_fx.ProTrainBackend({"executor": "eager"})
+    protrain_fx.optim.AdamW(model.parameters())
+    torch.compile(model, backend=backend, dynamic=False)(**models.batch(kind, batch_size=4, seq=32))
+    return backend.graphs[0]
+
+
+def _memory(profile):
+    """Per node: the memory fields, and what was allocated before it above the profile's baseline."""
+    return [
+        (n.graph, n.name, n.allocated_before - profile.baseline_bytes, *(getattr(n, f) for f in MEMORY_FIELDS))
+        for n in profile.nodes
+    ]
+
+
+@pytest.mark.parametrize("kind", ["toy", "llama"])
+def test_dropping_activations_and_gradients_keeps_the_profile(kind, monkeypatch):
+    profiles = []
+    original = backend_module.profile_iteration
+
+    def both(fw, bw, primals, block_map, on_demand=None):
+        assert on_demand is None
+        profiles.append(original(fw, bw, primals, block_map, OnDemand()))
+        profiles.append(original(fw, bw, primals, block_map))
+        return profiles[-1]
+
+    monkeypatch.setattr(backend_module, "profile_iteration", both)
+    _compiled(models.build(kind), kind)
+    dropped, full = profiles
+    assert _memory(dropped) == _memory(full)
+    assert (dropped.peak_bytes, dropped.baseline_bytes, dropped.saved_bytes) == (
+        full.peak_bytes,
+        full.baseline_bytes,
+        full.saved_bytes,
+    )
+    assert full.measured_peak_bytes == full.peak_bytes
+    # held: the parameters, inputs and one node's tensors; not the saved activations or the gradients
+    assert dropped.measured_peak_bytes < full.peak_bytes - full.saved_bytes // 2
+
+
+@pytest.mark.parametrize("kind", ["toy", "llama"])
+def test_prepared_model_is_profiled_with_parameters_on_demand(kind):
+    ref = models.build(kind)
+    model = protrain_fx.prepare(copy.deepcopy(ref), plan={"n_persist": 1, "n_buffer": 2}, device="cpu")
+    manager = protrain_fx.runtime.adopt.model_manager(model)
+    offloaded = [p for p in manager.params if not manager.is_persistent(p)]
+    offloaded_bytes = sum(p.numel() * p.element_size() for p in offloaded)
+    prepared, whole = _compiled(model, kind).profile, _compiled(ref, kind).profile
+    assert _memory(prepared) == _memory(whole)
+    assert prepared.saved_bytes == whole.saved_bytes
+    assert prepared.peak_bytes - prepared.baseline_bytes == whole.peak_bytes - whole.baseline_bytes
+    # the offloaded parameters were never all on the device at once, and hold nothing again afterwards
+    assert prepared.measured_peak_bytes < prepared.peak_bytes - offloaded_bytes // 2
+    assert all(p.untyped_storage().nbytes() == 0 for p in offloaded)
+
+
+def test_fetch_gives_the_chunk_values_and_drop_frees():
+    ref = models.build("toy")
+    model = protrain_fx.prepare(copy.deepcopy(ref), plan={"n_persist": 0, "n_buffer": 1}, device="cpu")
+    manager = protrain_fx.runtime.adopt.model_manager(model)
+    on_demand = OnDemand(manager, manager.params)
+    total = sum(p.numel() * p.element_size() for p in manager.params)
+    assert on_demand.absent == total
+    name, p = next((n, q) for n, q in model.named_parameters() if q.dim() == 2)
+    assert on_demand.fetch(storage_key(p)) is True
+    assert torch.equal(p, dict(ref.named_parameters())[name])
+    assert on_demand.absent == total - p.numel() * p.element_size()
+    on_demand.drop(storage_key(p), p.t())  # through a view: the parameter's own storage
+    assert p.untyped_storage().nbytes() == 0 and on_demand.absent == total
+
+
+def test_explain_a_prepared_model():
+    """The plan in force for a prepared model, as the unprepared model with the same chunk fields forced
+    would get it (times aside: they are measured)."""
+    ref = models.build("llama")
+    chunks = {"n_persist": 1, "n_buffer": 2}
+    model = protrain_fx.prepare(copy.deepcopy(ref), plan=chunks, device="cpu")
+    batch = models.batch("llama", batch_size=4, seq=32)
+    prepared = protrain_fx.explain(model, batch, {"executor": "eager"})
+    whole = protrain_fx.explain(ref, batch, {"executor": "eager", "plan": chunks})
+    untimed = ("predicted_step_s", "runners_up")
+    assert {k: v for k, v in prepared.to_json().items() if k not in untimed} == {
+        k: v for k, v in whole.to_json().items() if k not in untimed
+    }
