@@ -101,3 +101,20 @@ def test_explain_a_prepared_model():
     assert {k: v for k, v in prepared.to_json().items() if k not in untimed} == {
         k: v for k, v in whole.to_json().items() if k not in untimed
     }
+
+
+def test_out_of_memory_profile_is_profiled_again_on_demand(monkeypatch, caplog):
+    calls = []
+    original = backend_module.profile_iteration
+
+    def out_of_memory_first(fw, bw, primals, block_map, on_demand=None):
+        calls.append(on_demand)
+        if on_demand is None:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return original(fw, bw, primals, block_map, on_demand)
+
+    monkeypatch.setattr(backend_module, "profile_iteration", out_of_memory_first)
+    record = _compiled(models.build("toy"), "toy")
+    assert calls[0] is None and isinstance(calls[1], OnDemand)
+    assert record.profile.measured_peak_bytes < record.profile.peak_bytes
+    assert "profiling ran out of GPU memory" in caplog.text
