@@ -17,8 +17,10 @@ backward are summed per chunk window as max(compute, communication):
   forward  window i: max(compute of chunk i-1, upload + all-gather of chunk i if not persistent, swap-outs);
   (a swapped block's copies are spread over the swap_interval blocks after it, which they run beside)
   backward window i: max(compute + recompute of chunk i, upload + gather of the chunk the backward needs next
-                         unless persistent or still buffered from the forward, reduce (+ offload) of the chunk
-                         it left, swap prefetches);
+                         unless persistent or still buffered from the forward, swap prefetches);
+  at the end of a chunk's backward window its gradient is reduced, and an offloaded chunk's shard copied to the
+  host: these copies run one at a time on their own stream beside the compute, so where they are slower than
+  the backward they queue, and the host's AdamW of a chunk starts when its copy ends;
   with one buffer a chunk's load cannot overlap the compute of the chunk before it (one buffer, in use).
 A node's compute belongs to the chunk of its block (pre-block nodes to the first chunk, post-block ones to the
 last). Without a chunk layout the step is the profiled compute plus recompute.
@@ -36,8 +38,10 @@ must fit the GPU):
   swapped block b: its saved bytes are gone from swap_interval blocks after b (runtime/swap.py's settle point)
     until the backward reaches b (prefetches beyond that run only within the budget, so add no peak);
   states: persistent chunks (parameters, fp32 master and gradient, AdamW's two states), chunk buffers, the
-    landing shard and the fp32 reduce buffer of offloaded chunks; with chunks the gradients the profile kept are
-    taken out too (the runtime reduces them away per chunk).
+    landing shard of offloaded chunks; with chunks the gradients the profile kept are taken out too (the runtime
+    reduces them away per chunk);
+  reduce buffers: while a chunk's backward runs, the fp32 gradient of every offloaded chunk whose copy to the
+    host has not ended yet (the queue above), its own included.
 α is measured: the allocator's reserved over allocated peak in the profiling run (1 on the CPU).
 
 swap_interval: how many blocks of forward compute it takes to hide one block's swap-out copy,
@@ -250,8 +254,15 @@ class CostModel:
             return max(0, self.block_saved[block] - self.block_output[block])
         return 0
 
-    def activation_peak(self, modes: Sequence[str]) -> int:
-        """The highest activation memory (model states excluded) over the iteration, with these block modes."""
+    def chunk_at(self, place: int) -> int:
+        """The chunk whose backward runs at a segment's place (-1: before the blocks, n_block: after them)."""
+        if place < 0:
+            return 0
+        return self.block_chunk[place] if place < self.n_block else self.n_chunk - 1
+
+    def activation_peak(self, modes: Sequence[str], backward_extra: Sequence[int] = ()) -> int:
+        """The highest activation memory (model states excluded) over the iteration, with these block modes;
+        `backward_extra`: bytes held besides, per chunk, while its backward runs (`reduce_buffers`)."""
         savings = [self.saving(b, m) for b, m in enumerate(modes)]
         peak = 0
         for seg in self.segments:
@@ -270,6 +281,7 @@ class CostModel:
                     if 0 <= seg.place < self.n_block and modes[seg.place] == "checkpoint"
                     else 0
                 )
+                extra += backward_extra[self.chunk_at(seg.place)] if backward_extra else 0
             peak = max(peak, seg.peak - gone + extra)
         return peak
 
@@ -283,12 +295,28 @@ class CostModel:
         buffers = config.n_buffer * self.chunk_elems * self.element_size
         offloaded = config.n_persist < self.n_chunk
         landing = self.shard_elems * 4 if offloaded and master else 0
-        reduce = self.chunk_elems * 4 if offloaded else 0  # the fp32 gradient a non-persistent chunk reduces from
-        return persistent + buffers + landing + reduce
+        return persistent + buffers + landing
+
+    def reduce_buffers(self, config: Config) -> list[int]:
+        """Per chunk: the fp32 gradients of offloaded chunks alive while its backward runs. Each offloaded chunk
+        reduces from a new fp32 copy of its gradients, which lives until its copy to the host has ended; the
+        copies run one at a time, so where they are slower than the backward they queue (`phases`)."""
+        if self.n_chunk == 0 or config.n_persist >= self.n_chunk:
+            return [0] * self.n_chunk
+        t, n, first = self._backward_timeline(config), self.n_chunk, config.n_persist
+        # at the window's start: the copies not ended yet; at its end: those still, and its own new one
+        return [
+            max(
+                sum(1 for j in range(max(c + 1, first), n) if t["copy_end"][j] > t["start"][c]),
+                sum(1 for j in range(max(c + 1, first), n) if t["copy_end"][j] > t["ready"][c]) + (c >= first),
+            )
+            for c in range(n)
+        ]
 
     def peak_bytes(self, config: Config) -> int:
         """The highest allocated bytes of a step (what torch.cuda.max_memory_allocated reports)."""
-        return self.activation_peak(self.modes(config)) + self.state_bytes(config) + self.other_bytes
+        reduce = [n * self.chunk_elems * 4 for n in self.reduce_buffers(config)]
+        return self.activation_peak(self.modes(config), reduce) + self.state_bytes(config) + self.other_bytes
 
     def reserved_bytes(self, config: Config, peak_bytes: int | None = None) -> int:
         """The peak (`peak_bytes` if already known) times α: what the allocator reserves for it, so what must
@@ -303,10 +331,13 @@ class CostModel:
         gather = hw.collective_s("all_gather", self.chunk_elems * self.element_size) if self.world_size > 1 else 0.0
         return self.shard_elems * 4 / hw.h2d_bytes_per_s + gather
 
-    def _reduce_s(self, chunk: int, n_persist: int) -> float:
+    def _reduce_s(self, chunk: int, n_persist: int, concurrent: bool) -> float:
+        """Reduce a chunk's fp32 gradient across ranks and, offloaded, copy its shard to the host (`concurrent`:
+        while chunk uploads use the link the other way)."""
         hw = self.hardware
         reduce = hw.collective_s("reduce_scatter", self.chunk_elems * 4) if self.world_size > 1 else 0.0
-        return reduce + (self.shard_elems * 4 / hw.d2h_bytes_per_s if chunk >= n_persist else 0.0)
+        rate = hw.d2h_concurrent_bytes_per_s if concurrent else hw.d2h_bytes_per_s
+        return reduce + (self.shard_elems * 4 / rate if chunk >= n_persist else 0.0)
 
     def step_s(self, config: Config) -> float:
         """Predicted seconds per training step (forward, backward and optimizer) of `config`."""
@@ -314,6 +345,66 @@ class CostModel:
         if not self.overlap:
             return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_s"]
         return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_wait_s"]
+
+    def _per_chunk(self, config: Config) -> dict[str, list[float]]:
+        """Seconds of each chunk's share of the work: forward and backward compute, recompute, swap-out copies
+        (forward) and swap-in copies (backward)."""
+        modes = self.modes(config)
+        hw, n = self.hardware, self.n_chunk
+        recompute = [self.block_fwd_s[b] if m == "checkpoint" else 0.0 for b, m in enumerate(modes)]
+        swap_out = [self.block_saved[b] / hw.d2h_bytes_per_s if m == "swap" else 0.0 for b, m in enumerate(modes)]
+        swap_in = [self.block_saved[b] / hw.h2d_bytes_per_s if m == "swap" else 0.0 for b, m in enumerate(modes)]
+        fwd_c, bwd_c, rec_c, out_c, in_c = ([0.0] * n for _ in range(5))
+        fwd_c[0] += self.other_fwd_s[0]
+        fwd_c[n - 1] += self.other_fwd_s[1]
+        bwd_c[0] += self.other_bwd_s[0]
+        bwd_c[n - 1] += self.other_bwd_s[1]
+        last, k = self.n_block - 1, self.swap_interval
+        for b, c in enumerate(self.block_chunk):
+            fwd_c[c] += self.block_fwd_s[b]
+            bwd_c[c] += self.block_bwd_s[b]
+            rec_c[c] += recompute[b]
+            # a swapped block's copies run beside the next swap_interval blocks: out after it in the forward (its
+            # settle point is k blocks on), in before it in the backward (prefetched k blocks ahead)
+            for j in range(1, k + 1):
+                out_c[self.block_chunk[min(b + j, last)]] += swap_out[b] / k
+                in_c[self.block_chunk[min(b + j, last)]] += swap_in[b] / k
+        return {"forward": fwd_c, "backward": bwd_c, "recompute": rec_c, "swap_out": out_c, "swap_in": in_c}
+
+    def _serial(self, config: Config) -> bool:
+        """One buffer: a chunk loads only once the previous one is released; on the CPU nothing overlaps."""
+        return config.n_buffer == 1 or not self.overlap
+
+    def _backward_timeline(self, config: Config) -> dict[str, list[float] | float]:
+        """The backward, chunk by chunk (last to first): each chunk's window computes it (and recomputes its
+        checkpointed blocks) beside the load of the chunk needed next, unless that is persistent or still in a
+        buffer from the forward, and its swap-in prefetches. When a chunk's window ends its gradients are
+        reduced; the copies of offloaded shards to the host then run one at a time on their own stream, beside
+        the compute (on the CPU, in line). Returns each chunk's window start and end ("ready": its reduce is
+        issued), the end of its reduce and copy, and the backward's compute end."""
+        n, per, serial = self.n_chunk, self._per_chunk(config), self._serial(config)
+        load = self._load_s()
+        loads = [
+            0 <= c - 1 and c - 1 >= config.n_persist and c - 1 < n - config.n_buffer for c in range(n)
+        ]  # window c loads chunk c-1
+        concurrent = any(loads)
+        t, start, ready, copy_end, link_free = 0.0, [0.0] * n, [0.0] * n, [0.0] * n, 0.0
+        for i in reversed(range(-1, n)):
+            comp = per["backward"][i] + per["recompute"][i] if i >= 0 else 0.0
+            comm = (load if i >= 0 and loads[i] else 0.0) + (per["swap_in"][i] if i >= 0 else 0.0)
+            if i >= 0:
+                start[i] = t
+            t += comp + comm if serial else max(comp, comm)
+            if i < 0:
+                continue
+            ready[i] = t
+            reduce = self._reduce_s(i, config.n_persist, concurrent)
+            if self.overlap:
+                copy_end[i] = link_free = max(t, link_free) + reduce
+            else:
+                t += reduce
+                copy_end[i] = t
+        return {"start": start, "ready": ready, "copy_end": copy_end, "end": t}
 
     def phases(self, config: Config) -> dict[str, float]:
         """The terms of `step_s`: forward and backward seconds (copies they do not hide included), the optimizer's
@@ -336,43 +427,17 @@ class CostModel:
                 "cpu_optim_s": 0.0,
                 "cpu_optim_wait_s": 0.0,
             }
-        n = self.n_chunk
-        fwd_c, bwd_c, rec_c, out_c, in_c = ([0.0] * n for _ in range(5))
-        fwd_c[0] += self.other_fwd_s[0]
-        fwd_c[n - 1] += self.other_fwd_s[1]
-        bwd_c[0] += self.other_bwd_s[0]
-        bwd_c[n - 1] += self.other_bwd_s[1]
-        last, k = self.n_block - 1, self.swap_interval
-        for b, c in enumerate(self.block_chunk):
-            fwd_c[c] += self.block_fwd_s[b]
-            bwd_c[c] += self.block_bwd_s[b]
-            rec_c[c] += recompute[b]
-            # a swapped block's copies run beside the next swap_interval blocks: out after it in the forward (its
-            # settle point is k blocks on), in before it in the backward (prefetched k blocks ahead)
-            for j in range(1, k + 1):
-                out_c[self.block_chunk[min(b + j, last)]] += swap_out[b] / k
-                in_c[self.block_chunk[min(b + j, last)]] += swap_in[b] / k
-        load = self._load_s()
-        # one buffer: a chunk loads only once the previous one is released; on the CPU nothing overlaps
-        serial = config.n_buffer == 1 or not self.overlap
+        n, per = self.n_chunk, self._per_chunk(config)
+        load, serial = self._load_s(), self._serial(config)
         t_fwd, window_start = 0.0, [0.0] * (n + 1)
         for i in range(n + 1):
             window_start[i] = t_fwd  # window i loads chunk i beside chunk i-1's compute
-            comp = fwd_c[i - 1] if i > 0 else 0.0
+            comp = per["forward"][i - 1] if i > 0 else 0.0
             comm = load if config.n_persist <= i < n else 0.0
-            out = out_c[i - 1] if i > 0 else 0.0
+            out = per["swap_out"][i - 1] if i > 0 else 0.0
             t_fwd += comp + comm + out if serial else max(comp, comm, out)
-        t_bwd, arrival = 0.0, [0.0] * n
-        for i in reversed(range(-1, n)):  # the backward runs the chunks last to first
-            comp = bwd_c[i] + rec_c[i] if i >= 0 else 0.0
-            nxt = i - 1
-            buffered = nxt >= n - config.n_buffer  # the last chunks of the forward are still in buffers
-            comm = load if 0 <= nxt and nxt >= config.n_persist and not buffered else 0.0
-            comm += in_c[i] if i >= 0 else 0.0
-            left = self._reduce_s(i + 1, config.n_persist) if i + 1 < n else 0.0
-            t_bwd += comp + comm + left if serial else max(comp, comm, left)
-            if i + 1 < n:
-                arrival[i + 1] = t_bwd  # chunk i+1's gradient is reduced and on the host
+        backward = self._backward_timeline(config)
+        t_bwd, arrival = backward["end"], backward["copy_end"]  # a chunk's gradient is on the host
         gpu_optim = sum(self.chunk_params[: config.n_persist]) * hw.device_adam_s_per_param
         # the host steps offloaded chunks one at a time, each once its gradient is there, the lowest landed one
         # first (runtime/host_queue.py: the next forward needs it first); the next forward loads a chunk only once
