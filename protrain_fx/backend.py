@@ -340,7 +340,6 @@ def _cost_terms(costs: CostModel, plan: Plan) -> dict[str, Any]:
         **costs.phases(config),
         "activation_peak_bytes": costs.activation_peak(plan.block_modes),
         "state_bytes": costs.state_bytes(config),
-        "reduce_buffers": costs.reduce_buffers(config),
         "other_bytes": costs.other_bytes,
         "alpha": costs.alpha,
         "swap_interval": costs.swap_interval,

@@ -19,8 +19,9 @@ backward are summed per chunk window as max(compute, communication):
   backward window i: max(compute + recompute of chunk i, upload + gather of the chunk the backward needs next
                          unless persistent or still buffered from the forward, swap prefetches);
   at the end of a chunk's backward window its gradient is reduced, and an offloaded chunk's shard copied to the
-  host: these copies run one at a time on their own stream beside the compute, so where they are slower than
-  the backward they queue, and the host's AdamW of a chunk starts when its copy ends;
+  host: these copies run one at a time on their own stream beside the compute, and the host's AdamW of a chunk
+  starts when its copy ends; an offloaded chunk reduces in one of REDUCE_BUFFERS buffers (runtime/chunks.py),
+  so its reduce waits for the copy of the chunk that used that buffer before;
   with one buffer a chunk's load cannot overlap the compute of the chunk before it (one buffer, in use).
 A node's compute belongs to the chunk of its block (pre-block nodes to the first chunk, post-block ones to the
 last). Without a chunk layout the step is the profiled compute plus recompute.
@@ -38,10 +39,8 @@ must fit the GPU):
   swapped block b: its saved bytes are gone from swap_interval blocks after b (runtime/swap.py's settle point)
     until the backward reaches b (prefetches beyond that run only within the budget, so add no peak);
   states: persistent chunks (parameters, fp32 master and gradient, AdamW's two states), chunk buffers, the
-    landing shard of offloaded chunks; with chunks the gradients the profile kept are taken out too (the runtime
-    reduces them away per chunk);
-  reduce buffers: while a chunk's backward runs, the fp32 gradient of every offloaded chunk whose copy to the
-    host has not ended yet (the queue above), its own included.
+    landing shard and the fp32 reduce buffers of offloaded chunks; with chunks the gradients the profile kept
+    are taken out too (the runtime reduces them away per chunk).
 α is measured: the allocator's reserved over allocated peak in the profiling run (1 on the CPU).
 
 swap_interval: how many blocks of forward compute it takes to hide one block's swap-out copy,
@@ -60,6 +59,7 @@ from protrain_fx.planner.plan import interleaved_modes
 from protrain_fx.profiler.fusion import EXTERN
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile
+from protrain_fx.runtime.chunks import REDUCE_BUFFERS
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per parameter element
 GRAD_BYTES = 4  # fp32 gradient per element
@@ -254,15 +254,8 @@ class CostModel:
             return max(0, self.block_saved[block] - self.block_output[block])
         return 0
 
-    def chunk_at(self, place: int) -> int:
-        """The chunk whose backward runs at a segment's place (-1: before the blocks, n_block: after them)."""
-        if place < 0:
-            return 0
-        return self.block_chunk[place] if place < self.n_block else self.n_chunk - 1
-
-    def activation_peak(self, modes: Sequence[str], backward_extra: Sequence[int] = ()) -> int:
-        """The highest activation memory (model states excluded) over the iteration, with these block modes;
-        `backward_extra`: bytes held besides, per chunk, while its backward runs (`reduce_buffers`)."""
+    def activation_peak(self, modes: Sequence[str]) -> int:
+        """The highest activation memory (model states excluded) over the iteration, with these block modes."""
         savings = [self.saving(b, m) for b, m in enumerate(modes)]
         peak = 0
         for seg in self.segments:
@@ -281,7 +274,6 @@ class CostModel:
                     if 0 <= seg.place < self.n_block and modes[seg.place] == "checkpoint"
                     else 0
                 )
-                extra += backward_extra[self.chunk_at(seg.place)] if backward_extra else 0
             peak = max(peak, seg.peak - gone + extra)
         return peak
 
@@ -293,30 +285,14 @@ class CostModel:
         persistent = config.n_persist * self.chunk_elems * (self.element_size + master + GRAD_BYTES)
         persistent += sum(self.chunk_params[: config.n_persist]) * ADAM_STATE_BYTES
         buffers = config.n_buffer * self.chunk_elems * self.element_size
-        offloaded = config.n_persist < self.n_chunk
+        offloaded = self.n_chunk - config.n_persist
         landing = self.shard_elems * 4 if offloaded and master else 0
-        return persistent + buffers + landing
-
-    def reduce_buffers(self, config: Config) -> list[int]:
-        """Per chunk: the fp32 gradients of offloaded chunks alive while its backward runs. Each offloaded chunk
-        reduces from a new fp32 copy of its gradients, which lives until its copy to the host has ended; the
-        copies run one at a time, so where they are slower than the backward they queue (`phases`)."""
-        if self.n_chunk == 0 or config.n_persist >= self.n_chunk:
-            return [0] * self.n_chunk
-        t, n, first = self._backward_timeline(config), self.n_chunk, config.n_persist
-        # at the window's start: the copies not ended yet; at its end: those still, and its own new one
-        return [
-            max(
-                sum(1 for j in range(max(c + 1, first), n) if t["copy_end"][j] > t["start"][c]),
-                sum(1 for j in range(max(c + 1, first), n) if t["copy_end"][j] > t["ready"][c]) + (c >= first),
-            )
-            for c in range(n)
-        ]
+        reduce = min(REDUCE_BUFFERS, offloaded) * self.chunk_elems * 4  # what offloaded gradients are reduced in
+        return persistent + buffers + landing + reduce
 
     def peak_bytes(self, config: Config) -> int:
         """The highest allocated bytes of a step (what torch.cuda.max_memory_allocated reports)."""
-        reduce = [n * self.chunk_elems * 4 for n in self.reduce_buffers(config)]
-        return self.activation_peak(self.modes(config), reduce) + self.state_bytes(config) + self.other_bytes
+        return self.activation_peak(self.modes(config)) + self.state_bytes(config) + self.other_bytes
 
     def reserved_bytes(self, config: Config, peak_bytes: int | None = None) -> int:
         """The peak (`peak_bytes` if already known) times α: what the allocator reserves for it, so what must
@@ -380,31 +356,33 @@ class CostModel:
         checkpointed blocks) beside the load of the chunk needed next, unless that is persistent or still in a
         buffer from the forward, and its swap-in prefetches. When a chunk's window ends its gradients are
         reduced; the copies of offloaded shards to the host then run one at a time on their own stream, beside
-        the compute (on the CPU, in line). Returns each chunk's window start and end ("ready": its reduce is
-        issued), the end of its reduce and copy, and the backward's compute end."""
+        the compute (on the CPU, in line); an offloaded chunk's reduce first waits for the copy out of the
+        buffer it reuses. Returns the end of each chunk's reduce and copy, and the backward's compute end."""
         n, per, serial = self.n_chunk, self._per_chunk(config), self._serial(config)
         load = self._load_s()
         loads = [
             0 <= c - 1 and c - 1 >= config.n_persist and c - 1 < n - config.n_buffer for c in range(n)
         ]  # window c loads chunk c-1
         concurrent = any(loads)
-        t, start, ready, copy_end, link_free = 0.0, [0.0] * n, [0.0] * n, [0.0] * n, 0.0
+        t, copy_end, link_free = 0.0, [0.0] * n, 0.0
+        reduced: list[int] = []  # offloaded chunks in the order they took a reduce buffer
         for i in reversed(range(-1, n)):
             comp = per["backward"][i] + per["recompute"][i] if i >= 0 else 0.0
             comm = (load if i >= 0 and loads[i] else 0.0) + (per["swap_in"][i] if i >= 0 else 0.0)
-            if i >= 0:
-                start[i] = t
             t += comp + comm if serial else max(comp, comm)
             if i < 0:
                 continue
-            ready[i] = t
+            if i >= config.n_persist:
+                if len(reduced) >= REDUCE_BUFFERS:  # its buffer's last copy must have ended
+                    t = max(t, copy_end[reduced[-REDUCE_BUFFERS]])
+                reduced.append(i)
             reduce = self._reduce_s(i, config.n_persist, concurrent)
             if self.overlap:
                 copy_end[i] = link_free = max(t, link_free) + reduce
             else:
                 t += reduce
                 copy_end[i] = t
-        return {"start": start, "ready": ready, "copy_end": copy_end, "end": t}
+        return {"copy_end": copy_end, "end": t}
 
     def phases(self, config: Config) -> dict[str, float]:
         """The terms of `step_s`: forward and backward seconds (copies they do not hide included), the optimizer's

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 MANAGER_ATTR = "_protrain_chunk_manager"  # set on each managed nn.Parameter: the manager that owns it
 
 
+REDUCE_BUFFERS = 2  # fp32 chunk buffers gradients are reduced in: one copied to the host while the next fills
+
+
 def rank_and_world_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -117,6 +120,10 @@ class ChunkManager:
         # device gradients being copied to the host, with the event that ends the copy: held until it has ended
         # (the allocator must not hand their memory out while the copy reads it), dropped as soon as it has
         self._copying: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        # the fp32 buffers gradients are reduced in, used in turn, and the copy to the host that last read each
+        self._reduce_buffers: list[torch.Tensor] = []
+        self._reduce_read: list[torch.cuda.Event | None] = []
+        self._next_reduce = 0
         self._version: dict[int, int] = {}  # chunk -> updates published (written by the worker thread)
         self._buffered_version: dict[int, int] = {}  # chunk -> version its buffered copy holds
         self.has_grad: set[int] = set()  # chunks whose gradient holds this step's values
@@ -351,7 +358,7 @@ class ChunkManager:
             self.params_with_grad.update(self.index[id(p)] for p in params)
             return
         self.params_with_grad.update(self.index[id(p)] for p in params)
-        flat = torch.zeros(self.layout.chunk_elems, dtype=torch.float32, device=self.device)
+        flat, slot = self._reduce_buffer()
         for p, g in zip(params, grads):
             a, b = self._slot_range(self.slot_of(p))
             flat[a:b].copy_(g.reshape(-1))
@@ -388,7 +395,9 @@ class ChunkManager:
             update = self.optimizer.chunk_update(self, chunk)  # hyperparameters and gradients as of now
 
         self._drop_copied()
-        if copied is not None:
+        if shard is flat:
+            self._reduce_read[slot] = copied  # the buffer is reused once this copy has ended
+        elif copied is not None:
             self._copying.append((copied, shard))
 
         def take_in() -> None:
@@ -400,6 +409,21 @@ class ChunkManager:
                     update()
 
         self._pending[chunk] = self._host.submit(chunk, copied, take_in)
+
+    def _reduce_buffer(self) -> tuple[torch.Tensor, int]:
+        """The next of REDUCE_BUFFERS fp32 chunk buffers, zeroed, and its index. Before reusing one, the compute
+        stream waits (on the device, the CPU goes on) until the copy to the host that last read it has ended:
+        gradients waiting for the link hold no more memory than these buffers, and the backward slows down
+        instead where the copies are slower than it."""
+        i = self._next_reduce
+        self._next_reduce = (i + 1) % REDUCE_BUFFERS
+        if i == len(self._reduce_buffers):
+            self._reduce_buffers.append(torch.empty(self.layout.chunk_elems, dtype=torch.float32, device=self.device))
+            self._reduce_read.append(None)
+        read, self._reduce_read[i] = self._reduce_read[i], None
+        if read is not None:
+            torch.cuda.current_stream(self.device).wait_event(read)
+        return self._reduce_buffers[i].zero_(), i
 
     def _drop_copied(self) -> None:
         """Let go of the device gradients whose copy to the host has ended."""
