@@ -322,14 +322,19 @@ class CostModel:
             return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_s"]
         return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_wait_s"]
 
-    def _per_chunk(self, config: Config) -> dict[str, list[float]]:
-        """Seconds of each chunk's share of the work: forward and backward compute, recompute, swap-out copies
-        (forward) and swap-in copies (backward)."""
-        modes = self.modes(config)
-        hw, n = self.hardware, self.n_chunk
+    def _block_extras(self, config: Config) -> tuple[list[float], list[float], list[float]]:
+        """Per block, seconds of: its recompute (checkpointed), its swap-out and its swap-in copies (swapped)."""
+        modes, hw = self.modes(config), self.hardware
         recompute = [self.block_fwd_s[b] if m == "checkpoint" else 0.0 for b, m in enumerate(modes)]
         swap_out = [self.block_saved[b] / hw.d2h_bytes_per_s if m == "swap" else 0.0 for b, m in enumerate(modes)]
         swap_in = [self.block_saved[b] / hw.h2d_bytes_per_s if m == "swap" else 0.0 for b, m in enumerate(modes)]
+        return recompute, swap_out, swap_in
+
+    def _per_chunk(self, config: Config) -> dict[str, list[float]]:
+        """Seconds of each chunk's share of the work: forward and backward compute, recompute, swap-out copies
+        (forward) and swap-in copies (backward)."""
+        n = self.n_chunk
+        recompute, swap_out, swap_in = self._block_extras(config)
         fwd_c, bwd_c, rec_c, out_c, in_c = ([0.0] * n for _ in range(5))
         fwd_c[0] += self.other_fwd_s[0]
         fwd_c[n - 1] += self.other_fwd_s[1]
@@ -351,14 +356,14 @@ class CostModel:
         """One buffer: a chunk loads only once the previous one is released; on the CPU nothing overlaps."""
         return config.n_buffer == 1 or not self.overlap
 
-    def _backward_timeline(self, config: Config) -> dict[str, list[float] | float]:
+    def _backward_timeline(self, config: Config, per: dict[str, list[float]]) -> dict[str, list[float] | float]:
         """The backward, chunk by chunk (last to first): each chunk's window computes it (and recomputes its
         checkpointed blocks) beside the load of the chunk needed next, unless that is persistent or still in a
         buffer from the forward, and its swap-in prefetches. When a chunk's window ends its gradients are
         reduced; the copies of offloaded shards to the host then run one at a time on their own stream, beside
         the compute (on the CPU, in line); an offloaded chunk's reduce first waits for the copy out of the
         buffer it reuses. Returns the end of each chunk's reduce and copy, and the backward's compute end."""
-        n, per, serial = self.n_chunk, self._per_chunk(config), self._serial(config)
+        n, serial = self.n_chunk, self._serial(config)  # `per`: `_per_chunk(config)`
         load = self._load_s()
         loads = [
             0 <= c - 1 and c - 1 >= config.n_persist and c - 1 < n - config.n_buffer for c in range(n)
@@ -388,12 +393,9 @@ class CostModel:
         """The terms of `step_s`: forward and backward seconds (copies they do not hide included), the optimizer's
         on the device and on the host, and how long the next forward waits for the host's (no optimizer without
         chunks: it is the user's then)."""
-        modes = self.modes(config)
-        recompute = [self.block_fwd_s[b] if m == "checkpoint" else 0.0 for b, m in enumerate(modes)]
         hw = self.hardware
-        swap_out = [self.block_saved[b] / hw.d2h_bytes_per_s if m == "swap" else 0.0 for b, m in enumerate(modes)]
-        swap_in = [self.block_saved[b] / hw.h2d_bytes_per_s if m == "swap" else 0.0 for b, m in enumerate(modes)]
         if self.n_chunk == 0:
+            recompute, swap_out, swap_in = self._block_extras(config)
             hidden = (sum(self.block_fwd_s), sum(self.block_bwd_s)) if self.overlap else (0.0, 0.0)
             return {
                 "forward_s": sum(self.other_fwd_s) + sum(self.block_fwd_s) + max(0.0, sum(swap_out) - hidden[0]),
@@ -414,7 +416,7 @@ class CostModel:
             comm = load if config.n_persist <= i < n else 0.0
             out = per["swap_out"][i - 1] if i > 0 else 0.0
             t_fwd += comp + comm + out if serial else max(comp, comm, out)
-        backward = self._backward_timeline(config)
+        backward = self._backward_timeline(config, per)
         t_bwd, arrival = backward["end"], backward["copy_end"]  # a chunk's gradient is on the host
         gpu_optim = sum(self.chunk_params[: config.n_persist]) * hw.device_adam_s_per_param
         # the host steps offloaded chunks one at a time, each once its gradient is there, the lowest landed one

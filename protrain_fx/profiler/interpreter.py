@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from protrain_fx.capture import OUTSIDE, BlockMap
 from protrain_fx.profiler.fusion import kernel_classes
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
-from protrain_fx.profiler.on_demand import AbsentCounting, GraphRun, OnDemand, Replay, storage_key
+from protrain_fx.profiler.on_demand import CALL_OPS, AbsentCounting, GraphRun, OnDemand, Replay, storage_key
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
 from protrain_fx.runtime.chunks import rank_and_world_size
 from protrain_fx.runtime.eager import eager
@@ -53,7 +53,6 @@ def _storages(values: Any, dropped: dict[int, int] | None = None) -> dict[int, i
     return out
 
 
-_CALL_OPS = ("call_function", "call_method", "call_module")
 # ~0.1 s at H100/H200 clocks: enough for the CPU to queue a graph's kernels ahead of the GPU
 _PREFILL_CYCLES = 200_000_000
 # ~1 ms: after tensors are dropped or brought back on demand, time for the CPU to catch up with the GPU
@@ -132,14 +131,14 @@ class TimedGraph:
 
         for node in gm.graph.nodes:
             i = len(self.records)
-            if node.op in _CALL_OPS and replay is not None:
+            if node.op in CALL_OPS and replay is not None:
                 drops, fetches = values(replay.drop_after.get(i - 1, ())), values(replay.fetch_before.get(i, ()))
                 if drops or fetches:
                     graph.call_function(self._between, (drops, fetches))
                     graph.call_function(self.clock.mark)
                     marks += 1
             env[node] = graph.node_copy(node, env.__getitem__)
-            if node.op in _CALL_OPS:
+            if node.op in CALL_OPS:
                 graph.call_function(self.clock.mark)
                 self.spans.append((marks - 1, marks))
                 marks += 1
@@ -190,7 +189,7 @@ class ProfilingInterpreter(fx.Interpreter):
         return out
 
     def run_node(self, node: fx.Node) -> Any:
-        if node.op not in _CALL_OPS:
+        if node.op not in CALL_OPS:
             return super().run_node(node)
         i = len(self.records)
         record = _new_record(node, self.graph_kind, self.block_map)

@@ -20,7 +20,6 @@ values appear (views extend it), so no alias analysis of the graph is needed.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,9 +28,7 @@ from torch import fx, nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-log = logging.getLogger(__name__)
-
-_CALL_OPS = ("call_function", "call_method", "call_module")
+CALL_OPS = ("call_function", "call_method", "call_module")  # the nodes that run an op
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -165,7 +162,7 @@ class GraphRun:
 
     def __init__(self, on_demand: OnDemand, gm: fx.GraphModule, drop: frozenset[str]):
         self.on_demand = on_demand
-        self.nodes = [n for n in gm.graph.nodes if n.op in _CALL_OPS]
+        self.nodes = [n for n in gm.graph.nodes if n.op in CALL_OPS]
         index = {n: i for i, n in enumerate(self.nodes)}
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         # the call nodes reading each node's value, by index
