@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import protrain_fx
-from protrain_fx.planner.cost import Config, CostModel, _Segment
+from protrain_fx.planner.cost import Config, CostModel, _HostRates, _Segment
 from protrain_fx.planner.search import TIE_REL, NoPlanFits, brute_force, plan_graph, rank, search
 from protrain_fx.profiler.hardware import HardwareProfile
 
@@ -26,6 +26,9 @@ H100_LIKE = HardwareProfile(
     kernel_s=3e-6,
     device_adam_s_per_param=2e-11,
     host_adam_s_per_param=2e-10,
+    host_adam_h2d_s_per_param=2e-10,
+    host_adam_d2h_s_per_param=2e-10,
+    host_adam_both_s_per_param=2e-10,
     device_memory_bytes=80 * GiB,
     host_memory_bytes=128 * GiB,
     collectives={},
@@ -163,6 +166,40 @@ def test_tiny_model_keeps_everything_on_the_device():
     assert "predicted_peak_bytes" in str(plan)
 
 
+def _host_adam(idle: float, h2d: float, d2h: float, both: float) -> HardwareProfile:
+    return dataclasses.replace(
+        H100_LIKE,
+        host_adam_s_per_param=idle,
+        host_adam_h2d_s_per_param=h2d,
+        host_adam_d2h_s_per_param=d2h,
+        host_adam_both_s_per_param=both,
+    )
+
+
+def test_host_optimizer_rate_follows_the_copies_beside_it():
+    """The host's AdamW runs at the rate measured beside the copies running at each moment: 1 s/param idle, 2
+    beside uploads, 3 beside downloads, 4 beside both."""
+    rates = _HostRates(_host_adam(1.0, 2.0, 3.0, 4.0), h2d=[(2.0, 6.0)], d2h=[(4.0, 8.0), (9.0, 9.0)])
+    assert rates.end(0.0, 1.0) == 1.0  # idle
+    assert rates.end(0.0, 3.0) == pytest.approx(2.0 + 2.0)  # 2 idle, then 1 beside uploads
+    assert rates.end(3.0, 0.75) == pytest.approx(5.0)  # 0.5 beside uploads until 4, 0.25 beside both
+    # from 3: 0.5 params beside uploads until 4, 0.5 beside both until 6, 2/3 beside downloads until 8, then 1
+    # idle until 9 (the empty span is no copy)
+    assert rates.end(3.0, 0.5 + 0.5 + 2 / 3 + 1.0) == pytest.approx(9.0)
+
+
+def test_copies_beside_the_host_optimizer_slow_offloaded_plans():
+    """Slower host rates beside copies lengthen the step of a plan whose host optimizer is on the critical path,
+    and change nothing where every chunk is persistent."""
+    model = synthetic()
+    offloaded, persistent = Config(n_persist=2, n_buffer=2), Config(n_persist=model.n_chunk, n_buffer=0)
+    alone = dataclasses.replace(model, hardware=_host_adam(2e-9, 2e-9, 2e-9, 2e-9))
+    shared = dataclasses.replace(model, hardware=_host_adam(2e-9, 3e-9, 3e-9, 4e-9))
+    assert shared.step_s(offloaded) > alone.step_s(offloaded)
+    assert shared.phases(offloaded)["cpu_optim_s"] > alone.phases(offloaded)["cpu_optim_s"]
+    assert shared.step_s(persistent) == alone.step_s(persistent)
+
+
 def test_the_next_forward_waits_for_the_host_optimizer():
     """Offloaded chunks step on the host as their gradients arrive, one after another; the next forward loads a
     chunk only once it is stepped. A host fast enough costs nothing; past that, every extra second the host
@@ -172,8 +209,7 @@ def test_the_next_forward_waits_for_the_host_optimizer():
     offloaded = sum(model.chunk_params[2:])
 
     def with_host(s_per_param):
-        hardware = dataclasses.replace(H100_LIKE, host_adam_s_per_param=s_per_param)
-        return dataclasses.replace(model, hardware=hardware)
+        return dataclasses.replace(model, hardware=_host_adam(s_per_param, s_per_param, s_per_param, s_per_param))
 
     fast = with_host(0.0).phases(config)
     assert fast["cpu_optim_wait_s"] == 0.0

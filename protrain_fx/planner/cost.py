@@ -12,7 +12,9 @@ Runtime (Appendix A.1). The paper's T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_
 host's AdamW can run: T_iter = T_fwd + T_bwd + T_gpu_optim + the next forward's wait for the host, where the host
 steps each offloaded chunk once its gradient has been reduced and copied down (one at a time, the lowest landed
 chunk first, as runtime/host_queue.py does) and the next forward waits where it would load a chunk the host has
-not stepped yet. The forward and
+not stepped yet. The host's AdamW is slower while copies run over the link (they share the host's memory
+bandwidth): its rate at each moment is the one measured beside copies running the same ways (`_HostRates`). The
+forward and
 backward are summed per chunk window as max(compute, communication):
   forward  window i: max(compute of chunk i-1, upload + all-gather of chunk i if not persistent, swap-outs);
   (a swapped block's copies are spread over the swap_interval blocks after it, which they run beside)
@@ -50,6 +52,7 @@ It is fixed before the search (paper line 231).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -64,6 +67,39 @@ from protrain_fx.runtime.chunks import REDUCE_BUFFERS
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per parameter element
 GRAD_BYTES = 4  # fp32 gradient per element
 MASTER_BYTES = 4  # fp32 master per element (none when the parameters are fp32 themselves)
+
+
+class _HostRates:
+    """The host AdamW's seconds per parameter over time, set by which copies run then (`h2d`, `d2h`: their
+    (start, end) seconds); they share the host's memory bandwidth with it (HardwareProfile.host_adam_s)."""
+
+    def __init__(self, hardware: HardwareProfile, h2d: list[tuple[float, float]], d2h: list[tuple[float, float]]):
+        events = sorted(
+            (t, delta, way)
+            for way, spans in enumerate((h2d, d2h))
+            for a, b in spans
+            if b > a
+            for t, delta in ((a, 1), (b, -1))
+        )
+        self.starts, self.rates, running = [-math.inf], [hardware.host_adam_s(False, False)], [0, 0]
+        for t, delta, way in events:
+            running[way] += delta
+            rate = hardware.host_adam_s(running[0] > 0, running[1] > 0)
+            if t == self.starts[-1]:
+                self.rates[-1] = rate
+            else:
+                self.starts.append(t)
+                self.rates.append(rate)
+
+    def end(self, start: float, params: float) -> float:
+        """When the AdamW of `params` parameters begun at `start` ends."""
+        k, t = bisect.bisect_right(self.starts, start) - 1, start
+        while True:
+            until = self.starts[k + 1] if k + 1 < len(self.starts) else math.inf
+            if t + params * self.rates[k] <= until:
+                return t + params * self.rates[k]
+            params -= (until - t) / self.rates[k]
+            t, k = until, k + 1
 
 
 def swap_interval(
@@ -307,13 +343,13 @@ class CostModel:
         gather = hw.collective_s("all_gather", self.chunk_elems * self.element_size) if self.world_size > 1 else 0.0
         return self.shard_elems * 4 / hw.h2d_bytes_per_s + gather
 
-    def _reduce_s(self, chunk: int, n_persist: int, concurrent: bool) -> float:
-        """Reduce a chunk's fp32 gradient across ranks and, offloaded, copy its shard to the host (`concurrent`:
-        while chunk uploads use the link the other way)."""
+    def _reduce_s(self, chunk: int, n_persist: int, concurrent: bool) -> tuple[float, float]:
+        """Seconds to reduce a chunk's fp32 gradient across ranks and, offloaded, to copy its shard to the host
+        (`concurrent`: while chunk uploads use the link the other way)."""
         hw = self.hardware
         reduce = hw.collective_s("reduce_scatter", self.chunk_elems * 4) if self.world_size > 1 else 0.0
         rate = hw.d2h_concurrent_bytes_per_s if concurrent else hw.d2h_bytes_per_s
-        return reduce + (self.shard_elems * 4 / rate if chunk >= n_persist else 0.0)
+        return reduce, (self.shard_elems * 4 / rate if chunk >= n_persist else 0.0)
 
     def step_s(self, config: Config) -> float:
         """Predicted seconds per training step (forward, backward and optimizer) of `config`."""
@@ -362,7 +398,8 @@ class CostModel:
         buffer from the forward, and its swap-in prefetches. When a chunk's window ends its gradients are
         reduced; the copies of offloaded shards to the host then run one at a time on their own stream, beside
         the compute (on the CPU, in line); an offloaded chunk's reduce first waits for the copy out of the
-        buffer it reuses. Returns the end of each chunk's reduce and copy, and the backward's compute end."""
+        buffer it reuses. Returns the end of each chunk's reduce and copy, the backward's compute end, and when
+        copies run to the device and to the host ((start, end) each)."""
         n, serial = self.n_chunk, self._serial(config)  # `per`: `_per_chunk(config)`
         load = self._load_s()
         loads = [
@@ -371,9 +408,11 @@ class CostModel:
         concurrent = any(loads)
         t, copy_end, link_free = 0.0, [0.0] * n, 0.0
         reduced: list[int] = []  # offloaded chunks in the order they took a reduce buffer
+        h2d, d2h = [], []
         for i in reversed(range(-1, n)):
             comp = per["backward"][i] + per["recompute"][i] if i >= 0 else 0.0
             comm = (load if i >= 0 and loads[i] else 0.0) + (per["swap_in"][i] if i >= 0 else 0.0)
+            h2d.append((t, t + comm))
             t += comp + comm if serial else max(comp, comm)
             if i < 0:
                 continue
@@ -381,13 +420,14 @@ class CostModel:
                 if len(reduced) >= REDUCE_BUFFERS:  # its buffer's last copy must have ended
                     t = max(t, copy_end[reduced[-REDUCE_BUFFERS]])
                 reduced.append(i)
-            reduce = self._reduce_s(i, config.n_persist, concurrent)
+            reduce, copy = self._reduce_s(i, config.n_persist, concurrent)
             if self.overlap:
-                copy_end[i] = link_free = max(t, link_free) + reduce
+                copy_end[i] = link_free = max(t, link_free) + reduce + copy
             else:
-                t += reduce
+                t += reduce + copy
                 copy_end[i] = t
-        return {"copy_end": copy_end, "end": t}
+            d2h.append((copy_end[i] - copy, copy_end[i]))
+        return {"copy_end": copy_end, "end": t, "h2d": h2d, "d2h": d2h}
 
     def phases(self, config: Config) -> dict[str, float]:
         """The terms of `step_s`: forward and backward seconds (copies they do not hide included), the optimizer's
@@ -410,20 +450,29 @@ class CostModel:
         n, per = self.n_chunk, self._per_chunk(config)
         load, serial = self._load_s(), self._serial(config)
         t_fwd, window_start = 0.0, [0.0] * (n + 1)
+        fwd_h2d, fwd_d2h = [], []  # copies of the forward, from its start
         for i in range(n + 1):
             window_start[i] = t_fwd  # window i loads chunk i beside chunk i-1's compute
             comp = per["forward"][i - 1] if i > 0 else 0.0
             comm = load if config.n_persist <= i < n else 0.0
             out = per["swap_out"][i - 1] if i > 0 else 0.0
+            fwd_h2d.append((t_fwd, t_fwd + comm))
+            fwd_d2h.append((t_fwd, t_fwd + out))
             t_fwd += comp + comm + out if serial else max(comp, comm, out)
         backward = self._backward_timeline(config, per)
         t_bwd, arrival = backward["end"], backward["copy_end"]  # a chunk's gradient is on the host
         gpu_optim = sum(self.chunk_params[: config.n_persist]) * hw.device_adam_s_per_param
         # the host steps offloaded chunks one at a time, each once its gradient is there, the lowest landed one
-        # first (runtime/host_queue.py: the next forward needs it first); the next forward loads a chunk only once
-        # it is stepped, so it waits where the host has not caught up
-        adam = [self.chunk_params[i] / self.world_size * hw.host_adam_s_per_param for i in range(n)]
-        pending, clock, wait = set(range(config.n_persist, n)), 0.0, 0.0
+        # first (runtime/host_queue.py: the next forward needs it first), beside the backward's copies and the
+        # next forward's (clock: from the backward's start); the next forward loads a chunk only once it is
+        # stepped, so it waits where the host has not caught up
+        nxt = t_bwd + gpu_optim
+        rates = _HostRates(
+            hw,
+            backward["h2d"] + [(nxt + a, nxt + b) for a, b in fwd_h2d],
+            backward["d2h"] + [(nxt + a, nxt + b) for a, b in fwd_d2h],
+        )
+        pending, clock, wait, busy = set(range(config.n_persist, n)), 0.0, 0.0, 0.0
         while pending:
             landed = [c for c in pending if arrival[c] <= clock]
             if not landed:
@@ -431,12 +480,13 @@ class CostModel:
                 continue
             chunk = min(landed)
             pending.remove(chunk)
-            clock += adam[chunk]
-            wait = max(wait, clock - (t_bwd + gpu_optim + window_start[chunk]))
+            start, clock = clock, rates.end(clock, self.chunk_params[chunk] / self.world_size)
+            busy += clock - start
+            wait = max(wait, clock - (nxt + window_start[chunk]))
         return {
             "forward_s": t_fwd,
             "backward_s": t_bwd,
             "gpu_optim_s": gpu_optim,
-            "cpu_optim_s": sum(adam[config.n_persist :]),
+            "cpu_optim_s": busy,
             "cpu_optim_wait_s": wait,
         }

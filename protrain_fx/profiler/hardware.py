@@ -8,13 +8,15 @@ once and cached on disk.
 Measured: host-to-device and device-to-host bandwidth from pinned memory, each alone and both at once; the
 device's own memory bandwidth and the least time a kernel takes; the
 all-gather, reduce-scatter and all-reduce time by message size for the current world size (none with one
-rank); the fused AdamW time per parameter on the device and on the host; the device's memory (nvidia-ml-py
+rank); the fused AdamW time per parameter on the device, and on the host as the chunk runtime runs it (on its
+worker thread, with the link idle and beside copies each way, which share the host's memory bandwidth with
+it); the device's memory (nvidia-ml-py
 where available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU
 copies, the CPU AdamW and gloo. With several ranks the measurements are reduced across ranks (slowest rank
 wins), so every rank plans from the same numbers.
 
-The cache key is the device name, its memory, the world size and the torch version; a file measured under
-another key is measured again.
+The cache key is the device name, its memory, the world size, the torch version and METHOD (how it is
+measured); a file measured under another key is measured again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,12 +38,16 @@ from protrain_fx.config import default_cache_dir
 from protrain_fx.runtime.chunks import rank_and_world_size
 from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.host import available_host_bytes, meminfo_bytes
+from protrain_fx.runtime.host_queue import HostQueue
 
 log = logging.getLogger(__name__)
 
 COPY_BYTES = 256 * 2**20  # per bandwidth measurement
 ADAM_PARAMS = 64 * 2**20  # 1 GiB of fp32 state: past the caches, as a model chunk is
+ADAM_TENSORS = 16  # the host AdamW's parameters, as views of one chunk (per-tensor overhead counted)
 ADAM_STEPS = 3
+HOST_ADAM_STEPS = 5
+METHOD = 2  # how the profile is measured, in the cache key: a profile measured by older code is measured again
 KERNELS = 1000  # back-to-back tiny kernels timed for the launch floor
 COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
 CPU_COLLECTIVE_BYTES = (2**20, 16 * 2**20)  # gloo on a few cores: larger messages only take long (extrapolated)
@@ -57,7 +64,12 @@ class HardwareProfile:
     device_bytes_per_s: float  # device memory bandwidth, read plus write (a device-to-device copy)
     kernel_s: float  # the least time a kernel takes, launched back to back (a one-element add)
     device_adam_s_per_param: float
+    # the host's AdamW as the chunk runtime runs it, with the link idle and while pinned copies run to the device,
+    # to the host or both ways beside it: they share the host's memory bandwidth with it
     host_adam_s_per_param: float
+    host_adam_h2d_s_per_param: float
+    host_adam_d2h_s_per_param: float
+    host_adam_both_s_per_param: float
     device_memory_bytes: int  # total
     host_memory_bytes: int  # available when measured
     collectives: dict[str, list[tuple[int, float]]]  # op -> (message bytes, seconds), ascending; empty for 1 rank
@@ -75,6 +87,14 @@ class HardwareProfile:
         (b0, t0), (b1, t1) = points[-2], points[-1]
         return t1 + (t1 - t0) * (nbytes - b1) / (b1 - b0)
 
+    def host_adam_s(self, h2d: bool, d2h: bool) -> float:
+        """Seconds per parameter of the host's AdamW while copies run to the device (`h2d`) and/or to the host."""
+        if h2d and d2h:
+            return self.host_adam_both_s_per_param
+        if h2d:
+            return self.host_adam_h2d_s_per_param
+        return self.host_adam_d2h_s_per_param if d2h else self.host_adam_s_per_param
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -88,7 +108,13 @@ class HardwareProfile:
 def cache_key(device: torch.device) -> dict:
     _, world_size = rank_and_world_size()
     name, memory = _device_facts(device)
-    return {"device": name, "device_memory_bytes": memory, "world_size": world_size, "torch": torch.__version__}
+    return {
+        "device": name,
+        "device_memory_bytes": memory,
+        "world_size": world_size,
+        "torch": torch.__version__,
+        "method": METHOD,
+    }
 
 
 def hardware_profile(
@@ -147,7 +173,8 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     dev2 = torch.empty(n, device=device)
     h2d = _rate(COPY_BYTES, lambda: dev.copy_(host, non_blocking=True), device)
     d2h = _rate(COPY_BYTES, lambda: host2.copy_(dev2, non_blocking=True), device)
-    both = _concurrent(dev, host, host2, dev2, device)
+    both = _both_ways(dev, host, host2, dev2, device)
+    both_s = _concurrent(both, device)
     local = 2 * _rate(COPY_BYTES, lambda: dev2.copy_(dev), device)  # each byte read once and written once
     one = torch.zeros(1, device=device)
     kernel = _timed(lambda: [one.add_(1) for _ in range(KERNELS)], device) / KERNELS
@@ -155,12 +182,12 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     measured = {
         "h2d_bytes_per_s": h2d,
         "d2h_bytes_per_s": d2h,
-        "h2d_concurrent_bytes_per_s": both,
-        "d2h_concurrent_bytes_per_s": both,
+        "h2d_concurrent_bytes_per_s": both_s,
+        "d2h_concurrent_bytes_per_s": both_s,
         "device_bytes_per_s": local,
         "kernel_s": kernel,
         "device_adam_s_per_param": _adam_s_per_param(device),
-        "host_adam_s_per_param": _adam_s_per_param(torch.device("cpu")),
+        **_host_adam(dev, host, host2, dev2, both, device),
     }
     measured["device_memory_bytes"] = memory
     measured["host_memory_bytes"] = available_host_bytes() or 0
@@ -200,10 +227,15 @@ def _rate(nbytes: int, fn: Callable[[], object], device: torch.device) -> float:
     return nbytes / _timed(fn, device)
 
 
-def _concurrent(dev, host, host2, dev2, device: torch.device) -> float:
-    """Bytes per second of each direction while both copy at once (on two streams on CUDA)."""
+def _concurrent(both: Callable[[], object], device: torch.device) -> float:
+    """Bytes per second of each direction while both copy at once."""
+    return _rate(COPY_BYTES, both, device)
+
+
+def _both_ways(dev, host, host2, dev2, device: torch.device) -> Callable[[], object]:
+    """One copy to the device and one back at once (on two streams on CUDA)."""
     if device.type != "cuda":
-        return _rate(2 * COPY_BYTES, lambda: (dev.copy_(host), host2.copy_(dev2)), device) / 2
+        return lambda: (dev.copy_(host), host2.copy_(dev2))
     up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
     def both():
@@ -212,12 +244,11 @@ def _concurrent(dev, host, host2, dev2, device: torch.device) -> float:
         with torch.cuda.stream(down):
             host2.copy_(dev2, non_blocking=True)
 
-    return _rate(COPY_BYTES, both, device)
+    return both
 
 
 def _adam_s_per_param(device: torch.device) -> float:
-    """torch's fused AdamW on ADAM_PARAMS fp32 parameters, per parameter: the fastest of a few steps, since the
-    host measurement runs while inductor's compile workers start up beside it."""
+    """torch's fused AdamW on the device, per parameter: the fastest of a few steps on ADAM_PARAMS parameters."""
     p = torch.zeros(ADAM_PARAMS, device=device)
     p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
@@ -230,6 +261,56 @@ def _adam_s_per_param(device: torch.device) -> float:
         _sync(device)
         times.append(time.perf_counter() - start)
     return min(times) / ADAM_PARAMS
+
+
+def _host_adam(dev, host, host2, dev2, both: Callable[[], object], device: torch.device) -> dict[str, float]:
+    """The host AdamW's seconds per parameter with the link idle and beside copies each way and both (on the
+    CPU, where nothing is copied over a link, the same figure for all four)."""
+    idle = _host_adam_s_per_param(None, device)
+    if device.type != "cuda":
+        beside = dict.fromkeys(("h2d", "d2h", "both"), idle)
+    else:
+        copies = {
+            "h2d": lambda: dev.copy_(host, non_blocking=True),
+            "d2h": lambda: host2.copy_(dev2, non_blocking=True),
+            "both": both,
+        }
+        beside = {name: _host_adam_s_per_param(fn, device) for name, fn in copies.items()}
+    return {"host_adam_s_per_param": idle, **{f"host_adam_{k}_s_per_param": v for k, v in beside.items()}}
+
+
+def _host_adam_s_per_param(copies: Callable[[], object] | None, device: torch.device) -> float:
+    """torch's fused CPU AdamW per parameter as the chunk runtime runs an offloaded chunk's step: on a HostQueue
+    worker thread (one core fewer beside a GPU), over ADAM_TENSORS views of one flat pinned chunk, while this
+    thread repeats `copies` (pinned copies over the link, waited for) or waits. The median of a few steps.
+    Copies slow it: on an H100 machine 2.3e-10 s/param alone, 3.2e-10 beside copies to the device and 3.5e-10
+    to 4.4e-10 beside copies both ways (docs/benchmarks.md, issue 5)."""
+    gpu = device.type == "cuda"
+    master = torch.zeros(ADAM_PARAMS, pin_memory=gpu)
+    grads = torch.full((ADAM_PARAMS,), 1e-3, pin_memory=gpu)
+    views = list(master.chunk(ADAM_TENSORS))
+    for view, grad in zip(views, grads.chunk(ADAM_TENSORS)):
+        view.grad = grad
+    opt = torch.optim.AdamW(views, lr=1e-3, fused=True)
+    times: list[float] = []
+
+    def steps() -> None:
+        opt.step()  # the states are allocated in the first step
+        for _ in range(HOST_ADAM_STEPS):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+
+    queue = HostQueue("protrain-hardware-adam", spare_core=gpu)
+    try:
+        done = queue.submit(0, None, steps)
+        while copies is not None and not done.done():
+            copies()
+            _sync(device)
+        done.result()
+    finally:
+        queue.close()
+    return statistics.median(times) / ADAM_PARAMS
 
 
 def _collectives(device: torch.device) -> dict[str, list[tuple[int, float]]]:
