@@ -283,8 +283,8 @@ def _host_adam_s_per_param(copies: Callable[[], object] | None, device: torch.de
     """torch's fused CPU AdamW per parameter as the chunk runtime runs an offloaded chunk's step: on a HostQueue
     worker thread (one core fewer beside a GPU), over ADAM_TENSORS views of one flat pinned chunk, while this
     thread repeats `copies` (pinned copies over the link, waited for) or waits. The median of a few steps.
-    Copies slow it: on an H100 machine 2.3e-10 s/param alone, 3.2e-10 beside copies to the device and 3.5e-10
-    to 4.4e-10 beside copies both ways (docs/benchmarks.md, issue 5)."""
+    Copies slow it: on an H100 machine 2.0-2.1e-10 s/param alone, 2.5-2.7e-10 beside copies to the device and
+    3.3-3.7e-10 beside copies both ways (docs/benchmarks.md, issue 5)."""
     gpu = device.type == "cuda"
     master = torch.zeros(ADAM_PARAMS, pin_memory=gpu)
     grads = torch.full((ADAM_PARAMS,), 1e-3, pin_memory=gpu)
