@@ -27,6 +27,10 @@ def test_measured_on_cpu_and_cached(small, tmp_path, monkeypatch):
     profile = hardware_profile(torch.device("cpu"), cache_dir=tmp_path)
     rates = [profile.h2d_bytes_per_s, profile.d2h_bytes_per_s, profile.h2d_concurrent_bytes_per_s]
     assert all(r > 0 for r in rates) and profile.host_adam_s_per_param > 0
+    # no link on the CPU: the host AdamW's rate is the same whatever "copies" run
+    assert {profile.host_adam_s(up, down) for up in (False, True) for down in (False, True)} == {
+        profile.host_adam_s_per_param
+    }
     assert profile.device_memory_bytes > 0 and profile.collectives == {}
     assert profile.key == hardware.cache_key(torch.device("cpu"))
     (written,) = (tmp_path / "hardware").iterdir()

@@ -174,7 +174,7 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     h2d = _rate(COPY_BYTES, lambda: dev.copy_(host, non_blocking=True), device)
     d2h = _rate(COPY_BYTES, lambda: host2.copy_(dev2, non_blocking=True), device)
     both = _both_ways(dev, host, host2, dev2, device)
-    both_s = _concurrent(both, device)
+    both_s = _rate(COPY_BYTES, both, device)  # each direction's, while both copy at once
     local = 2 * _rate(COPY_BYTES, lambda: dev2.copy_(dev), device)  # each byte read once and written once
     one = torch.zeros(1, device=device)
     kernel = _timed(lambda: [one.add_(1) for _ in range(KERNELS)], device) / KERNELS
@@ -225,11 +225,6 @@ def _timed(fn: Callable[[], object], device: torch.device, repeat: int = 3) -> f
 
 def _rate(nbytes: int, fn: Callable[[], object], device: torch.device) -> float:
     return nbytes / _timed(fn, device)
-
-
-def _concurrent(both: Callable[[], object], device: torch.device) -> float:
-    """Bytes per second of each direction while both copy at once."""
-    return _rate(COPY_BYTES, both, device)
 
 
 def _both_ways(dev, host, host2, dev2, device: torch.device) -> Callable[[], object]:
