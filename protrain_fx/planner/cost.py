@@ -467,12 +467,13 @@ class CostModel:
         # next forward's (clock: from the backward's start); the next forward loads a chunk only once it is
         # stepped, so it waits where the host has not caught up
         nxt = t_bwd + gpu_optim
-        rates = _HostRates(
-            hw,
-            backward["h2d"] + [(nxt + a, nxt + b) for a, b in fwd_h2d],
-            backward["d2h"] + [(nxt + a, nxt + b) for a, b in fwd_d2h],
-        )
         pending, clock, wait, busy = set(range(config.n_persist, n)), 0.0, 0.0, 0.0
+        if pending:  # (built only where the host has work: the search visits many configurations)
+            rates = _HostRates(
+                hw,
+                backward["h2d"] + [(nxt + a, nxt + b) for a, b in fwd_h2d],
+                backward["d2h"] + [(nxt + a, nxt + b) for a, b in fwd_d2h],
+            )
         while pending:
             landed = [c for c in pending if arrival[c] <= clock]
             if not landed:

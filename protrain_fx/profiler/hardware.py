@@ -171,10 +171,13 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     host2 = torch.empty(n, pin_memory=pin)
     dev = torch.empty(n, device=device)
     dev2 = torch.empty(n, device=device)
-    h2d = _rate(COPY_BYTES, lambda: dev.copy_(host, non_blocking=True), device)
-    d2h = _rate(COPY_BYTES, lambda: host2.copy_(dev2, non_blocking=True), device)
-    both = _both_ways(dev, host, host2, dev2, device)
-    both_s = _rate(COPY_BYTES, both, device)  # each direction's, while both copy at once
+    copies = {  # one copy over the link: to the device, to the host, both at once
+        "h2d": lambda: dev.copy_(host, non_blocking=True),
+        "d2h": lambda: host2.copy_(dev2, non_blocking=True),
+        "both": _both_ways(dev, host, host2, dev2, device),
+    }
+    h2d, d2h = _rate(COPY_BYTES, copies["h2d"], device), _rate(COPY_BYTES, copies["d2h"], device)
+    both_s = _rate(COPY_BYTES, copies["both"], device)  # each direction's, while both copy at once
     local = 2 * _rate(COPY_BYTES, lambda: dev2.copy_(dev), device)  # each byte read once and written once
     one = torch.zeros(1, device=device)
     kernel = _timed(lambda: [one.add_(1) for _ in range(KERNELS)], device) / KERNELS
@@ -187,7 +190,7 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
         "device_bytes_per_s": local,
         "kernel_s": kernel,
         "device_adam_s_per_param": _adam_s_per_param(device),
-        **_host_adam(dev, host, host2, dev2, both, device),
+        **_host_adam(copies, device),
     }
     measured["device_memory_bytes"] = memory
     measured["host_memory_bytes"] = available_host_bytes() or 0
@@ -258,19 +261,11 @@ def _adam_s_per_param(device: torch.device) -> float:
     return min(times) / ADAM_PARAMS
 
 
-def _host_adam(dev, host, host2, dev2, both: Callable[[], object], device: torch.device) -> dict[str, float]:
-    """The host AdamW's seconds per parameter with the link idle and beside copies each way and both (on the
-    CPU, where nothing is copied over a link, the same figure for all four)."""
+def _host_adam(copies: dict[str, Callable[[], object]], device: torch.device) -> dict[str, float]:
+    """The host AdamW's seconds per parameter with the link idle and beside each of `copies` (on the CPU, where
+    nothing is copied over a link, the same figure for all)."""
     idle = _host_adam_s_per_param(None, device)
-    if device.type != "cuda":
-        beside = dict.fromkeys(("h2d", "d2h", "both"), idle)
-    else:
-        copies = {
-            "h2d": lambda: dev.copy_(host, non_blocking=True),
-            "d2h": lambda: host2.copy_(dev2, non_blocking=True),
-            "both": both,
-        }
-        beside = {name: _host_adam_s_per_param(fn, device) for name, fn in copies.items()}
+    beside = {k: idle if device.type != "cuda" else _host_adam_s_per_param(fn, device) for k, fn in copies.items()}
     return {"host_adam_s_per_param": idle, **{f"host_adam_{k}_s_per_param": v for k, v in beside.items()}}
 
 
