@@ -37,6 +37,58 @@ def checkpoint_tag_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
+def recompute_order_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Backward: a checkpointed block's recompute starts only after the backward work before it. The partitioner
+    puts each recompute right before its first use, but inductor fuses kernels of nearby nodes that read the
+    same buffers (the rotary cos/sin every block reads), which pulled block b-1's recompute into block b's
+    backward and held two blocks' recomputed activations at once. The activations the recompute reads go
+    through `protrain.after(x, [values live there])`, a copy that exists only after everything computed before
+    the recompute's place.
+
+        before:  ...block b's backward...; h = mm(x, w); ...                 # h: block b-1 recomputed
+        after:   ...block b's backward...; x2 = protrain.after(x, [dx, dw, ...]); h = mm(x2, w); ...
+    """
+    if ctx.stage != "backward" or "checkpoint" not in ctx.plan.block_modes:
+        return gm
+    graph = gm.graph
+    regions: dict[int, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
+            regions.setdefault(n.meta.get("ac_graph_id"), []).append(n)
+    params = {p.name for p in ctx.forward_placeholders}
+    for nodes in regions.values():
+        members, first = set(nodes), nodes[0]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        live = [
+            n
+            for n in graph.nodes
+            if order[n] < order[first]
+            and n.op == "call_function"
+            and isinstance(n.meta.get("val"), torch.Tensor)
+            and any(order[u] >= order[first] for u in n.users)
+        ]
+        inputs = {
+            a
+            for n in nodes
+            for a in n.all_input_nodes
+            if a not in members and a.name not in params and isinstance(a.meta.get("val"), torch.Tensor)
+        }
+        if not live or not inputs:
+            continue
+        for x in sorted(inputs, key=order.__getitem__):
+            readers = [n for n in nodes if x in n.all_input_nodes]
+            with graph.inserting_before(min(readers, key=order.__getitem__)):  # x may come after `first`
+                copy = graph.call_function(torch.ops.protrain.after.default, (x, live))
+            val = x.meta["val"]
+            with val.fake_mode:
+                copy.meta["val"] = torch.empty_like(val)
+            for n in readers:
+                n.replace_input_with(x, copy)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
 SWAP = "protrain_swap"  # on a forward swap_out node: (slot, block)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from torch import fx
 
 from protrain_fx.config import ProTrainConfig
-from protrain_fx.passes.activations import checkpoint_tag_pass, swap_in_pass, swap_out_pass
+from protrain_fx.passes.activations import checkpoint_tag_pass, recompute_order_pass, swap_in_pass, swap_out_pass
 from protrain_fx.passes.chunks import chunk_gather_pass, chunk_tag_pass, grad_reduce_pass, param_check_pass
 from protrain_fx.passes.monitor import step_mark_pass
 from protrain_fx.planner.plan import Plan
@@ -50,6 +50,7 @@ Pass = Callable[..., fx.GraphModule]
 
 JOINT_PASSES: tuple[Pass, ...] = (checkpoint_tag_pass,)
 GRAPH_PASSES: tuple[Pass, ...] = (
+    recompute_order_pass,
     swap_out_pass,
     swap_in_pass,
     chunk_tag_pass,

@@ -12,6 +12,7 @@
     protrain.swap_prefetch(space, [slot, ...], after)          # backward, a block's tensors ahead of their use,
     t = protrain.swap_in(space, slot, h)                       # backward, before the first use
     protrain.step_mark(monitor, x)                             # forward start: a step (runtime/monitor.py)
+    x2 = protrain.after(x, [values])                           # backward: x, copied once `values` exist
 
 Ordering comes from data dependencies: every read of a parameter goes through its chunk's `gather`
 output, `release` takes the outputs of the chunk's last readers as arguments, and `reduce_grads` takes
@@ -152,6 +153,18 @@ def swap_in(space: int, slot: int, host: torch.Tensor) -> torch.Tensor:
 @swap_in.register_fake
 def _(space: int, slot: int, host: torch.Tensor) -> torch.Tensor:
     return torch.empty(host.shape, dtype=host.dtype, device=_manager(space).device)
+
+
+@torch.library.custom_op("protrain::after", mutates_args=())
+def after(x: torch.Tensor, deps: list[torch.Tensor]) -> torch.Tensor:
+    """A copy of `x` that exists only once `deps` do: what reads it is ordered after their producers, and no
+    compiler fuses it with work before them (passes/activations.py: recompute_order_pass)."""
+    return x.clone()
+
+
+@after.register_fake
+def _(x: torch.Tensor, deps: list[torch.Tensor]) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 has_side_effect(torch.ops.protrain.check_params.default)
