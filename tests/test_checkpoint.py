@@ -151,3 +151,38 @@ def test_checkpoint_pass_alone():
     assert tags["cos"] == (CheckpointPolicy.MUST_RECOMPUTE, 2)
     assert tags["sin"] == tags["exp"] == tags["neg"] == (None, None)
     assert tagged(torch.ones(3)).equal(f(torch.ones(3)))
+
+
+@pytest.mark.parametrize("kind", ["toy", "llama"])
+def test_recompute_waits_for_the_backward_before_it(kind):
+    """Any schedule of the backward graph (inductor's fusions included) runs a checkpointed block's recompute
+    only after the gradients computed ahead of it in the graph: two blocks' recomputed activations are never
+    alive at once."""
+    import networkx as nx
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    _, _, backend, compiled = _compiled(kind, {"n_checkpoint": 3})
+    models.loss_of(kind, compiled(**models.batch(kind))).backward()
+    graph = backend.graphs[0].backward.graph
+    dag = nx.DiGraph((a, n) for n in graph.nodes for a in n.all_input_nodes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    grads = [a for a in graph.output_node().all_input_nodes if a.op != "placeholder"]
+    regions = {}
+    for n in graph.nodes:
+        if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
+            regions.setdefault(n.meta["ac_graph_id"], []).append(n)
+    assert len(regions) == 3, regions.keys()
+    for nodes in regions.values():
+        ahead = {g for g in grads if order[g] < order[nodes[0]]}
+        for n in nodes:
+            activations = [
+                a
+                for a in n.all_input_nodes
+                if not a.name.startswith("primals")
+                and isinstance(a.meta.get("val"), torch.Tensor)
+                and a.meta["val"].numel()
+            ]
+            if activations and not any(a in nodes for a in n.all_input_nodes):
+                assert ahead <= nx.ancestors(dag, n), (n.name, sorted(g.name for g in ahead - nx.ancestors(dag, n)))
+    copied = [n.args[0] for n in graph.nodes if n.target is torch.ops.protrain.after.default]
+    assert copied and not any(a.name.startswith("primals") for a in copied), copied  # activations, never weights

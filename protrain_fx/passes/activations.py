@@ -14,11 +14,15 @@ forward's RNG state (the partitioner's `functionalize_rng_ops`), so dropout mask
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from protrain_fx.capture import is_backward
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_tag_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -55,7 +59,7 @@ def recompute_order_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for n in graph.nodes:
         if n.op == "call_function" and n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
             regions.setdefault(n.meta.get("ac_graph_id"), []).append(n)
-    params = {p.name for p in ctx.forward_placeholders}
+    params = _parameter_views(ctx.forward_placeholders, graph)
     for nodes in regions.values():
         members, first = set(nodes), nodes[0]
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -64,6 +68,7 @@ def recompute_order_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             for n in graph.nodes
             if order[n] < order[first]
             and n.op == "call_function"
+            and n.name not in params
             and isinstance(n.meta.get("val"), torch.Tensor)
             and any(order[u] >= order[first] for u in n.users)
         ]
@@ -71,7 +76,10 @@ def recompute_order_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             a
             for n in nodes
             for a in n.all_input_nodes
-            if a not in members and a.name not in params and isinstance(a.meta.get("val"), torch.Tensor)
+            if a not in members
+            and a.name not in params
+            and isinstance(a.meta.get("val"), torch.Tensor)
+            and a.meta["val"].numel() > 0
         }
         if not live or not inputs:
             continue
@@ -84,9 +92,28 @@ def recompute_order_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 copy.meta["val"] = torch.empty_like(val)
             for n in readers:
                 n.replace_input_with(x, copy)
+            log.debug(
+                "recompute of region %s reads %s %s after %d values",
+                first.meta.get("ac_graph_id"),
+                x.name,
+                tuple(val.shape),
+                len(live),
+            )
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _parameter_views(forward_placeholders, backward: fx.Graph) -> set[str]:
+    """Names of the parameters and of values made from them by views alone, in the forward (a transposed
+    weight saved for the backward) and in the backward: the recompute reads them as they are, never through a
+    copy, and never waits on them (waiting would hold their chunks gathered)."""
+    names = {p.name for p in forward_placeholders}
+    for graph in (forward_placeholders[0].graph, backward) if forward_placeholders else ():
+        for n in graph.nodes:
+            if n.op == "call_function" and getattr(n.target, "is_view", False) and n.args and n.args[0].name in names:
+                names.add(n.name)
+    return names
 
 
 SWAP = "protrain_swap"  # on a forward swap_out node: (slot, block)
