@@ -60,18 +60,21 @@ def recompute_order_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if n.op == "call_function" and n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
             regions.setdefault(n.meta.get("ac_graph_id"), []).append(n)
     params = _parameter_views(ctx.forward_placeholders, graph)
-    for nodes in regions.values():
+    waited: set[fx.Node] = set()  # an earlier region's deps: the gradient chain orders this region after them
+    for nodes in regions.values():  # in graph order
         members, first = set(nodes), nodes[0]
         order = {n: i for i, n in enumerate(graph.nodes)}
         live = [
             n
             for n in graph.nodes
             if order[n] < order[first]
+            and n not in waited
             and n.op == "call_function"
             and n.name not in params
             and isinstance(n.meta.get("val"), torch.Tensor)
             and any(order[u] >= order[first] for u in n.users)
         ]
+        waited.update(live)
         inputs = {
             a
             for n in nodes
