@@ -67,3 +67,11 @@ def losses_side_by_side(kind, ref, ref_opt, compiled, opt, steps: int = 3) -> li
             losses.append(loss.item())
         pairs.append(tuple(losses))
     return pairs
+
+
+class CapturingBackend(protrain_fx.ProTrainBackend):
+    """Keeps the first graph's real example inputs, to run its rewritten graphs again."""
+
+    def __call__(self, gm, example_inputs):
+        self.__dict__.setdefault("inputs", list(example_inputs))
+        return super().__call__(gm, example_inputs)

@@ -13,22 +13,14 @@ swapped plans are off by -9% to +19% on the CPU, where the host slots are the sa
 import models
 import pytest
 import torch
+from helpers import CapturingBackend
 
-import protrain_fx
 from protrain_fx.profiler.interpreter import profile_iteration
-
-
-class _Capturing(protrain_fx.ProTrainBackend):
-    """Keeps the first graph's real example inputs, to run its rewritten graphs again."""
-
-    def __call__(self, gm, example_inputs):
-        self.__dict__.setdefault("inputs", list(example_inputs))
-        return super().__call__(gm, example_inputs)
 
 
 def _measured_and_predicted(kind: str, plan: dict) -> tuple[int, int]:
     model = models.build(kind, layers=4)
-    backend = _Capturing({"executor": "eager", "plan": plan})
+    backend = CapturingBackend({"executor": "eager", "plan": plan})
     compiled = torch.compile(model, backend=backend, dynamic=False)
     models.loss_of(kind, compiled(**models.batch(kind))).backward()
     record = backend.graphs[0]

@@ -125,3 +125,31 @@ def test_profiling_leaves_rng_untouched():
     torch.set_rng_state(state)
     model(**batch)
     assert torch.equal(after_compiled, torch.get_rng_state())
+
+
+def test_backward_holds_the_output_gradients_where_the_engine_does(monkeypatch):
+    """Where the autograd engine keeps the backward's output gradients until it returns (torch without boxed
+    gradients), the profile holds them too: the tiny LLaMA's logits gradient stays counted to the end."""
+    from helpers import CapturingBackend
+
+    from protrain_fx.profiler import interpreter
+
+    model = models.build("llama", layers=2)
+    backend = CapturingBackend({"executor": "eager"})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    models.loss_of("llama", compiled(**models.batch("llama"))).backward()
+    record = backend.graphs[0]
+    tangents = [n for n in record.backward.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    held_bytes = sum(n.meta["val"].nbytes for n in tangents)
+    assert held_bytes >= 2 * 16 * 96 * 4  # the logits' gradient: batch, sequence, vocabulary, fp32
+
+    def backward_records(frees):
+        monkeypatch.setattr(interpreter, "ENGINE_FREES_OUTPUT_GRADS", frees)
+        profile = interpreter.profile_iteration(record.forward, record.backward, backend.inputs, record.block_map)
+        return [r for r in profile.nodes if r.graph == "backward"]
+
+    held, freed = backward_records(False), backward_records(True)
+    readers = {u.name for n in tangents for u in n.users}
+    last = max(i for i, r in enumerate(freed) if r.name in readers)
+    extra = {h.allocated_before - f.allocated_before for h, f in zip(held[last + 1 :], freed[last + 1 :])}
+    assert extra == {held_bytes}, extra

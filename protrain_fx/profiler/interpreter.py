@@ -53,6 +53,11 @@ def _storages(values: Any, dropped: dict[int, int] | None = None) -> dict[int, i
     return out
 
 
+# Whether the autograd engine hands AOTAutograd's backward its output gradients (the tangents) in a list it may
+# empty, so each is freed after its last use. Older torch passes them as arguments, alive until the backward
+# returns: a loss's unused logits get a zero gradient of their full size that stays for the whole backward.
+ENGINE_FREES_OUTPUT_GRADS = hasattr(torch.autograd.function.BackwardCFunction, "apply_boxed")
+
 # ~0.1 s at H100/H200 clocks: enough for the CPU to queue a graph's kernels ahead of the GPU
 _PREFILL_CYCLES = 200_000_000
 # ~1 ms: after tensors are dropped or brought back on demand, time for the CPU to catch up with the GPU
@@ -300,7 +305,8 @@ def _iteration(
     activation bytes); the byte counts are 0 without a tracker.
 
     Arguments are passed boxed (the list is cleared), so each input is freed after its last use, as in
-    AOTAutograd's own runtime.
+    AOTAutograd's own runtime; the backward's output gradients are held to its end where the autograd engine
+    holds them (ENGINE_FREES_OUTPUT_GRADS).
     """
     fw_out_node = next(n for n in fw.graph.nodes if n.op == "output")
     fw_outputs = [n for n in tree_leaves(fw_out_node.args[0]) if isinstance(n, fx.Node)]
@@ -349,9 +355,13 @@ def _iteration(
         leaves = tree_leaves(outs)
         by_input = dict(zip((n.name for n in saved_inputs), leaves[len(leaves) - len(saved_inputs) :]))
         bw_args = [by_input[n.name] if n.name in by_input else _tangent(n) for n in bw_placeholders]
+        held = (
+            [] if ENGINE_FREES_OUTPUT_GRADS else [a for n, a in zip(bw_placeholders, bw_args) if n.name not in by_input]
+        )
         del outs, values, leaves, by_input
         bw_run = _runner(bw, "backward", block_map, device, tracker, runs[1])
         bw_run.boxed_run(bw_args)
+        del held
         if on_demand is not None:
             on_demand.end_iteration()
     peak = max(baseline, fw_run.peak_bytes, bw_run.peak_bytes) if tracker else 0
