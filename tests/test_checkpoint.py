@@ -40,6 +40,54 @@ def test_checkpointed_training_equals_eager_with_dropout(kind, layout):
     assert plan.n_checkpoint == plan.block_modes.count("checkpoint")
 
 
+def test_release_waits_for_every_reader_and_holds_no_recomputed_activation():
+    """Offloaded chunks in a checkpointed backward: each release follows every reader of its chunk through the
+    values it waits on, and waits on none that another of them is computed from (those would stay alive to
+    the release: a whole recomputed block)."""
+    import networkx as nx
+
+    model = models.build("llama", layers=3)
+    protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = protrain_fx.ProTrainBackend(
+        {"executor": "eager", "plan": {"n_persist": 0, "n_buffer": 3, "n_checkpoint": 3}}
+    )
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    models.loss_of("llama", compiled(**models.batch("llama"))).backward()
+    for gm in (backend.graphs[0].forward, backend.graphs[0].backward):
+        graph = gm.graph
+        dag = nx.DiGraph((a, n) for n in graph.nodes for a in n.all_input_nodes)
+        releases = list(graph.find_nodes(op="call_function", target=torch.ops.protrain.release.default))
+        assert releases
+        for release in releases:
+            deps = release.args[2]
+            before = set(deps).union(*(nx.ancestors(dag, d) for d in deps))
+            gather = next(
+                n for n in graph.nodes if n.target is torch.ops.protrain.gather.default and n.args[1] == release.args[1]
+            )
+            readers = [
+                n
+                for n in graph.nodes
+                if n.op == "call_function"
+                and not getattr(n.target, "is_view", False)
+                and n.target not in (torch.ops.protrain.release.default, torch.ops.protrain.prefetch.default)
+                and _reads_directly(n, gather)
+            ]
+            assert readers and all(r in before for r in readers), (release, [r for r in readers if r not in before])
+            assert not any(a in nx.ancestors(dag, b) for a in deps for b in deps), release
+
+
+def _reads_directly(node, gather) -> bool:
+    """Whether `node` reads the gathered chunk through views only."""
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n is gather:
+            return True
+        if n.op == "call_function" and getattr(n.target, "is_view", False):
+            stack.extend(n.all_input_nodes)
+    return False
+
+
 def test_checkpoint_with_offloaded_chunks():
     """Recomputation in the backward reads parameters of offloaded chunks: the backward gathers them first."""
     ref = models.build("llama", layers=3)

@@ -53,6 +53,12 @@ def test_tagged_graph_gathers_and_computes_the_same():
     assert targets.index(torch.ops.protrain.release.default) > max(
         i for i, t in enumerate(targets) if t is torch.ops.aten.mm.default
     )
+    # it waits for the second matmul's output only: the first's feeds it, and is not held until the release
+    release = next(n for n in gm.graph.nodes if n.target is torch.ops.protrain.release.default)
+    assert [n.target for n in release.args[2]] == [torch.ops.aten.mm.default]
+    assert release.args[2][0] is max(
+        gm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default), key=list(gm.graph.nodes).index
+    )
     torch.testing.assert_close(gm(w1, w2, x), expected, rtol=0, atol=0)
 
 

@@ -11,7 +11,8 @@ chunk_gather_pass (forward and backward graphs), for each offloaded chunk c:
              protrain.prefetch(m, c_next, buf)    # the chunk gathered next in this graph, on the copy stream
              w1' = view(slice(buf, 0, o1, o1 + n1), shape1); w2' = ...
              y = mm(x, w1'); z = mm(y, w2')
-             protrain.release(m, c, [z])          # after the last reader of any parameter of c
+             protrain.release(m, c, [z])          # after the last reader of any parameter of c: it waits
+                                                  # for the readers' outputs none of the others feeds (z, not y)
 
 param_check_pass (forward graph): `protrain.check_params(m, [i1, i2, ...], [w1, w2, ...])` after the
 placeholders: at run time each parameter input must still be the one the chunk holds (a parameter replaced
@@ -30,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+import networkx as nx
 import torch
 from torch import fx
 
@@ -99,6 +101,18 @@ def _tensor_outputs(nodes: list[fx.Node]) -> list[fx.Node]:
     return out
 
 
+def _downstream(outputs: list[fx.Node], dag: nx.DiGraph, order: dict[fx.Node, int]) -> list[fx.Node]:
+    """The outputs no other of them is computed from: waiting for these waits for all, and the others are
+    not held alive until the release (a recomputed block's activations would stay to the end of the chunk)."""
+    kept: list[fx.Node] = []
+    covered: set[fx.Node] = set()
+    for n in sorted(outputs, key=order.__getitem__, reverse=True):  # an ancestor comes before what it feeds
+        if n not in covered:
+            kept.append(n)
+            covered |= nx.ancestors(dag, n)
+    return sorted(kept, key=order.__getitem__)
+
+
 def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Route every read of an offloaded parameter through its chunk's gather (see the module docstring)."""
     graph = gm.graph
@@ -132,8 +146,9 @@ def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         with graph.inserting_after(gather):
             graph.call_function(torch.ops.protrain.prefetch.default, (following.args[0], following.args[1], gather))
     order = {n: i for i, n in enumerate(graph.nodes)}
+    dag = nx.DiGraph((a, n) for n in graph.nodes for a in n.all_input_nodes)
     for chunk, readers in readers_of.items():
-        deps = _tensor_outputs(readers)
+        deps = _downstream(_tensor_outputs(readers), dag, order)
         last = max(readers + deps, key=order.__getitem__)
         tag = by_chunk[chunk][0].meta[TAG]
         with graph.inserting_after(last):
