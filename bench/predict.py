@@ -75,6 +75,7 @@ def format_table(rows: list[dict]) -> str:
         "profile s",
         "search s",
         "bench ms",
+        "last loss",
     )
     lines: list[tuple[str, ...]] = [header]
     for row in rows:
@@ -98,6 +99,7 @@ def format_table(rows: list[dict]) -> str:
                     f"{sec.get('profile', 0):.1f}",
                     f"{sec.get('search', 0):.2f}",
                     f"{row['result']['step_time_s'] * 1e3:.1f}",
+                    f"{row['result']['loss_last']:.4f}",  # nan shows: a wrong step, not only a slow one
                 )
             )
     return table(lines)

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import resource
 import socket
@@ -101,6 +102,9 @@ def train(
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.4f}", step_s=f"{times[-1]:.3f}")
 
+    diverged = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
+    if diverged is not None:
+        log.warning("%s: the loss is %s from step %d on (counting from 0)", system, losses[diverged], diverged)
     step_time = statistics.median(times[warmup:])
     return Result(
         system=system,
