@@ -113,9 +113,7 @@ def _parameter_views(forward_placeholders, backward: fx.Graph) -> set[str]:
     copy, and never waits on them (waiting would hold their chunks gathered)."""
     names = {p.name for p in forward_placeholders}
     for graph in (forward_placeholders[0].graph, backward) if forward_placeholders else ():
-        for n in graph.nodes:
-            if n.op == "call_function" and getattr(n.target, "is_view", False) and n.args and n.args[0].name in names:
-                names.add(n.name)
+        names.update(n.name for n in graph.nodes if _base(n).name in names)  # in graph order: views of views too
     return names
 
 
