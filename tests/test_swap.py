@@ -88,8 +88,6 @@ def test_swap_passes_rewrite_only_swapped_blocks():
     order = {n: i for i, n in enumerate(bw.graph.nodes)}
     for n in ins:  # each swap_in comes before every reader and after its prefetch
         assert all(order[u] > order[n] for u in n.users)
-    (settle,) = bw.graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_settle.default)
-    assert all(order[settle] < order[n] for n in ins)  # the forward's copies are done before anything comes back
     for p in prefetches:  # each prefetch comes before the swap_ins of its slots
         assert all(any(order[p] < order[n] and slot == n.args[1] for n in ins) for slot in p.args[1])
     _, _, plain, compiled_plain = _compiled("toy", {})
@@ -117,17 +115,43 @@ def test_prefetch_runs_the_swap_interval_ahead(interval):
     record = backend.graphs[0]
     assert record.plan.swap_interval == interval
     assert _prefetch_blocks(record) == [({0}, interval)]
-    # the forward frees block 0's device tensors `interval` blocks later, once their copies are done
+    # the forward frees block 0's device tensors `interval` blocks later, once their copies are done (a tensor
+    # block `interval` still reads is swapped out later, and settled at the forward's end)
     fw = record.forward.graph
-    (settle,) = fw.find_nodes(op="call_function", target=torch.ops.protrain.swap_settle.default)
+    settle, *at_end = fw.find_nodes(op="call_function", target=torch.ops.protrain.swap_settle.default)
     order = {n: i for i, n in enumerate(fw.nodes)}
     before = {
         n.args[1]
         for n in fw.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default)
         if order[n] < order[settle]
-    }  # (a tensor block `interval` still reads is swapped out later)
-    assert record.block_map.block[settle.args[2].name] == interval and set(settle.args[1]) == before
+    }
+    assert record.block_map.block[settle.args[4].name] == interval and set(settle.args[1]) == before
     assert len(before) >= len(record.swap.slots) // 2
+    assert all(record.block_map.block.get(s.args[4].name) is None for s in at_end)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_every_swapped_tensor_is_read_until_its_copy_is_settled(layout):
+    """A swapped tensor's copy to the host may still run on a side stream after `swap_out`: its device memory must
+    not go to another value before the settle that waits for the copy. Inductor plans a graph's memory itself
+    and reuses a buffer right after its last reader, so the settle must read every swapped tensor, after its
+    swap_out and once."""
+    _, _, backend, compiled = _compiled("llama", {"plan": LAYOUTS[layout]})
+    compiled(**models.batch("llama")).loss.backward()
+    fw = backend.graphs[0].forward.graph
+    order = {n: i for i, n in enumerate(fw.nodes)}
+    settled = {}
+    for settle in fw.find_nodes(op="call_function", target=torch.ops.protrain.swap_settle.default):
+        _, slots, copies, sources, _ = settle.args
+        assert [c.args[1] for c in copies] == slots and [c.args[2] for c in copies] == sources
+        for slot, copy_node in zip(slots, copies):
+            assert slot not in settled and order[copy_node] < order[settle], f"{settle.name}: slot {slot}"
+            settled[slot] = settle
+    outs = fw.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default)
+    assert sorted(settled) == sorted(n.args[1] for n in outs) and outs
+    for n in outs:  # nothing but the swap_out and its settle reads the tensor after the swap_out
+        source = n.args[2]
+        assert max((u for u in source.users if u.op != "output"), key=order.__getitem__) is settled[n.args[1]]
 
 
 def test_measured_swap_interval():

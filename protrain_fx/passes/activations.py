@@ -133,7 +133,8 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
         before:  h = mm(x, w); y = relu(h); return (y, h)          # h saved for backward
         after:   h = mm(x, w); y = relu(h); h_ = protrain.swap_out(space, 0, h); ...
-                 <first node of block b + swap_interval>; protrain.swap_settle(space, [0], <it>); ...; return (y, h_)
+                 a = <first node of block b + swap_interval>; protrain.swap_settle(space, [0], [h_], [h], a); ...
+                 return (y, h_)
     """
     modes = ctx.plan.block_modes
     if ctx.stage != "forward" or "swap" not in modes:
@@ -185,30 +186,38 @@ def _first_nodes(graph: fx.Graph, ctx) -> dict[int | str, fx.Node]:
 
 def _settle_forward(graph: fx.Graph, ctx) -> None:
     """Swapped block b's copies must be done swap_interval blocks later (the plan counts on it): there, a
-    `swap_settle` frees their device tensors. A tensor swapped out only after that point is settled at the
-    backward's start instead."""
+    `swap_settle` makes the compute stream wait for them and frees their device tensors. A tensor swapped out
+    only after that point is settled at the forward's last node. The settle reads the device tensors, so no
+    compiler reuses their memory before it while a copy on the side stream may still be reading them."""
     first = _first_nodes(graph, ctx)
+    # the forward's last computed value: a settle there waits for the copies once all compute is queued
+    last = next(
+        n
+        for n in reversed(graph.nodes)
+        if n.op == "call_function" and SWAP not in n.meta and isinstance(n.meta.get("val"), torch.Tensor)
+    )
     order = {n: i for i, n in enumerate(graph.nodes)}
     by_block: dict[int, list[fx.Node]] = {}
     for n in graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default):
         by_block.setdefault(n.meta[SWAP][1], []).append(n)
+    at: dict[fx.Node, list[fx.Node]] = {}  # anchor -> the swap_outs it settles
     for block, outs in by_block.items():
         anchor = first.get(block + ctx.plan.swap_interval, first.get("post"))
-        done = [n.args[1] for n in outs if anchor is not None and order[n] < order[anchor]]
-        if done:
-            with graph.inserting_after(anchor):
-                graph.call_function(torch.ops.protrain.swap_settle.default, (ctx.swap.handle, done, anchor))
+        for n in outs:
+            at.setdefault(anchor if anchor is not None and order[n] < order[anchor] else last, []).append(n)
+    for anchor, outs in at.items():
+        with graph.inserting_after(max([anchor, *outs], key=order.__getitem__)):
+            slots, sources = [n.args[1] for n in outs], [n.args[2] for n in outs]
+            graph.call_function(torch.ops.protrain.swap_settle.default, (ctx.swap.handle, slots, outs, sources, anchor))
 
 
 def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Backward: at the start, `swap_settle` waits for the forward's swap-out copies so none of their device
-    tensors outlives it; each swapped tensor comes back through `swap_in` before its first use; block b's tensors are
+    """Backward: each swapped tensor comes back through `swap_in` before its first use; block b's tensors are
     prefetched together when the backward reaches block b + swap_interval (the plan's), or at the start when
     that block is not in this graph (no prefetch where the first use comes before that point).
 
         before:  h = placeholder; ...; g = mm(dy, h)
-        after:   h = placeholder; protrain.swap_settle(space, [every slot], None); ...
-                 protrain.swap_prefetch(space, [0, ...], <first node of block b+k>); ...
+        after:   h = placeholder; ...; protrain.swap_prefetch(space, [0, ...], <first node of block b+k>); ...
                  h_ = protrain.swap_in(space, 0, h); g = mm(dy, h_)
     """
     if ctx.stage != "backward":
@@ -234,9 +243,6 @@ def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         ph.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
         by_block.setdefault(block, []).append((slot, back))
     handle = next(iter(swapped.values())).args[0]
-    with graph.inserting_after(placeholders[-1]):
-        every = sorted(slot for slots in by_block.values() for slot, _ in slots)
-        graph.call_function(torch.ops.protrain.swap_settle.default, (handle, every, None))
     first_of = _first_nodes(graph, ctx)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for block, slots in by_block.items():

@@ -8,7 +8,7 @@
                                                                # gradient and (offloaded) its last read
     protrain.check_params(manager, [param indices], [parameters])        # forward: inputs are still ours
     h = protrain.swap_out(space, slot, t)                      # swapped activations (runtime/swap.py): forward,
-    protrain.swap_settle(space, [slot, ...], after)            # forward, swap_interval blocks later; backward start
+    protrain.swap_settle(space, [slot, ...], [h, ...], [t, ...], after)  # forward, swap_interval blocks later
     protrain.swap_prefetch(space, [slot, ...], after)          # backward, a block's tensors ahead of their use,
     t = protrain.swap_in(space, slot, h)                       # backward, before the first use
     protrain.step_mark(monitor, x)                             # forward start: a step (runtime/monitor.py)
@@ -126,12 +126,16 @@ def _(monitor: int, first: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("protrain::swap_settle", mutates_args=())
-def swap_settle(space: int, slots: list[int], after: torch.Tensor | None) -> None:
+def swap_settle(
+    space: int, slots: list[int], copies: list[torch.Tensor], sources: list[torch.Tensor], after: torch.Tensor
+) -> None:
+    """`copies` (the slots' swap_out results) order it after their copies start; `sources` (the device tensors
+    copied) keep them alive until here: no compiler may reuse their memory while a copy may still read it."""
     _manager(space).settle(slots)
 
 
 @swap_settle.register_fake
-def _(space: int, slots: list[int], after: torch.Tensor | None) -> None:
+def _(space: int, slots: list[int], copies: list[torch.Tensor], sources: list[torch.Tensor], after: torch.Tensor):
     return None
 
 

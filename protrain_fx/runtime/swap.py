@@ -3,16 +3,20 @@
 Each tensor that a swapped block saves for backward gets a fixed slot, decided at compile time, in one host
 arena allocated once at its exact size (pinned with `cudaHostRegister` on CUDA). The rewritten graphs call:
 
-    h = protrain.swap_out(space, slot, t)           # forward, after t's last use: copy t to its host slot
-    protrain.swap_settle(space, [slots], after)     # swap_interval blocks later, and at the backward's start:
-                                                    # those copies are done and their device tensors freed
-    protrain.swap_prefetch(space, [slots], after)   # backward, swap_interval blocks ahead: copy a block back
-    t = protrain.swap_in(space, slot, h)            # backward, before the first use: the device copy
+    h = protrain.swap_out(space, slot, t)                   # forward, after t's last use: copy t to its slot
+    protrain.swap_settle(space, [slots], [h..], [t..], a)   # forward, swap_interval blocks later (or at its
+                                                            # end): those copies are done; t may be freed
+    protrain.swap_prefetch(space, [slots], after)           # backward, swap_interval blocks ahead: copy a block back
+    t = protrain.swap_in(space, slot, h)                    # backward, before the first use: the device copy
 
-On CUDA, copies run on their own streams. `swap_out` keeps the device tensor referenced until its copy's
-event has completed (checked at every later swap op, and waited for by `swap_settle`) instead of
-`record_stream`, so the allocator never sees cross-stream uses; `swap_in` makes the compute stream wait for the prefetch's event only. On the CPU the
-copies are plain copies into the same slots, in the same order.
+On CUDA, copies run on their own streams. A device tensor being copied to the host must keep its memory until
+the copy has ended, against two reusers: the caching allocator (`swap_out` keeps a reference until the copy's
+event has completed, instead of `record_stream`, so the allocator never sees cross-stream uses) and the
+compiler, which plans the memory of the graph's own buffers and would hand `t`'s to the next kernel of its
+shape right after `swap_out`, its last reader in the graph as written; the settle reads `t` too, so the
+compiler keeps it until the settle, where the compute stream waits for the copy. `swap_in` makes the compute
+stream wait for the prefetch's event only. On the CPU the copies are plain copies into the same slots, in the
+same order.
 
 Two rules keep prefetching from hurting (paper §3.2 and line 607):
 - memory: a block is prefetched only when the device has room for it under `budget_bytes` (the planned peak);
@@ -92,8 +96,8 @@ class SwapSpace:
 
     def settle(self, slots: Sequence[int]) -> None:
         """The compute stream waits for the swap-out copies of `slots`, and their device tensors go: from here on
-        they hold no device memory, whatever the copies' pace was. (Without a wait the memory would return only
-        when some later swap op sees the copy done, too late for the peak the planner counted on.)"""
+        they hold no device memory, whatever the copies' pace was, and the graph may reuse it (the settle is
+        their last reader there)."""
         stream = torch.cuda.current_stream(self.device) if self._d2h is not None else None
         for slot in slots:
             event, _ = self._in_flight.pop(slot, (None, None))
