@@ -156,6 +156,7 @@ class TimedGraph:
             torch.cuda._sleep(_PREFILL_CYCLES if from_host else _REFILL_CYCLES)
 
     def boxed_run(self, args: list[Any]) -> Any:
+        self.clock.marks.clear()  # (a TimedGraph may run again)
         if self.clock.cuda:
             torch.cuda._sleep(_PREFILL_CYCLES)
         self.clock.mark()
@@ -200,16 +201,18 @@ class ProfilingInterpreter(fx.Interpreter):
         record = _new_record(node, self.graph_kind, self.block_map)
         self.records.append(record)
         tracker = self.tracker
-        record.inter_delta_bytes = max(0, tracker.peak() - self._after_previous)
-        self.peak_bytes = max(self.peak_bytes, tracker.peak())
+        peak = tracker.peak()
+        record.inter_delta_bytes = max(0, peak - self._after_previous)
+        self.peak_bytes = max(self.peak_bytes, peak)
         if self.run_hooks is not None:  # what it fetches is counted already (as absent)
             self.run_hooks.before(i)
         record.allocated_before = before = tracker.allocated()
         tracker.reset_peak()
         inputs = _storages([self.env[n] for n in node.all_input_nodes if n in self.env])
         out = super().run_node(node)
-        record.intra_delta_bytes = max(0, tracker.peak() - before)
-        self.peak_bytes = max(self.peak_bytes, tracker.peak())
+        peak = tracker.peak()
+        record.intra_delta_bytes = max(0, peak - before)
+        self.peak_bytes = max(self.peak_bytes, peak)
         record.output_bytes = sum(b for p, b in _storages(out).items() if p not in inputs)
         if self.run_hooks is not None:
             self.run_hooks.after(i, out)
@@ -244,15 +247,16 @@ def profile_iteration(
     """
     device = next((t.device for t in primals if isinstance(t, torch.Tensor) and t.device.type != "cpu"), None)
     device = device or torch.device("cpu")
+    timed_graphs: dict[str, TimedGraph] = {}  # built once (thousands of nodes to generate code for), run twice
     if device.type == "cuda":  # on demand, what to drop and fetch is learned here for the timed run
         warm = AbsentCounting(CudaMemoryTracker(device), on_demand) if on_demand is not None else None
-        _iteration(fw, bw, primals, block_map, device, warm, on_demand)
+        _iteration(fw, bw, primals, block_map, device, warm, on_demand, timed_graphs)
     tracker = CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()
     if on_demand is not None:
         tracker = AbsentCounting(tracker, on_demand)
     nodes, baseline, peak, saved_bytes = _iteration(fw, bw, primals, block_map, device, tracker, on_demand)
     reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-    timed, *_ = _iteration(fw, bw, primals, block_map, device, None, on_demand)
+    timed, *_ = _iteration(fw, bw, primals, block_map, device, None, on_demand, timed_graphs)
     assert [r.name for r in timed] == [r.name for r in nodes], "timing and memory runs saw different nodes"
     for record, t in zip(nodes, timed):
         record.latency_s = t.latency_s
@@ -300,9 +304,11 @@ def _iteration(
     device: torch.device,
     tracker,
     on_demand: OnDemand | None = None,
+    timed_graphs: dict[str, TimedGraph] | None = None,
 ) -> tuple[list[NodeProfile], int, int, int]:
     """One forward + backward run; returns (node records, bytes allocated at the start, peak bytes, saved
-    activation bytes); the byte counts are 0 without a tracker.
+    activation bytes); the byte counts are 0 without a tracker. Without one the graphs are timed, by the
+    TimedGraphs of `timed_graphs` (graph kind -> TimedGraph), built there the first time.
 
     Arguments are passed boxed (the list is cleared), so each input is freed after its last use, as in
     AOTAutograd's own runtime; the backward's output gradients are held to its end where the autograd engine
@@ -341,7 +347,7 @@ def _iteration(
         if tracker:
             tracker.track(t for t in primals if isinstance(t, torch.Tensor))
             baseline = tracker.allocated()
-        fw_run = _runner(fw, "forward", block_map, device, tracker, runs[0])
+        fw_run = _runner(fw, "forward", block_map, device, tracker, runs[0], timed_graphs)
         outs = fw_run.boxed_run(list(primals))
         values = dict(zip((n.name for n in fw_outputs), tree_leaves(outs)))
         saved_bytes = (
@@ -359,7 +365,7 @@ def _iteration(
             [] if ENGINE_FREES_OUTPUT_GRADS else [a for n, a in zip(bw_placeholders, bw_args) if n.name not in by_input]
         )
         del outs, values, leaves, by_input
-        bw_run = _runner(bw, "backward", block_map, device, tracker, runs[1])
+        bw_run = _runner(bw, "backward", block_map, device, tracker, runs[1], timed_graphs)
         bw_run.boxed_run(bw_args)
         del held
         if on_demand is not None:
@@ -368,9 +374,16 @@ def _iteration(
     return fw_run.records + bw_run.records, baseline, peak, saved_bytes
 
 
-def _runner(gm: fx.GraphModule, graph_kind: str, block_map: BlockMap, device: torch.device, tracker, run):
+def _runner(
+    gm: fx.GraphModule, graph_kind: str, block_map: BlockMap, device: torch.device, tracker, run, timed_graphs=None
+):
     if tracker is None:
-        return TimedGraph(gm, graph_kind=graph_kind, block_map=block_map, device=device, replay=run)
+        timed_graphs = {} if timed_graphs is None else timed_graphs
+        if graph_kind not in timed_graphs:
+            timed_graphs[graph_kind] = TimedGraph(
+                gm, graph_kind=graph_kind, block_map=block_map, device=device, replay=run
+            )
+        return timed_graphs[graph_kind]
     return ProfilingInterpreter(gm, graph_kind=graph_kind, block_map=block_map, tracker=tracker, run=run)
 
 

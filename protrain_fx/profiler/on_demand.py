@@ -142,8 +142,9 @@ class AbsentCounting:
         return self.inner.allocated() + self.on_demand.absent
 
     def peak(self) -> int:
-        self.measured_peak = max(self.measured_peak, self.inner.peak())
-        return self.inner.peak() + self.on_demand.absent
+        peak = self.inner.peak()
+        self.measured_peak = max(self.measured_peak, peak)
+        return peak + self.on_demand.absent
 
     def reset_peak(self) -> None:
         self.inner.reset_peak()
