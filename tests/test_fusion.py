@@ -42,3 +42,27 @@ def test_value_read_by_a_reduction_and_another_node_is_written():
     assert kernels["exp"].unfused_bytes == 0  # not credited: it exists under inductor too
     assert kernels["div"].fused_bytes == 3 * nbytes  # reads x, writes e and the output
     assert kernels["div"].unfused_bytes == 16 * 4  # the row sums stay inside
+
+
+def loss_backward(logits, target, grad):
+    logp = torch.log_softmax(logits.float(), -1)
+    return torch.autograd.grad(torch.nn.functional.nll_loss(logp, target), logits, grad)[0]
+
+
+def test_ops_inductor_decomposes_are_fused():
+    """Log-softmax and the nll loss (forward and backward) have no kernel of their own under inductor: it
+    decomposes them into ops it fuses, so their fp32 intermediates are never allocated."""
+    logits, target = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, 32, (16,))
+    gm = make_fx(loss_backward, tracing_mode="fake")(logits, target, torch.tensor(1.0))
+    kernels = kernel_classes(gm)
+    aten = torch.ops.aten
+    decomposed = {
+        aten._log_softmax.default,
+        aten.nll_loss_forward.default,
+        aten.nll_loss_backward.default,
+        aten._log_softmax_backward_data.default,
+    }
+    found = [n for n in gm.graph.nodes if n.target in decomposed]
+    assert len(found) == 4, [n.target for n in found]
+    assert all(kernels[n.name].kind == FUSED for n in found), {n.name: kernels[n.name] for n in found}
+    assert kernels[next(n.name for n in found if n.target is aten.nll_loss_backward.default)].unfused_bytes > 0

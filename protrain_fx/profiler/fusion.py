@@ -48,11 +48,16 @@ _CALL_OPS = ("call_function", "call_method", "call_module")
 
 
 def _is_extern(target) -> bool:
+    from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.lowering import fallbacks, lowerings
 
     if not isinstance(target, torch._ops.OpOverload):
         return not _is_alias(target)  # custom Python callables run as they are
-    return target in _LIBRARY_OPS or target in fallbacks or target not in lowerings
+    if target in _LIBRARY_OPS:
+        return True
+    if target in select_decomp_table():  # decomposed into ops inductor fuses (log-softmax, nll loss, norms)
+        return False
+    return target in fallbacks or target not in lowerings
 
 
 def _is_alias(target) -> bool:
