@@ -32,16 +32,48 @@ def test_regions_between_library_kernels():
 
 def softmax(x):
     e = torch.exp(x)
-    return e / e.sum(-1, keepdim=True)  # e read by a reduction and by the division: inductor writes it out
+    return e / e.sum(-1, keepdim=True)  # e read by a reduction and by the division
 
 
-def test_value_read_by_a_reduction_and_another_node_is_written():
+def test_cheap_value_read_twice_is_recomputed_on_the_gpu_and_stored_on_the_cpu():
+    """Inductor stores a value read by several nodes only when computing it is costly (ir.py:
+    should_realize_on_reuse): on the GPU exp(x) reads one buffer and is recomputed in the sum and the division;
+    on the CPU exp is a heavy op and is written out."""
     gm = make_fx(softmax, tracing_mode="fake")(torch.randn(16, 8))
-    kernels = kernel_classes(gm)
     nbytes = 16 * 8 * 4
-    assert kernels["exp"].unfused_bytes == 0  # not credited: it exists under inductor too
-    assert kernels["div"].fused_bytes == 3 * nbytes  # reads x, writes e and the output
-    assert kernels["div"].unfused_bytes == 16 * 4  # the row sums stay inside
+    gpu, cpu = kernel_classes(gm), kernel_classes(gm, cpu=True)
+    assert gpu["exp"].unfused_bytes == nbytes  # credited: never allocated under inductor
+    assert gpu["div"].fused_bytes == 2 * nbytes  # reads x, writes the output
+    assert cpu["exp"].unfused_bytes == 0  # not credited: it exists under inductor too
+    assert cpu["div"].fused_bytes == 3 * nbytes  # reads x, writes e and the output
+    assert cpu["div"].unfused_bytes == gpu["sum_1"].unfused_bytes - nbytes == 16 * 4  # the row sums stay inside
+
+
+def wide(x, a, b, c, d):
+    y = x * a + b * c + d  # reads five buffers
+    return y.sum(-1, keepdim=True) * y
+
+
+def test_costly_value_read_twice_is_stored():
+    """A value read twice whose expression reads more than inductor's realize_reads_threshold (4) buffers is
+    written out, on every device."""
+    gm = make_fx(wide, tracing_mode="fake")(*(torch.randn(16, 8) for _ in range(5)))
+    for kernels in (kernel_classes(gm), kernel_classes(gm, cpu=True)):
+        assert kernels["sum_1"].unfused_bytes == 16 * 4  # the sums only: y is written, its terms died inside
+        assert kernels["mul_2"].fused_bytes == 7 * 16 * 8 * 4  # reads 5, writes y and the output
+
+
+def log_softmax_of_cast(logits):
+    return torch.log_softmax(logits.float(), -1)
+
+
+def test_cast_logits_are_never_stored():
+    """The loss's upcast of the bf16 logits (read by the max and the subtraction of a log-softmax) is recomputed:
+    its fp32 copy, twice the logits' size, is not allocated under inductor."""
+    gm = make_fx(log_softmax_of_cast, tracing_mode="fake")(torch.randn(16, 96, dtype=torch.bfloat16))
+    (cast,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten._to_copy.default]
+    for kernels in (kernel_classes(gm), kernel_classes(gm, cpu=True)):
+        assert kernels[cast.name].unfused_bytes >= 16 * 96 * 4
 
 
 def loss_backward(logits, target, grad):

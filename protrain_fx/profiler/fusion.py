@@ -12,8 +12,8 @@ nodes cost one by one (the profiled node-by-node time was about 2x inductor's on
   "fused": part of a fused region. Regions are the connected groups of fused nodes (views passed through) at
       the same "extern depth" (the most extern nodes on any path from the graph inputs), since a kernel cannot
       hold two nodes with a library kernel between them. A region's bytes, the tensors it reads from outside
-      and the tensors it writes (that anything outside reads, or that a reduction and another node both read),
-      are put on its last node; its other nodes get 0.
+      and the tensors it writes (that anything outside reads, reductions, and values inductor stores rather than
+      recomputes: `_realized`), are put on its last node; its other nodes get 0.
   unfused_bytes: the tensors made inside a fused region and read only there (a fused kernel keeps them in
       registers) that are alive at the node in the op-by-op profile; the memory model takes them out of the
       profiled peak there.
@@ -79,14 +79,39 @@ class Kernel:
     unfused_bytes: int = 0  # bytes the profile holds at this node that the fused kernels never allocate
 
 
-def _realized(node: fx.Node, readers: dict[fx.Node, set[fx.Node]]) -> bool:
-    """Inductor writes out a value that a reduction and another node both read, rather than compute it twice."""
-    users = readers.get(node, set())
-    return len(users) > 1 and any(u.op in _CALL_OPS and _numel(u) < _numel(node) for u in users)
+# inductor's config.realize_reads_threshold: a pointwise value read by several nodes is written out once rather
+# than recomputed in each when computing it reads more than this many buffers
+REALIZE_READS = 4
+# on the CPU inductor also writes out a value read by several nodes when computing it takes one of these
+_HEAVY_ON_CPU = {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"}
 
 
-def kernel_classes(gm: fx.GraphModule) -> dict[str, Kernel]:
-    """Every call node's `Kernel` (see the module docstring), from the graph's shapes alone."""
+def _realized(nodes, kind, root, readers, *, cpu: bool) -> set[fx.Node]:
+    """The fused nodes inductor writes out although only its fused kernels read them (ir.py:
+    `should_realize_on_reuse`): values read by several nodes whose expression reads more than REALIZE_READS
+    buffers (or, on the CPU, takes a heavy op). A cheap value read
+    twice, like a cast of the logits, is recomputed in each reader and never stored."""
+    realized: set[fx.Node] = set()
+    reads: dict[fx.Node, frozenset] = {}  # fused node -> the stored tensors its inlined expression reads
+    heavy: dict[fx.Node, bool] = {}  # fused node -> its inlined expression takes a heavy op
+    reduction: set[fx.Node] = set()  # computed in a loop of its own: what reads it reads one value
+    for n in nodes:
+        if kind[n] != FUSED:
+            continue
+        inputs = [root[p] for p in n.all_input_nodes]
+        inlined = [p for p in inputs if kind.get(p) == FUSED and p not in realized and p not in reduction]
+        reads[n] = frozenset().union(*(reads[p] if p in inlined else {p} for p in inputs))
+        heavy[n] = getattr(n.target, "__name__", "").split(".")[0] in _HEAVY_ON_CPU or any(heavy[p] for p in inlined)
+        if len(readers.get(n, ())) > 1 and (len(reads[n]) > REALIZE_READS or (cpu and heavy[n])):
+            realized.add(n)
+        if any(_numel(n) < _numel(p) for p in inputs):
+            reduction.add(n)
+    return realized
+
+
+def kernel_classes(gm: fx.GraphModule, *, cpu: bool = False) -> dict[str, Kernel]:
+    """Every call node's `Kernel` (see the module docstring), from the graph's shapes alone; `cpu`: inductor
+    generates CPU code for it, which stores a few more values (`_realized`)."""
     nodes = [n for n in gm.graph.nodes if n.op in _CALL_OPS]
     root: dict[fx.Node, fx.Node] = {}  # a view -> the node whose tensor it views (itself for others)
     for n in gm.graph.nodes:
@@ -115,12 +140,13 @@ def kernel_classes(gm: fx.GraphModule) -> dict[str, Kernel]:
         for p in n.all_input_nodes:
             readers.setdefault(root[p], set()).add(n)
 
+    realized = _realized(nodes, kind, root, readers, cpu=cpu)
     out = {n.name: Kernel(kind[n]) for n in nodes}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     internal: list[tuple[int, int, int]] = []  # (made at, last read at, bytes) of tensors a fused kernel keeps inside
     for members in nx.connected_components(regions):
         read = {root[p] for n in members for p in n.all_input_nodes if root[p] not in members}
-        written = {n for n in members if any(r not in members for r in readers.get(n, ())) or _realized(n, readers)}
+        written = {n for n in members if any(r not in members for r in readers.get(n, ())) or n in realized}
         last = max(members, key=order.__getitem__)
         out[last.name] = Kernel(FUSED, fused_bytes=sum(_nbytes(t) for t in read | written))
         for n in members - written:
