@@ -98,3 +98,25 @@ def test_ops_inductor_decomposes_are_fused():
     assert len(found) == 4, [n.target for n in found]
     assert all(kernels[n.name].kind == FUSED for n in found), {n.name: kernels[n.name] for n in found}
     assert kernels[next(n.name for n in found if n.target is aten.nll_loss_backward.default)].unfused_bytes > 0
+
+
+def loss_backward_reading_saved_logits(logits, tangent):
+    grad = torch.softmax(logits.float(), -1).to(torch.bfloat16)  # the saved logits' last read in the profile
+    return grad + tangent  # the fused kernel writes this while still reading the logits
+
+
+def test_fused_kernel_holds_what_the_profile_freed_inside_its_region():
+    """The profile frees the logits after their last read, the cast; inductor's one kernel for the region reads
+    them until it writes its output, so the model counts them until the region's end (negative unfused bytes
+    there). A parameter-like input (`primals_*`) is held by the model anyway and is not counted again."""
+    args = torch.randn(16, 96, dtype=torch.bfloat16), torch.randn(16, 96, dtype=torch.bfloat16)
+    gm = make_fx(loss_backward_reading_saved_logits, tracing_mode="fake")(*args)
+    for ph, name in zip(gm.graph.find_nodes(op="placeholder"), ("logits", "tangents_1")):
+        ph.name = name  # as in AOTAutograd's backward: a saved activation, and an output gradient
+    gm.recompile()
+    kernels = kernel_classes(gm)
+    add = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.add.Tensor)
+    cast_out = 16 * 96 * 2
+    assert kernels[add.name].unfused_bytes == cast_out - 16 * 96 * 2  # the bf16 cast (inside) less the logits
+    gm.graph.find_nodes(op="placeholder")[0].name = "primals_1"
+    assert kernel_classes(gm)[add.name].unfused_bytes == cast_out

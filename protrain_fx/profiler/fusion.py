@@ -15,8 +15,9 @@ nodes cost one by one (the profiled node-by-node time was about 2x inductor's on
       and the tensors it writes (that anything outside reads, reductions, and values inductor stores rather than
       recomputes: `_realized`), are put on its last node; its other nodes get 0.
   unfused_bytes: the tensors made inside a fused region and read only there (a fused kernel keeps them in
-      registers) that are alive at the node in the op-by-op profile; the memory model takes them out of the
-      profiled peak there.
+      registers) that are alive at the node in the op-by-op profile, less the tensors from outside the region
+      that the profile has freed at their last read inside it but the region's kernel still reads (alive
+      until the region's end); the memory model takes them out of the profiled peak there.
 """
 
 from __future__ import annotations
@@ -72,11 +73,22 @@ def _numel(node: fx.Node) -> int:
     return sum(t.numel() for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
 
 
+def _freed_after_use(node: fx.Node, backward: bool) -> bool:
+    """The graph's run frees the tensor after its last read: every computed value, and in a backward (a graph
+    with output gradients, `tangents_*`) its saved activations. Inputs that stay alive: a forward's inputs,
+    saved parameters and inputs (`primals_*`, held by the model) and output gradients (held by the engine)."""
+    if node.op != "placeholder":
+        return True
+    return backward and not node.name.startswith(("primals", "tangents"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     kind: str  # EXTERN | FUSED | VIEW
     fused_bytes: int = 0  # a region's last node: the bytes the region's kernel moves
-    unfused_bytes: int = 0  # bytes the profile holds at this node that the fused kernels never allocate
+    # bytes the profile holds at this node that the fused kernels never allocate, less the bytes they still hold
+    # that the profile has freed (negative where those are more)
+    unfused_bytes: int = 0
 
 
 # inductor's config.realize_reads_threshold: a pointwise value read by several nodes is written out once rather
@@ -141,9 +153,12 @@ def kernel_classes(gm: fx.GraphModule, *, cpu: bool = False) -> dict[str, Kernel
             readers.setdefault(root[p], set()).add(n)
 
     realized = _realized(nodes, kind, root, readers, cpu=cpu)
+    backward = any(n.name.startswith("tangents") for n in gm.graph.find_nodes(op="placeholder"))
     out = {n.name: Kernel(kind[n]) for n in nodes}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    internal: list[tuple[int, int, int]] = []  # (made at, last read at, bytes) of tensors a fused kernel keeps inside
+    internal: list[
+        tuple[int, int, int]
+    ] = []  # (from, to, bytes): held by the profile only (negative: by inductor only)
     for members in nx.connected_components(regions):
         read = {root[p] for n in members for p in n.all_input_nodes if root[p] not in members}
         written = {n for n in members if any(r not in members for r in readers.get(n, ())) or n in realized}
@@ -151,8 +166,14 @@ def kernel_classes(gm: fx.GraphModule, *, cpu: bool = False) -> dict[str, Kernel
         out[last.name] = Kernel(FUSED, fused_bytes=sum(_nbytes(t) for t in read | written))
         for n in members - written:
             internal.append((order[n], max(order[r] for r in readers.get(n, {n})), _nbytes(n)))
-    # what the profile holds at each node that the fused kernels never allocate: a tensor from its making to its
-    # last read (a running sum over graph positions)
+        # and the opposite: a tensor from outside that the profile frees at its last read inside the region, while
+        # the region's kernel still reads it until the region's end (the saved logits in the loss's backward)
+        for p in read:
+            last_read = max(order[r] for r in readers[p])
+            if last_read < order[last] and _freed_after_use(p, backward):
+                internal.append((last_read + 1, order[last], -_nbytes(p)))
+    # what the profile holds at each node that the fused kernels never allocate, less what they hold that the
+    # profile does not: a tensor over its positions (a running sum over graph positions)
     delta = [0] * (len(order) + 1)
     for made, read, size in internal:
         delta[made] += size
