@@ -12,8 +12,8 @@ nodes cost one by one (the profiled node-by-node time was about 2x inductor's on
   "fused": part of a fused region. Regions are the connected groups of fused nodes (views passed through) at
       the same "extern depth" (the most extern nodes on any path from the graph inputs), since a kernel cannot
       hold two nodes with a library kernel between them. A region's bytes, the tensors it reads from outside
-      and the tensors it writes (that anything outside reads, reductions, and values inductor stores rather than
-      recomputes: `_realized`), are put on its last node; its other nodes get 0.
+      and the tensors it writes (that anything outside reads, and values inductor stores rather than recomputes:
+      `_realized`), are put on its last node; its other nodes get 0.
   unfused_bytes: the tensors made inside a fused region and read only there (a fused kernel keeps them in
       registers) that are alive at the node in the op-by-op profile, less the tensors from outside the region
       that the profile has freed at their last read inside it but the region's kernel still reads (alive
@@ -101,8 +101,8 @@ _HEAVY_ON_CPU = {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"}
 def _realized(nodes, kind, root, readers, *, cpu: bool) -> set[fx.Node]:
     """The fused nodes inductor writes out although only its fused kernels read them (ir.py:
     `should_realize_on_reuse`): values read by several nodes whose expression reads more than REALIZE_READS
-    buffers (or, on the CPU, takes a heavy op). A cheap value read
-    twice, like a cast of the logits, is recomputed in each reader and never stored."""
+    buffers (or, on the CPU, takes a heavy op). A cheap value read twice, like a cast of the logits, is
+    recomputed in each reader and never stored."""
     realized: set[fx.Node] = set()
     reads: dict[fx.Node, frozenset] = {}  # fused node -> the stored tensors its inlined expression reads
     heavy: dict[fx.Node, bool] = {}  # fused node -> its inlined expression takes a heavy op
@@ -156,9 +156,8 @@ def kernel_classes(gm: fx.GraphModule, *, cpu: bool = False) -> dict[str, Kernel
     backward = any(n.name.startswith("tangents") for n in gm.graph.find_nodes(op="placeholder"))
     out = {n.name: Kernel(kind[n]) for n in nodes}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    internal: list[
-        tuple[int, int, int]
-    ] = []  # (from, to, bytes): held by the profile only (negative: by inductor only)
+    # (from, to, bytes) of tensors only the profile holds (negative bytes: only the fused kernels hold them)
+    internal: list[tuple[int, int, int]] = []
     for members in nx.connected_components(regions):
         read = {root[p] for n in members for p in n.all_input_nodes if root[p] not in members}
         written = {n for n in members if any(r not in members for r in readers.get(n, ())) or n in realized}
