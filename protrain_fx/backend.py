@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch._guards
-from torch import fx
+from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition, must_recompute
@@ -126,6 +126,31 @@ class ProTrainBackend:
         return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partitioner)(gm, example_inputs)
 
 
+def _input_shapes(example_inputs: Sequence[Any]) -> list[tuple[int, ...]]:
+    return [tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter)]
+
+
+SHAPES_ATTR = "_protrain_input_shapes"  # on the model: graph's parameter count -> input shapes it was planned for
+
+
+def _warn_if_reshaped(model: nn.Module, record: GraphRecord, example_inputs: Sequence[Any]) -> None:
+    """A graph of this model compiled before for other input shapes (a new batch size or sequence length):
+    each shape gets its own compile, profile and plan; say so once per new shape."""
+    shapes = _input_shapes(example_inputs)
+    seen = model.__dict__.setdefault(SHAPES_ATTR, {})
+    before = seen.get(len(record.param_map))
+    if before is not None and before != shapes:
+        log.warning(
+            "graph %d recompiled for input shapes %s (planned before for %s): each input shape gets its own "
+            "compile, profile and plan, which takes time and host memory; pad the inputs to one fixed shape "
+            "(batch size and sequence length) to keep one plan",
+            record.index,
+            shapes,
+            before,
+        )
+    seen[len(record.param_map)] = shapes
+
+
 def make_boxed_compiler(compile_fn):
     def compiler(gm: fx.GraphModule, example_inputs):
         return make_boxed_func(compile_fn(gm, example_inputs))
@@ -220,6 +245,7 @@ class _Partitioner(CustomPartitionerFn):
             record.plan,
         )
         if roots.model is not None and params and not self.explain:
+            _warn_if_reshaped(roots.model, record, self.example_inputs)
             roots.model.__dict__.setdefault(PLANS_ATTR, []).append((len(params), record.plan))
         if dumper:
             dumper.write_json("plan.json", record.plan.to_json())

@@ -328,6 +328,13 @@ def check_inputs(dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
             "gets its own compile and plan), or pad inputs to one fixed shape."
         )
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    if torch.is_grad_enabled() and any(isinstance(x, nn.Parameter) for x in tensors):
+        if not any(x.requires_grad for x in tensors):
+            raise ValueError(
+                "the model has no trainable parameters (none requires grad) and the forward runs with gradients "
+                "enabled: protrain plans training steps. Unfreeze the parameters to train (p.requires_grad_(True)), "
+                "or run inference under torch.no_grad()"
+            )
     params = {x.device for x in tensors if isinstance(x, nn.Parameter)}
     others = {x.device for x in tensors if not isinstance(x, nn.Parameter) and x.numel() > 1}
     if len(params) > 1:

@@ -95,6 +95,31 @@ def test_unsupported_torch_version():
     check_torch_version("2.14.0a0+git")
 
 
+def test_model_without_trainable_parameters():
+    """Training a frozen model is an error that says what to do; inference under no_grad is not."""
+    model = models.build("toy").requires_grad_(False)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=False)
+    with pytest.raises(Exception, match="no trainable parameters .* or run inference under torch.no_grad"):
+        compiled(**models.batch("toy"))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(compiled(**models.batch("toy")), model(**models.batch("toy")))
+
+
+def test_new_input_shape_gets_its_own_plan_and_a_warning(caplog):
+    """A batch of another size recompiles (dynamic=False): a new profile and plan, and a warning saying so and how
+    to keep one plan (pad to one shape); both shapes train."""
+    model = models.build("toy")
+    compiled = torch.compile(model, backend="protrain", options={"executor": "eager"}, dynamic=False)
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        compiled(**models.batch("toy")).backward()
+        assert "recompiled" not in caplog.text
+        compiled(**models.batch("toy", batch_size=4)).backward()
+    assert "recompiled for input shapes [(4, 16), (4, 16)] (planned before for [(2, 16), (2, 16)])" in caplog.text
+    assert "pad the inputs to one fixed shape" in caplog.text
+    assert len(model.__dict__["_protrain_plans"]) == 2
+
+
 def test_model_without_blocks_warns_and_trains(caplog):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     backend = protrain_fx.ProTrainBackend({"executor": "eager"})
