@@ -9,11 +9,12 @@ from protrain_fx.backend import GraphRecord, ProTrainBackend, protrain
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.explain import explain, plan_of
 from protrain_fx.planner.plan import Plan
-from protrain_fx.runtime.adopt import prepare
+from protrain_fx.runtime.adopt import no_sync, prepare
 from protrain_fx.runtime.state import full_state_dict
 
 __all__ = [
     "GraphRecord",
+    "no_sync",
     "amp",
     "explain",
     "Plan",

@@ -3,7 +3,7 @@
 A model is managed in chunks when its parameters belong to a `protrain_fx.optim.AdamW` (only that optimizer
 can step parameters whose gradients live in chunks). The first compiled graph holding its parameters
 builds the layout and the `ChunkManager`; the manager is kept on the model object, so every later graph
-of the same model (graph breaks) shares it.
+of the same model (graph breaks) shares it. `no_sync(model)` marks backward passes that only accumulate.
 
 Order of the layout: the parameters of the first graph by first use, then any other trainable parameter of
 the model in registration order (a later graph's, which the first graph cannot see).
@@ -11,8 +11,9 @@ the model in registration order (a later graph's, which the first graph cannot s
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 from protrain_fx.capture import FrameRoots, block_index, find_block_family
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
 from protrain_fx.planner.plan import Plan, make_plan
-from protrain_fx.runtime.chunks import ChunkManager, rank_and_world_size, replaced_param_error
+from protrain_fx.runtime.chunks import NO_SYNC_ATTR, ChunkManager, rank_and_world_size, replaced_param_error
 from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.optim import OPTIMIZER_ATTR
 
@@ -32,6 +33,29 @@ MODEL_ATTR = "_protrain_chunk_manager"  # on the model object: its ChunkManager
 
 def model_manager(model: nn.Module | None) -> ChunkManager | None:
     return None if model is None else model.__dict__.get(MODEL_ATTR)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Gradient accumulation: backward passes inside add their gradients to those of the step so far, without
+    starting any optimizer work (no CPU AdamW step, no reduction of persistent chunks across ranks); the step's
+    last backward, outside, completes it as usual, so its CPU steps still overlap it. Like DDP's `no_sync`:
+
+        for micro in batches[:-1]:
+            with protrain_fx.no_sync(model):
+                (compiled(**micro).loss / len(batches)).backward()
+        (compiled(**batches[-1]).loss / len(batches)).backward()
+        optimizer.step(); optimizer.zero_grad()
+
+    `model` is the model or its `torch.compile` wrapper."""
+    model = getattr(model, "_orig_mod", model)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"no_sync() takes the model (an nn.Module), got {type(model).__name__}")
+    model.__dict__[NO_SYNC_ATTR] = model.__dict__.get(NO_SYNC_ATTR, 0) + 1
+    try:
+        yield
+    finally:
+        model.__dict__[NO_SYNC_ATTR] -= 1
 
 
 def wants_chunks(params: Sequence[nn.Parameter]) -> bool:
@@ -84,7 +108,7 @@ def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkMan
     by_name = dict(model.named_parameters())
     params = [by_name[slot.name] for slot in layout.slots]
     with eager():  # called from the partitioner, under AOTAutograd's fake mode
-        manager = ChunkManager(params, layout, n_persist=plan.n_persist, n_buffer=plan.n_buffer)
+        manager = ChunkManager(params, layout, n_persist=plan.n_persist, n_buffer=plan.n_buffer, model=model)
     model.__dict__[MODEL_ATTR] = manager
     return manager
 
@@ -187,6 +211,7 @@ def prepare(
         n_buffer=chosen.n_buffer,
         device=device,
         source=source,
+        model=model,
     )
     model.__dict__[MODEL_ATTR] = manager
     for module in model.modules():  # what is not in chunks: buffers and frozen parameters go to the device

@@ -43,6 +43,7 @@ from protrain_fx.runtime.host_queue import HostQueue
 log = logging.getLogger(__name__)
 
 MANAGER_ATTR = "_protrain_chunk_manager"  # set on each managed nn.Parameter: the manager that owns it
+NO_SYNC_ATTR = "_protrain_no_sync"  # on the model: how many `protrain_fx.no_sync` contexts are open
 
 
 REDUCE_BUFFERS = 2  # fp32 chunk buffers gradients are reduced in: one copied to the host while the next fills
@@ -95,10 +96,12 @@ class ChunkManager:
         n_buffer: int,
         device: torch.device | None = None,
         source: Callable[[nn.Parameter], torch.Tensor] | None = None,
+        model: nn.Module | None = None,
     ):
         """`device` is where the chunks compute (default: the parameters' device). `source(p)` gives a
         parameter's values when they are not in `p` itself yet (a meta-device model); it is called in layout
-        order, one parameter at a time. `protrain_fx.prepare` uses both."""
+        order, one parameter at a time. `protrain_fx.prepare` uses both. `model`: the module whose `no_sync`
+        state (runtime/adopt.py) says whether a backward is the last of an accumulated step."""
         if not 0 <= n_persist <= layout.n_chunk:
             raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
         if n_persist < layout.n_chunk and n_buffer < 1:
@@ -131,6 +134,8 @@ class ChunkManager:
         self._grad_sources: dict[int, set] = {}  # chunk -> the compiled frames whose backward reduces into it
         self._arrivals: dict[int, int] = {}  # chunk -> gradients reduced into it this step
         self._stepped: set[int] = set()  # offloaded chunks whose CPU step has started this step
+        self._model = weakref.ref(model) if model is not None else None
+        self._unreduced: set[int] = set()  # persistent chunks whose gradient is this rank's sum only (no_sync)
         # float16 needs loss scaling, whose overflow check must see every gradient of the step before any update:
         # offloaded updates then start in AdamW.step() instead of during the backward
         self.defer_updates = self.dtype == torch.float16
@@ -328,26 +333,37 @@ class ChunkManager:
         once every frame reducing into it has (recompiles of one frame count once: only one of them runs)."""
         self._grad_sources.setdefault(chunk, set()).add(source)
 
+    @property
+    def sync_grads(self) -> bool:
+        """False inside `protrain_fx.no_sync(model)`: backward passes only add their gradients up."""
+        model = self._model() if self._model is not None else None
+        return model is None or not model.__dict__.get(NO_SYNC_ATTR, 0)
+
     def reduce_grads(self, chunk: int, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
         """Add a chunk's gradients into its fp32 gradient; offloaded chunks then start their CPU AdamW step.
 
         Offloaded: the fp32 gradient shard is copied to the host without blocking (straight into the shard's
         gradient when it is the step's first); once the last expected gradient of the chunk is in, the worker
         thread waits for that copy and steps the chunk while the device goes on with the backward.
+        Inside `no_sync` (gradient accumulation) nothing steps, and persistent chunks are not reduced across
+        ranks: each rank adds up its own until the step's last backward, which reduces the sum once.
+        Offloaded shards are reduce-scattered every time (a rank holds only its shard of their gradient).
         """
         persistent = chunk < self.n_persist
         if chunk in self._stepped:
             raise RuntimeError(
                 f"chunk {chunk} got a gradient after its optimizer step had started in this step (a backward ran "
                 "twice between optimizer steps, or a compiled graph ran twice in one forward); call "
-                "optimizer.step() after each backward: gradient accumulation over several backward passes is "
-                "not supported yet"
+                "optimizer.step() after each backward, or, to accumulate gradients over several backward passes, "
+                "run all but the last inside `with protrain_fx.no_sync(model):`"
             )
         if self.defer_updates:  # torch's fused non-finite check (multiplies by 1: values unchanged)
             torch._amp_foreach_non_finite_check_and_unscale_(list(grads), self.found_inf, self._one)
         accumulate = chunk in self.has_grad  # the first gradient of a step overwrites: zero_grad never memsets
         self.has_grad.add(chunk)
-        self._arrivals[chunk] = self._arrivals.get(chunk, 0) + 1
+        sync = self.sync_grads
+        if sync:  # (the arrivals of the step's last backward decide when a chunk is complete)
+            self._arrivals[chunk] = self._arrivals.get(chunk, 0) + 1
         if persistent and self.world_size == 1:
             # straight into the fp32 gradient; where a parameter has no gradient yet this step its slot holds a
             # stale value, which is overwritten here or never read (the optimizer skips that parameter)
@@ -363,7 +379,13 @@ class ChunkManager:
             a, b = self._slot_range(self.slot_of(p))
             flat[a:b].copy_(g.reshape(-1))
         if persistent:
-            if self.world_size > 1:
+            if not sync:  # this rank's sum, reduced at the step's last backward
+                self._unreduced.add(chunk)
+            else:
+                if chunk in self._unreduced:  # reduce what this rank added up with this gradient, once
+                    flat.add_(self.grad[chunk])
+                    self._unreduced.discard(chunk)
+                    accumulate = False
                 dist.all_reduce(flat)
                 flat /= self.world_size
             self.grad[chunk].add_(flat) if accumulate else self.grad[chunk].copy_(flat)
@@ -387,7 +409,7 @@ class ChunkManager:
             target.copy_(shard, non_blocking=True)
             if stream is not None:
                 copied = stream.record_event()
-        last = self._arrivals[chunk] >= len(self._grad_sources.get(chunk, ()))
+        last = sync and self._arrivals[chunk] >= len(self._grad_sources.get(chunk, ()))
         last = last and self.optimizer is not None and not self.defer_updates
         update = None
         if last:
@@ -444,6 +466,14 @@ class ChunkManager:
         did not run its backward, or the optimizer was not known yet): `AdamW.step()` steps them."""
         return sorted(c for c in self.has_grad if c >= self.n_persist and c not in self._stepped)
 
+    def finish_reduction(self) -> None:
+        """Before an optimizer step: reduce the persistent gradients still holding this rank's sum (the step's
+        last backward ran inside `no_sync`)."""
+        for chunk in sorted(self._unreduced):
+            dist.all_reduce(self.grad[chunk])
+            self.grad[chunk] /= self.world_size
+        self._unreduced.clear()
+
     def submit_update(self, chunk: int, update: Callable[[], None]) -> None:
         """Start an offloaded chunk's update on the worker thread now (from `AdamW.step()`)."""
         self.wait_for_update(chunk)  # its gradient copy is taken in
@@ -469,6 +499,7 @@ class ChunkManager:
         """Forget this step's gradients; the next one overwrites each chunk's fp32 gradient (no memset)."""
         self.has_grad.clear()
         self.params_with_grad.clear()
+        self._unreduced.clear()
         self.end_step()
 
     def param_pieces(self, chunk: int) -> list[tuple[int, int, int, int]]:

@@ -161,6 +161,8 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         managers = self._managers()
+        for manager in managers:  # (the step's last backward ran inside no_sync)
+            manager.finish_reduction()
         if grad_scale is not None and any(not m.defer_updates for m in managers):
             raise ValueError(
                 "loss scaling (protrain_fx.amp.GradScaler) is for float16 models; this model's chunks are "

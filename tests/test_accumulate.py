@@ -1,0 +1,172 @@
+"""Gradient accumulation (`protrain_fx.no_sync`): micro-batches add up to their whole batch's gradient, and no
+optimizer work (CPU AdamW step, reduction of persistent chunks across ranks) starts before the step's last
+backward.
+
+Tolerance: the accumulated gradient sums the micro-batches' terms in another order than the whole batch's
+backward, so it agrees to fp32 rounding (rtol 1e-5, atol 1e-7), not bitwise; so do the losses of the steps
+after. (Parameters are not compared: AdamW normalizes each update, so a gradient that is rounding noise, like
+the key bias's, moves its parameter by about lr either way.)
+"""
+
+import contextlib
+import copy
+
+import models
+import pytest
+import torch
+from test_chunk_distributed import _spawn
+
+import protrain_fx
+from protrain_fx.runtime.chunks import ChunkManager
+
+MICRO = 4
+STEPS = 3
+PLANS = {"persistent": {}, "offloaded": {"n_persist": 1, "n_buffer": 3}}
+
+
+def _parts(batch: dict, n: int) -> list[dict]:
+    pieces = {k: v.chunk(n) for k, v in batch.items()}
+    return [{k: v[i] for k, v in pieces.items()} for i in range(n)]
+
+
+def _manager(model):
+    return model.__dict__["_protrain_chunk_manager"]
+
+
+def _chunk_grads(model) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient as its chunk holds it (whole chunks: one rank, or persistent chunks)."""
+    manager = _manager(model)
+    manager.wait_for_update()
+    out = {}
+    for name, p in model.named_parameters():
+        slot = manager.slot_of(p)
+        out[name] = manager.grad[slot.chunk][slot.offset : slot.offset + slot.numel].view(p.shape).to("cpu", copy=True)
+    return out
+
+
+def _nothing_stepped(manager) -> None:
+    assert not manager._stepped, f"the CPU step of chunks {manager._stepped} started inside no_sync"
+
+
+def train_accumulated(compiled, model, opt, on_micro=None, on_last=None):
+    """STEPS optimizer steps, each over MICRO micro-batches of one batch of 8; returns each step's loss and the
+    first step's accumulated gradients. `on_micro(manager)` runs after each backward inside no_sync, `on_last()`
+    after each step's last backward."""
+    losses, grads = [], None
+    for step in range(STEPS):
+        total = 0.0
+        for i, part in enumerate(_parts(models.batch("toy", batch_size=8, seed=step), MICRO)):
+            last = i == MICRO - 1
+            with contextlib.nullcontext() if last else protrain_fx.no_sync(compiled):
+                loss = compiled(**part) / MICRO
+                loss.backward()
+            total += loss.item()
+            if not last and on_micro is not None:
+                on_micro(_manager(model))
+        if on_last is not None:
+            on_last()
+        if step == 0:
+            grads = _chunk_grads(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, grads
+
+
+def train_whole(ref):
+    """The same steps on the whole batches, eagerly, with torch's fused AdamW."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    losses, grads = [], None
+    for step in range(STEPS):
+        loss = ref(**models.batch("toy", batch_size=8, seed=step))
+        loss.backward()
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in ref.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _compare(accumulated, whole) -> None:
+    (losses, grads), (ref_losses, ref_grads) = accumulated, whole
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("plan", PLANS.values(), ids=list(PLANS))
+def test_accumulated_micro_batches_equal_the_whole_batch(plan):
+    ref = models.build("toy")
+    model = copy.deepcopy(ref)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    _compare(train_accumulated(compiled, model, opt, on_micro=_nothing_stepped), train_whole(ref))
+    record = backend.graphs[0]
+    assert record.plan.n_persist == (1 if plan else record.plan.n_chunk)
+
+
+def test_backward_after_the_step_started_says_how_to_accumulate():
+    model = models.build("toy")
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)  # noqa: F841 (the chunks need it)
+    options = {"executor": "eager", "plan": PLANS["offloaded"]}
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
+    compiled(**models.batch("toy")).backward()
+    with pytest.raises(RuntimeError, match=r"inside `with protrain_fx.no_sync\(model\):`"):
+        compiled(**models.batch("toy")).backward()
+    with pytest.raises(TypeError, match=r"no_sync\(\) takes the model"):
+        with protrain_fx.no_sync("model"):
+            pass
+
+
+def _worker(rank: int, world: int, port: int, errors) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        ref = models.build("toy")
+        model = copy.deepcopy(ref)
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=False)
+        calls, inside = [], []  # all-reduces run by reduce_grads (not those of profiling, at the first forward)
+        all_reduce, reduce_grads = dist.all_reduce, ChunkManager.reduce_grads
+
+        def counting(*args, **kwargs):
+            calls.extend(inside)
+            return all_reduce(*args, **kwargs)
+
+        def reducing(self, *args, **kwargs):
+            inside.append(1)
+            try:
+                return reduce_grads(self, *args, **kwargs)
+            finally:
+                inside.pop()
+
+        dist.all_reduce, ChunkManager.reduce_grads = counting, reducing
+
+        def no_reduction(manager):  # each rank adds up its own gradient of the persistent chunks
+            _nothing_stepped(manager)
+            assert not calls and manager._unreduced == set(range(manager.n_persist)), (calls, manager._unreduced)
+
+        def reduced_once():
+            assert len(calls) == _manager(model).n_persist, calls  # one all-reduce per chunk
+            calls.clear()
+
+        accumulated = train_accumulated(compiled, model, opt, on_micro=no_reduction, on_last=reduced_once)
+        dist.all_reduce, ChunkManager.reduce_grads = all_reduce, reduce_grads
+        _compare(accumulated, train_whole(ref))  # every rank has the same batches: the average is the batch's
+    except BaseException as e:  # reported to the parent, which fails the test
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_accumulation_across_ranks_reduces_once():
+    """Two gloo ranks, every chunk persistent: inside no_sync no rank reduces; the last backward reduces each
+    rank's sum once, and the gradient and losses equal eager training's on the whole batch."""
+    _spawn(_worker, 2)
