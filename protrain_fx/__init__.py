@@ -10,9 +10,11 @@ from protrain_fx.config import ProTrainConfig
 from protrain_fx.explain import explain, plan_of
 from protrain_fx.planner.plan import Plan
 from protrain_fx.runtime.adopt import no_sync, prepare
+from protrain_fx.runtime.clip import clip_grad_norm_
 from protrain_fx.runtime.state import full_state_dict
 
 __all__ = [
+    "clip_grad_norm_",
     "GraphRecord",
     "no_sync",
     "amp",

@@ -75,3 +75,20 @@ class CapturingBackend(protrain_fx.ProTrainBackend):
     def __call__(self, gm, example_inputs):
         self.__dict__.setdefault("inputs", list(example_inputs))
         return super().__call__(gm, example_inputs)
+
+
+def manager_of(model):
+    """The ChunkManager of a model (or of its torch.compile wrapper) trained with protrain_fx.optim.AdamW."""
+    return getattr(model, "_orig_mod", model).__dict__["_protrain_chunk_manager"]
+
+
+def chunk_grads(model) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient as its chunk holds it, copied to the CPU (whole chunks: one rank, or persistent
+    chunks), once every gradient copy to the host has landed."""
+    manager = manager_of(model)
+    manager.wait_for_update()
+    out = {}
+    for name, p in getattr(model, "_orig_mod", model).named_parameters():
+        slot = manager.slot_of(p)
+        out[name] = manager.grad[slot.chunk][slot.offset : slot.offset + slot.numel].view(p.shape).to("cpu", copy=True)
+    return out

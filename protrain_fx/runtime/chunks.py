@@ -138,7 +138,11 @@ class ChunkManager:
         self._unreduced: set[int] = set()  # persistent chunks whose gradient is this rank's sum only (no_sync)
         # float16 needs loss scaling, whose overflow check must see every gradient of the step before any update:
         # offloaded updates then start in AdamW.step() instead of during the backward
-        self.defer_updates = self.dtype == torch.float16
+        self.check_finite = self.dtype == torch.float16
+        # so does gradient clipping (runtime/clip.py), whose coefficient needs every gradient: a model clipped
+        # once defers from then on, and its first step always defers, before any clip_grad_norm_ call is seen
+        self.clipping = False
+        self._first_step = True
         owner = next((p.__dict__.get("_protrain_optimizer") for p in self.params), None)
         self.optimizer = owner() if owner is not None else None  # the protrain_fx.optim.AdamW stepping us
         self._build(source or (lambda p: p.detach()))
@@ -334,6 +338,11 @@ class ChunkManager:
         self._grad_sources.setdefault(chunk, set()).add(source)
 
     @property
+    def defer_updates(self) -> bool:
+        """Offloaded chunks start their host update in `AdamW.step()`, not as their gradient completes."""
+        return self.check_finite or self.clipping or self._first_step
+
+    @property
     def sync_grads(self) -> bool:
         """False inside `protrain_fx.no_sync(model)`: backward passes only add their gradients up."""
         model = self._model() if self._model is not None else None
@@ -357,7 +366,7 @@ class ChunkManager:
                 "optimizer.step() after each backward, or, to accumulate gradients over several backward passes, "
                 "run all but the last inside `with protrain_fx.no_sync(model):`"
             )
-        if self.defer_updates:  # torch's fused non-finite check (multiplies by 1: values unchanged)
+        if self.check_finite:  # torch's fused non-finite check (multiplies by 1: values unchanged)
             torch._amp_foreach_non_finite_check_and_unscale_(list(grads), self.found_inf, self._one)
         accumulate = chunk in self.has_grad  # the first gradient of a step overwrites: zero_grad never memsets
         self.has_grad.add(chunk)
@@ -485,6 +494,8 @@ class ChunkManager:
         zero_grad, as in torch)."""
         self._arrivals.clear()
         self._stepped.clear()
+        if self.has_grad:  # (zero_grad before the first backward does not end the first step)
+            self._first_step = False
         self.found_inf.zero_()
         self._drop_copied()
 

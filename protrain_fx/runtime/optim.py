@@ -163,13 +163,13 @@ class AdamW(torch.optim.Optimizer):
         managers = self._managers()
         for manager in managers:  # (the step's last backward ran inside no_sync)
             manager.finish_reduction()
-        if grad_scale is not None and any(not m.defer_updates for m in managers):
+        if grad_scale is not None and any(not m.check_finite for m in managers):
             raise ValueError(
                 "loss scaling (protrain_fx.amp.GradScaler) is for float16 models; this model's chunks are "
                 f"{managers[0].dtype}, which trains without it: call optimizer.step() directly"
             )
         self.last_step_skipped = False
-        if grad_scale is not None or any(m.defer_updates for m in managers):
+        if grad_scale is not None or any(m.check_finite for m in managers):
             self.last_step_skipped = self._found_inf(managers)
             if self.last_step_skipped:
                 log.warning("a gradient is inf or NaN: optimizer step skipped (loss scale %s)", grad_scale)

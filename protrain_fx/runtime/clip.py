@@ -1,0 +1,118 @@
+"""clip_grad_norm_: global gradient-norm clipping of a model whose gradients live in chunks (runtime/chunks.py).
+
+Called between `backward()` and `optimizer.step()`, like `torch.nn.utils.clip_grad_norm_`. The norm covers
+every gradient of the step: persistent chunks' fp32 gradients on the device (whole and equal on every rank
+after their all-reduce: counted once), offloaded chunks' fp32 shards on the host (each rank its own shard:
+summed over ranks) and the `.grad` of parameters no chunk holds. Only the pieces of parameters that got a
+gradient this step count (a chunk's other slots hold stale values the optimizer never reads).
+
+Clipping scales gradients the optimizer has not read yet, so offloaded chunks cannot start their host update as
+their gradient completes during the backward. A model's first step always defers those updates to
+`AdamW.step()` (`ChunkManager.defer_updates`); a call here marks the model as clipped, and its later steps defer
+too. A model never clipped goes back to overlapping them with the backward after its first step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from protrain_fx.runtime.adopt import model_manager
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> torch.Tensor:
+    """Scale the model's gradients so that their total `norm_type` norm is at most `max_norm`; returns the total
+    norm before clipping (a float32 tensor on the CPU), as `torch.nn.utils.clip_grad_norm_` does."""
+    model = getattr(model, "_orig_mod", model)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"clip_grad_norm_() takes the model (an nn.Module), got {type(model).__name__}")
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    if max_norm < 0 or not (norm_type == math.inf or norm_type > 0):
+        raise ValueError(f"clip_grad_norm_ needs max_norm >= 0 and norm_type > 0 or inf, got {max_norm}, {norm_type}")
+    manager = model_manager(model)
+    pieces = _gradient_pieces(model, manager)
+    if manager is not None:
+        if manager.check_finite:
+            raise ValueError(
+                "clip_grad_norm_ is not supported with float16 chunks (their gradients carry the loss scale); "
+                "train in bfloat16, which needs no loss scaling"
+            )
+        if manager._stepped:
+            raise RuntimeError(
+                "clip_grad_norm_ came after offloaded chunks had started their optimizer step with unclipped "
+                f"gradients (chunks {sorted(manager._stepped)}): call it in every step, from the first, between "
+                "backward() and optimizer.step(); a model clipped once defers those steps until optimizer.step()"
+            )
+        manager.clipping = True
+    total = _total_norm(pieces, norm_type, manager)
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is {total}, so they cannot be clipped; pass "
+            "error_if_nonfinite=False to clip anyway"
+        )
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for tensors in _by_device(pieces.local + pieces.once):
+            torch._foreach_mul_(tensors, coef)
+    return torch.tensor(total, dtype=torch.float32)
+
+
+def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The foreach kernels take tensors of one device (host shards and device gradients mix here)."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
+
+
+class _Pieces:
+    def __init__(self):
+        self.local: list[torch.Tensor] = []  # this rank's own part of the gradients (summed over ranks)
+        self.once: list[torch.Tensor] = []  # the same on every rank (counted once)
+
+
+def _gradient_pieces(model: nn.Module, manager) -> _Pieces:
+    pieces = _Pieces()
+    managed = set()
+    if manager is not None:
+        manager.wait_for_update()  # every gradient copy to the host has landed
+        for chunk in sorted(manager.has_grad):
+            target = pieces.once if chunk < manager.n_persist else pieces.local
+            for i, start, end, _ in manager.param_pieces(chunk):
+                if i in manager.params_with_grad:
+                    target.append(manager.grad[chunk][start:end])
+        managed = {id(p) for p in manager.params}
+    for p in model.parameters():
+        if id(p) not in managed and p.grad is not None:
+            pieces.once.append(p.grad)
+    if manager is None or manager.world_size == 1:
+        pieces.local, pieces.once = pieces.local + pieces.once, []
+    return pieces
+
+
+def _total_norm(pieces: _Pieces, norm_type: float, manager) -> float:
+    """The norm over both lists: each rank's `local` pieces combined over ranks, the `once` ones as they are."""
+
+    def partial(tensors: list[torch.Tensor]) -> float:
+        norms = [
+            n.to("cpu", torch.float64) for group in _by_device(tensors) for n in torch._foreach_norm(group, norm_type)
+        ]
+        if not norms:
+            return 0.0
+        stacked = torch.stack(norms)
+        return stacked.max().item() if norm_type == math.inf else stacked.pow(norm_type).sum().item()
+
+    local, once = partial(pieces.local), partial(pieces.once)
+    if manager is not None and manager.world_size > 1:
+        t = torch.tensor([local], dtype=torch.float64, device=manager.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+        local = t.item()
+    if norm_type == math.inf:
+        return max(local, once)
+    return (local + once) ** (1.0 / norm_type)
