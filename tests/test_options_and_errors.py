@@ -1,6 +1,7 @@
 """Options are validated, and what the backend cannot handle fails with a message that says what to do."""
 
 import dataclasses
+import io
 import json
 import subprocess
 import sys
@@ -163,3 +164,25 @@ def test_dump_dir_files(tmp_path, monkeypatch):
     params = json.loads((g0 / "params.json").read_text())
     assert "transformer.wte.weight" in {e["name"] for e in params.values()}
     assert json.loads((g0 / "blocks.json").read_text())["family"]["type_name"] == "GPT2Block"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_long_phases_show_progress_on_a_terminal(monkeypatch, tmp_path):
+    """Parameters into chunks, profiling and the hardware measurement show tqdm bars on rank 0 when stderr is a
+    terminal, and nothing otherwise (a batch job's log)."""
+    for terminal in (False, True):
+        err = _Terminal() if terminal else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        model = models.build("toy")
+        protrain_fx.optim.AdamW(model.parameters())
+        options = {"executor": "eager", "plan": {"n_persist": 1, "n_buffer": 3}}
+        monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / str(terminal)))  # measure the hardware anew
+        torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)(**models.batch("toy"))
+        torch._dynamo.reset()
+        shown = err.getvalue()
+        for phase in ("parameters into chunks", "profiling", "measuring the hardware"):
+            assert (f"protrain: {phase}" in shown) == terminal, (phase, shown[-300:])

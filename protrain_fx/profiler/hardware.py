@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from protrain_fx.config import default_cache_dir
+from protrain_fx.progress import progress
 from protrain_fx.runtime.chunks import rank_and_world_size
 from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.host import available_host_bytes, meminfo_bytes
@@ -176,12 +177,16 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
         "d2h": lambda: host2.copy_(dev2, non_blocking=True),
         "both": _both_ways(dev, host, host2, dev2, device),
     }
+    bar = progress(total=4, desc="measuring the hardware", unit="part")
     h2d, d2h = _rate(COPY_BYTES, copies["h2d"], device), _rate(COPY_BYTES, copies["d2h"], device)
     both_s = _rate(COPY_BYTES, copies["both"], device)  # each direction's, while both copy at once
     local = 2 * _rate(COPY_BYTES, lambda: dev2.copy_(dev), device)  # each byte read once and written once
     one = torch.zeros(1, device=device)
     kernel = _timed(lambda: [one.add_(1) for _ in range(KERNELS)], device) / KERNELS
     _, memory = _device_facts(device)
+    bar.update()
+    device_adam = _adam_s_per_param(device)
+    bar.update()
     measured = {
         "h2d_bytes_per_s": h2d,
         "d2h_bytes_per_s": d2h,
@@ -189,12 +194,15 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
         "d2h_concurrent_bytes_per_s": both_s,
         "device_bytes_per_s": local,
         "kernel_s": kernel,
-        "device_adam_s_per_param": _adam_s_per_param(device),
+        "device_adam_s_per_param": device_adam,
         **_host_adam(copies, device),
     }
+    bar.update()
     measured["device_memory_bytes"] = memory
     measured["host_memory_bytes"] = available_host_bytes() or 0
     collectives = _collectives(device)
+    bar.update()
+    bar.close()
     measured = _slowest_rank(measured, device)
     for k in ("device_memory_bytes", "host_memory_bytes"):
         measured[k] = int(measured[k])

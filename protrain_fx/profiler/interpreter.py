@@ -34,6 +34,7 @@ from protrain_fx.profiler.fusion import kernel_classes
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
 from protrain_fx.profiler.on_demand import CALL_OPS, AbsentCounting, GraphRun, OnDemand, Replay, storage_key
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
+from protrain_fx.progress import progress
 from protrain_fx.runtime.chunks import rank_and_world_size
 from protrain_fx.runtime.eager import eager
 
@@ -248,15 +249,21 @@ def profile_iteration(
     device = next((t.device for t in primals if isinstance(t, torch.Tensor) and t.device.type != "cpu"), None)
     device = device or torch.device("cpu")
     timed_graphs: dict[str, TimedGraph] = {}  # built once (thousands of nodes to generate code for), run twice
+    n_nodes = len(fw.graph.nodes) + len(bw.graph.nodes)
+    bar = progress(total=3 if device.type == "cuda" else 2, desc=f"profiling {n_nodes} nodes", unit="run")
     if device.type == "cuda":  # on demand, what to drop and fetch is learned here for the timed run
         warm = AbsentCounting(CudaMemoryTracker(device), on_demand) if on_demand is not None else None
         _iteration(fw, bw, primals, block_map, device, warm, on_demand, timed_graphs)
+        bar.update()
     tracker = CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()
     if on_demand is not None:
         tracker = AbsentCounting(tracker, on_demand)
     nodes, baseline, peak, saved_bytes = _iteration(fw, bw, primals, block_map, device, tracker, on_demand)
+    bar.update()
     reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     timed, *_ = _iteration(fw, bw, primals, block_map, device, None, on_demand, timed_graphs)
+    bar.update()
+    bar.close()
     assert [r.name for r in timed] == [r.name for r in nodes], "timing and memory runs saw different nodes"
     for record, t in zip(nodes, timed):
         record.latency_s = t.latency_s

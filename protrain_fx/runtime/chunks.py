@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from protrain_fx.planner.chunking import ChunkLayout, Slot
+from protrain_fx.progress import progress
 from protrain_fx.runtime import ops
 from protrain_fx.runtime.host import check_host_memory, pinned_arena
 from protrain_fx.runtime.host_queue import HostQueue
@@ -222,7 +223,8 @@ class ChunkManager:
         device), not their storage."""
         lo, hi = self._shard_bounds()
         with torch.no_grad():
-            for p, slot in zip(self.params, self.slots):
+            pairs = zip(self.params, self.slots)
+            for p, slot in progress(pairs, total=len(self.params), desc="parameters into chunks", unit="param"):
                 a, b = self._slot_range(slot)
                 values = source(p).reshape(-1)
                 if slot.chunk < self.n_persist:
