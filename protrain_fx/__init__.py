@@ -8,6 +8,7 @@ from protrain_fx import amp, optim
 from protrain_fx.backend import GraphRecord, ProTrainBackend, protrain
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.explain import explain, plan_of
+from protrain_fx.metrics import StepMetrics
 from protrain_fx.planner.plan import Plan
 from protrain_fx.runtime.adopt import no_sync, prepare
 from protrain_fx.runtime.clip import clip_grad_norm_
@@ -22,6 +23,7 @@ __all__ = [
     "Plan",
     "ProTrainBackend",
     "ProTrainConfig",
+    "StepMetrics",
     "full_state_dict",
     "optim",
     "plan_of",
