@@ -14,8 +14,9 @@ import copy
 import models
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import chunk_grads, manager_of
-from test_chunk_distributed import _spawn
+from test_chunk_distributed import spawn_gloo
 
 import protrain_fx
 from protrain_fx.runtime.chunks import ChunkManager
@@ -110,53 +111,41 @@ def test_backward_after_the_step_started_says_how_to_accumulate():
             pass
 
 
-def _worker(rank: int, world: int, port: int, errors) -> None:
-    import os
+def _ranks_accumulate(rank: int, world: int) -> None:
+    ref = models.build("toy")
+    model = copy.deepcopy(ref)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=False)
+    calls, inside = [], []  # all-reduces run by reduce_grads (not those of profiling, at the first forward)
+    all_reduce, reduce_grads = dist.all_reduce, ChunkManager.reduce_grads
 
-    import torch.distributed as dist
+    def counting(*args, **kwargs):
+        calls.extend(inside)
+        return all_reduce(*args, **kwargs)
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        ref = models.build("toy")
-        model = copy.deepcopy(ref)
-        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
-        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=False)
-        calls, inside = [], []  # all-reduces run by reduce_grads (not those of profiling, at the first forward)
-        all_reduce, reduce_grads = dist.all_reduce, ChunkManager.reduce_grads
+    def reducing(self, *args, **kwargs):
+        inside.append(1)
+        try:
+            return reduce_grads(self, *args, **kwargs)
+        finally:
+            inside.pop()
 
-        def counting(*args, **kwargs):
-            calls.extend(inside)
-            return all_reduce(*args, **kwargs)
+    dist.all_reduce, ChunkManager.reduce_grads = counting, reducing
 
-        def reducing(self, *args, **kwargs):
-            inside.append(1)
-            try:
-                return reduce_grads(self, *args, **kwargs)
-            finally:
-                inside.pop()
+    def no_reduction(manager):  # each rank adds up its own gradient of the persistent chunks
+        _nothing_stepped(manager)
+        assert not calls and manager._unreduced == set(range(manager.n_persist)), (calls, manager._unreduced)
 
-        dist.all_reduce, ChunkManager.reduce_grads = counting, reducing
+    def reduced_once():
+        assert len(calls) == manager_of(model).n_persist, calls  # one all-reduce per chunk
+        calls.clear()
 
-        def no_reduction(manager):  # each rank adds up its own gradient of the persistent chunks
-            _nothing_stepped(manager)
-            assert not calls and manager._unreduced == set(range(manager.n_persist)), (calls, manager._unreduced)
-
-        def reduced_once():
-            assert len(calls) == manager_of(model).n_persist, calls  # one all-reduce per chunk
-            calls.clear()
-
-        accumulated = train_accumulated(compiled, model, opt, on_micro=no_reduction, on_last=reduced_once)
-        dist.all_reduce, ChunkManager.reduce_grads = all_reduce, reduce_grads
-        _compare(accumulated, train_whole(ref))  # every rank has the same batches: the average is the batch's
-    except BaseException as e:  # reported to the parent, which fails the test
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
+    accumulated = train_accumulated(compiled, model, opt, on_micro=no_reduction, on_last=reduced_once)
+    dist.all_reduce, ChunkManager.reduce_grads = all_reduce, reduce_grads
+    _compare(accumulated, train_whole(ref))  # every rank has the same batches: the average is the batch's
 
 
 def test_accumulation_across_ranks_reduces_once():
     """Two gloo ranks, every chunk persistent: inside no_sync no rank reduces; the last backward reduces each
     rank's sum once, and the gradient and losses equal eager training's on the whole batch."""
-    _spawn(_worker, 2)
+    spawn_gloo(_ranks_accumulate, 2)

@@ -70,6 +70,23 @@ def _spawn(target, world: int, *args) -> None:
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
+def _gloo_worker(rank: int, world: int, port: int, body, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        body(rank, world)
+    except BaseException as e:  # report to the parent, which fails the test
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(body, world: int) -> None:
+    """Run `body(rank, world)` (a module-level function) on `world` gloo ranks, each a spawned process."""
+    _spawn(_gloo_worker, world, body)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize(
     "kind, plan", [("toy", {"n_persist": 0, "n_buffer": 3}), ("llama", {"n_persist": 1, "n_buffer": 1})]

@@ -12,7 +12,7 @@ import models
 import pytest
 import torch
 from helpers import chunk_grads, manager_of
-from test_chunk_distributed import _spawn
+from test_chunk_distributed import spawn_gloo
 
 import protrain_fx
 
@@ -95,25 +95,14 @@ def test_clip_errors():
         protrain_fx.clip_grad_norm_([], 1.0)
 
 
-def _worker(rank: int, world: int, port: int, errors) -> None:
-    import os
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:  # every rank trains on the same batches: the averaged gradient is eager training's
-        rows, _ = _clipped_steps(*_pair(PLANS["offloaded"]), 0.05, 2.0, whole_chunks=False)
-        for norm, ref_norm, loss, ref_loss in rows:
-            assert norm == pytest.approx(ref_norm, rel=1e-5) and loss == pytest.approx(ref_loss, rel=1e-5)
-    except BaseException as e:  # reported to the parent, which fails the test
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
+def _ranks_clip(rank: int, world: int) -> None:
+    # every rank trains on the same batches: the averaged gradient is eager training's
+    rows, _ = _clipped_steps(*_pair(PLANS["offloaded"]), 0.05, 2.0, whole_chunks=False)
+    for norm, ref_norm, loss, ref_loss in rows:
+        assert norm == pytest.approx(ref_norm, rel=1e-5) and loss == pytest.approx(ref_loss, rel=1e-5)
 
 
 def test_clipping_across_ranks():
     """Two gloo ranks, offloaded chunks sharded: each rank's shard norms add up over ranks, persistent chunks
     count once; the norm and the losses equal eager training's."""
-    _spawn(_worker, 2)
+    spawn_gloo(_ranks_clip, 2)
