@@ -477,6 +477,10 @@ class ChunkManager:
         did not run its backward, or the optimizer was not known yet): `AdamW.step()` steps them."""
         return sorted(c for c in self.has_grad if c >= self.n_persist and c not in self._stepped)
 
+    def updates_started(self) -> list[int]:
+        """Offloaded chunks whose host update has started this step (reading this step's gradients)."""
+        return sorted(self._stepped)
+
     def finish_reduction(self) -> None:
         """Before an optimizer step: reduce the persistent gradients still holding this rank's sum (the step's
         last backward ran inside `no_sync`)."""

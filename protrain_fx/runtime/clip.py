@@ -14,6 +14,7 @@ too. A model never clipped goes back to overlapping them with the backward after
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -36,20 +37,21 @@ def clip_grad_norm_(
     if max_norm < 0 or not (norm_type == math.inf or norm_type > 0):
         raise ValueError(f"clip_grad_norm_ needs max_norm >= 0 and norm_type > 0 or inf, got {max_norm}, {norm_type}")
     manager = model_manager(model)
-    pieces = _gradient_pieces(model, manager)
     if manager is not None:
         if manager.check_finite:
             raise ValueError(
                 "clip_grad_norm_ is not supported with float16 chunks (their gradients carry the loss scale); "
                 "train in bfloat16, which needs no loss scaling"
             )
-        if manager._stepped:
+        started = manager.updates_started()
+        if started:
             raise RuntimeError(
                 "clip_grad_norm_ came after offloaded chunks had started their optimizer step with unclipped "
-                f"gradients (chunks {sorted(manager._stepped)}): call it in every step, from the first, between "
-                "backward() and optimizer.step(); a model clipped once defers those steps until optimizer.step()"
+                f"gradients (chunks {started}): call it in every step, from the first, between backward() and "
+                "optimizer.step(); a model clipped once defers those steps until optimizer.step()"
             )
         manager.clipping = True
+    pieces = _gradient_pieces(model, manager)
     total = _total_norm(pieces, norm_type, manager)
     if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(
@@ -71,10 +73,10 @@ def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
+@dataclasses.dataclass
 class _Pieces:
-    def __init__(self):
-        self.local: list[torch.Tensor] = []  # this rank's own part of the gradients (summed over ranks)
-        self.once: list[torch.Tensor] = []  # the same on every rank (counted once)
+    local: list[torch.Tensor] = dataclasses.field(default_factory=list)  # this rank's part (summed over ranks)
+    once: list[torch.Tensor] = dataclasses.field(default_factory=list)  # the same on every rank (counted once)
 
 
 def _gradient_pieces(model: nn.Module, manager) -> _Pieces:
