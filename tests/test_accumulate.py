@@ -32,7 +32,7 @@ def _parts(batch: dict, n: int) -> list[dict]:
 
 
 def _nothing_stepped(manager) -> None:
-    assert not manager._stepped, f"the CPU step of chunks {manager._stepped} started inside no_sync"
+    assert not manager.updates_started(), f"the CPU step of chunks {manager.updates_started()} started in no_sync"
 
 
 def train_accumulated(compiled, model, opt, on_micro=None, on_last=None):
@@ -101,7 +101,7 @@ def test_backward_after_the_step_started_says_how_to_accumulate():
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
     for _ in range(2):  # (the first step defers its host updates to optimizer.step(): runtime/clip.py)
         compiled(**models.batch("toy")).backward()
-        if not manager_of(model)._stepped:
+        if not manager_of(model).updates_started():
             opt.step()
             opt.zero_grad()
     with pytest.raises(RuntimeError, match=r"inside `with protrain_fx.no_sync\(model\):`"):
