@@ -91,7 +91,7 @@ def main() -> None:
             print(f"step 1 (compile + profile + plan) took {elapsed:.1f} s; {len(backend.graphs)} graph(s)")
             for g in backend.graphs:
                 blocks = g.block_map.family if g.block_map else None
-                where = f"{len(blocks.indices)} x {blocks.type_name} under {blocks.parent}" if blocks else "no blocks"
+                where = f"{blocks.n_blocks} x {blocks.type_name} under {blocks.parent}" if blocks else "no blocks"
                 print(f"graph {g.index}: {len(g.param_map)} parameters, {where}")
                 if g.profile is not None:
                     pr = g.profile
