@@ -96,15 +96,6 @@ def test_chunk_with_gradients_from_two_graphs():
     assert len(with_params) == 2 and model_manager(model).layout.n_chunk == 1
 
 
-def test_second_backward_before_the_step_is_an_error():
-    model = models.build("toy")
-    opt = protrain_fx.optim.AdamW(model.parameters())  # noqa: F841 - alive, so chunks step during backward
-    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": OFFLOADED}))
-    compiled(**models.batch("toy")).backward()
-    with pytest.raises(RuntimeError, match="got a gradient after its optimizer step had started"):
-        compiled(**models.batch("toy")).backward()
-
-
 def test_parameter_replaced_after_compile_is_an_error():
     model = models.build("toy")
     protrain_fx.optim.AdamW(model.parameters())
