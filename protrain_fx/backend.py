@@ -58,6 +58,7 @@ from protrain_fx.runtime.adopt import (
     plan_fields_of,
     wants_chunks,
 )
+from protrain_fx.runtime.chunks import MANAGER_ATTR
 from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.monitor import StepMonitor
 from protrain_fx.runtime.ops import register_inductor_lowering
@@ -107,6 +108,7 @@ class ProTrainBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         check_torch_version()
         check_inputs(gm, example_inputs)
+        check_not_inference_on_offloaded(example_inputs)
         record = GraphRecord(index=len(self.graphs))
         self.graphs.append(record)
         partitioner = _Partitioner(self.config, record, gm, list(example_inputs), explain=self.explain)
@@ -124,6 +126,22 @@ class ProTrainBackend:
             return compile_fx(gm, example_inputs, config_patches=patches)
         eager = make_boxed_compiler(lambda g, _: g)
         return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partitioner)(gm, example_inputs)
+
+
+def check_not_inference_on_offloaded(example_inputs: Sequence[Any]) -> None:
+    """An inference graph (compiled under no_grad: AOTAutograd runs no partitioner, so none of our passes) would
+    read offloaded parameters directly, whose storage is on the host."""
+    if torch.is_grad_enabled():
+        return
+    for x in example_inputs:
+        manager = x.__dict__.get(MANAGER_ATTR) if isinstance(x, nn.Parameter) else None
+        if manager is not None and not manager.is_persistent(x):
+            raise ValueError(
+                "inference under torch.no_grad() (or inference mode) is not supported yet on a model with offloaded "
+                "chunks: the compiled forward would read parameters that live on the host. Run the forward with "
+                "gradients enabled (model.eval() is fine; skip backward()), or keep every chunk on the GPU "
+                "(plan n_persist equal to n_chunk)"
+            )
 
 
 def _input_shapes(example_inputs: Sequence[Any]) -> list[tuple[int, ...]]:

@@ -1,5 +1,6 @@
 """Options are validated, and what the backend cannot handle fails with a message that says what to do."""
 
+import copy
 import dataclasses
 import io
 import json
@@ -186,3 +187,28 @@ def test_long_phases_show_progress_on_a_terminal(monkeypatch, tmp_path):
         shown = err.getvalue()
         for phase in ("parameters into chunks", "profiling", "measuring the hardware"):
             assert (f"protrain: {phase}" in shown) == terminal, (phase, shown[-300:])
+
+
+def test_inference_on_offloaded_chunks():
+    """Under no_grad, AOTAutograd compiles an inference graph without our passes, which cannot read offloaded
+    parameters: a clear error says so and what works instead. The workaround (eval mode, gradients enabled)
+    gives eager's logits; with every chunk on the device, no_grad works."""
+    for plan in ({"n_persist": 1, "n_buffer": 3}, {}):
+        ref = models.build("llama", layers=3)
+        model = copy.deepcopy(ref)
+        protrain_fx.optim.AdamW(model.parameters())
+        options = {"executor": "eager", "plan": plan}
+        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
+        batch = models.batch("llama")
+        compiled(**batch).loss.backward()  # builds the chunks
+        model.eval()
+        ref.eval()
+        if plan:
+            with pytest.raises(Exception, match="inference under torch.no_grad.* is not supported yet .* offloaded"):
+                with torch.no_grad():
+                    compiled(**batch)
+            assert torch.equal(compiled(**batch).logits, ref(**batch).logits)
+        else:
+            with torch.no_grad():
+                assert torch.equal(compiled(**batch).logits, ref(**batch).logits)
+        torch._dynamo.reset()
