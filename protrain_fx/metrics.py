@@ -21,17 +21,17 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from protrain_fx.runtime.adopt import user_model
+from protrain_fx.runtime.chunks import rank_and_world_size
 
 log = logging.getLogger(__name__)
 
 
 class StepMetrics:
     def __init__(self, model: nn.Module, *, every: int = 1):
-        model = getattr(model, "_orig_mod", model)
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"StepMetrics takes the model (an nn.Module), got {type(model).__name__}")
+        model = user_model(model, "StepMetrics")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"StepMetrics' every must be a positive number of steps, got {every!r}")
         params = [p for p in model.parameters() if p.requires_grad]
@@ -62,7 +62,7 @@ class StepMetrics:
         if self.device.type == "cuda":
             row["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        if rank_and_world_size()[0] == 0:
             gpu = "-" if row["gpu_peak_bytes"] is None else f"{row['gpu_peak_bytes'] / 2**30:.2f} GiB"
             log.info(
                 "step %d | loss %.4f | %.0f tokens/s | %.2f TFLOP/s | GPU peak %s | host peak %.2f GiB",

@@ -6,13 +6,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
-import torch.distributed as dist
 from tqdm import tqdm
 
 
 def progress(iterable: Iterable | None = None, *, total: int | None = None, desc: str, unit: str = "it") -> tqdm:
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    shown = rank == 0 and sys.stderr.isatty()
+    from protrain_fx.runtime.chunks import rank_and_world_size  # (here: runtime/chunks.py imports this module)
+
+    shown = rank_and_world_size()[0] == 0 and sys.stderr.isatty()
     return tqdm(
         iterable, total=total, desc=f"protrain: {desc}", unit=unit, disable=not shown, leave=False, file=sys.stderr
     )

@@ -35,6 +35,15 @@ def model_manager(model: nn.Module | None) -> ChunkManager | None:
     return None if model is None else model.__dict__.get(MODEL_ATTR)
 
 
+def user_model(model: Any, caller: str) -> nn.Module:
+    """The module a user passed, or the one under its `torch.compile` wrapper; a TypeError naming `caller`
+    for anything else."""
+    model = getattr(model, "_orig_mod", model)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller} takes the model (an nn.Module), got {type(model).__name__}")
+    return model
+
+
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Gradient accumulation: backward passes inside add their gradients to those of the step so far, without
@@ -48,9 +57,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         optimizer.step(); optimizer.zero_grad()
 
     `model` is the model or its `torch.compile` wrapper."""
-    model = getattr(model, "_orig_mod", model)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"no_sync() takes the model (an nn.Module), got {type(model).__name__}")
+    model = user_model(model, "no_sync()")
     model.__dict__[NO_SYNC_ATTR] = model.__dict__.get(NO_SYNC_ATTR, 0) + 1
     try:
         yield

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from protrain_fx.runtime.adopt import model_manager
+from protrain_fx.runtime.adopt import model_manager, user_model
 
 
 @torch.no_grad()
@@ -30,9 +30,7 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale the model's gradients so that their total `norm_type` norm is at most `max_norm`; returns the total
     norm before clipping (a float32 tensor on the CPU), as `torch.nn.utils.clip_grad_norm_` does."""
-    model = getattr(model, "_orig_mod", model)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"clip_grad_norm_() takes the model (an nn.Module), got {type(model).__name__}")
+    model = user_model(model, "clip_grad_norm_()")
     max_norm, norm_type = float(max_norm), float(norm_type)
     if max_norm < 0 or not (norm_type == math.inf or norm_type > 0):
         raise ValueError(f"clip_grad_norm_ needs max_norm >= 0 and norm_type > 0 or inf, got {max_norm}, {norm_type}")
