@@ -66,7 +66,7 @@ def compare(args: argparse.Namespace) -> int:
 def worker(args: argparse.Namespace) -> int:
     spec = ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
     try:
-        run = {name: getattr(args, name) for name in ("batch", "steps", "warmup", "dtype", "seed")}
+        run = {name: getattr(args, name) for name in ("batch", "steps", "warmup", "dtype", "seed", "data")}
         result = train(args.system, spec, plan=json.loads(args.plan), dump_dir=args.dump_dir or None, **run)
     except Exception as e:
         emit({"system": args.system, "error": f"{type(e).__name__}: {e}"})
@@ -92,6 +92,7 @@ def _row(r: dict) -> tuple[str, ...]:
 def _run_worker(system: str, args: argparse.Namespace) -> dict:
     flags = [*dataclasses.asdict(ModelSpec()), *RUN_FLAGS]
     cmd = [sys.executable, "-m", "bench", "worker", "--system", system, "--dtype", args.dtype, "--plan", args.plan]
+    cmd += ["--data", args.data]
     cmd += ["--dump-dir", args.dump_dir]
     cmd += [arg for name in flags for arg in (f"--{name}", str(getattr(args, name)))]
     log.info("running %s", shlex.join(cmd))
@@ -127,6 +128,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=list(DTYPES),
         default="bfloat16",
         help="weight dtype; for fsdp2-* the compute dtype, weights fp32 (default bfloat16)",
+    )
+    sizes.add_argument(
+        "--data",
+        choices=["random", "text"],
+        default="random",
+        help="uniform random tokens, or byte tokens of real text (docstrings of installed code; bench/text.py)",
     )
     sizes.add_argument("--dump-dir", default="", help="protrain's dump directory (protrain systems; '' for none)")
     sizes.add_argument(

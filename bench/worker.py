@@ -27,6 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from bench.model import DTYPES, ModelSpec, build_fsdp2_model, build_model, random_batches
+from bench.text import text_batches
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class Result:
     loss_first: float
     loss_last: float
     step_times_s: list[float]
+    losses: list[float]
 
 
 def wrap(model: nn.Module, system: str, plan: dict | None = None, dump_dir: str | None = None) -> nn.Module:
@@ -73,10 +75,12 @@ def train(
     warmup: int,
     dtype: str,
     seed: int,
+    data: str = "random",
     plan: dict | None = None,
     dump_dir: str | None = None,
 ) -> Result:
-    """Train `warmup + steps` AdamW steps of the model under `system` and measure them."""
+    """Train `warmup + steps` AdamW steps of the model under `system` and measure them. `data`: "random"
+    tokens or byte tokens of real "text" (bench/text.py)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     with _process_group(device) if system in FSDP2_SYSTEMS else contextlib.nullcontext():
@@ -84,7 +88,10 @@ def train(
         params = sum(p.numel() for p in model.parameters())
         log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
         step_model = wrap(model, system, plan, dump_dir)
-        batches = random_batches(spec, batch, warmup + steps, device, seed)
+        if data == "text":
+            batches = text_batches(spec.seq, batch, warmup + steps, device, seed)
+        else:
+            batches = random_batches(spec, batch, warmup + steps, device, seed)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -118,6 +125,7 @@ def train(
         loss_first=losses[0],
         loss_last=losses[-1],
         step_times_s=times,
+        losses=losses,
     )
 
 

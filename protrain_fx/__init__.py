@@ -12,7 +12,7 @@ from protrain_fx.metrics import StepMetrics
 from protrain_fx.planner.plan import Plan
 from protrain_fx.runtime.adopt import no_sync, prepare
 from protrain_fx.runtime.clip import clip_grad_norm_
-from protrain_fx.runtime.state import full_state_dict
+from protrain_fx.runtime.state import full_state_dict, load_state_dict, state_dict
 
 __all__ = [
     "clip_grad_norm_",
@@ -25,6 +25,8 @@ __all__ = [
     "ProTrainConfig",
     "StepMetrics",
     "full_state_dict",
+    "load_state_dict",
+    "state_dict",
     "optim",
     "plan_of",
     "prepare",

@@ -212,3 +212,19 @@ def test_inference_on_offloaded_chunks():
             with torch.no_grad():
                 assert torch.equal(compiled(**batch).logits, ref(**batch).logits)
         torch._dynamo.reset()
+
+
+def test_graph_of_another_model_of_the_same_class():
+    """torch.compile reuses one model's compiled graph for another instance of its class under the same backend
+    object; its chunks are the first model's, so the call says to compile each model with its own backend."""
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_persist": 1, "n_buffer": 2}})
+    for i in range(2):
+        model = models.build("toy")
+        protrain_fx.optim.AdamW(model.parameters())
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+        if i == 0:
+            compiled(**models.batch("toy")).backward()
+            first = model  # noqa: F841 - kept alive, as a user's first model would be
+        else:
+            with pytest.raises(ValueError, match="compile each model with its own backend object"):
+                compiled(**models.batch("toy"))

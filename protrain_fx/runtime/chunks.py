@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 
 MANAGER_ATTR = "_protrain_chunk_manager"  # set on each managed nn.Parameter: the manager that owns it
 NO_SYNC_ATTR = "_protrain_no_sync"  # on the model: how many `protrain_fx.no_sync` contexts are open
+# on a parameter loaded before its chunks were built: its fp32 values (the master; the parameter may be bf16)
+LOADED_MASTER_ATTR = "_protrain_loaded_master"
 
 
 REDUCE_BUFFERS = 2  # fp32 chunk buffers gradients are reduced in: one copied to the host while the next fills
@@ -138,8 +141,8 @@ class ChunkManager:
         self._model = weakref.ref(model) if model is not None else None
         self._unreduced: set[int] = set()  # persistent chunks whose gradient is this rank's sum only (no_sync)
         # float16 needs loss scaling, whose overflow check must see every gradient of the step before any update:
-        # offloaded updates then start in AdamW.step() instead of during the backward
-        self.check_finite = self.dtype == torch.float16
+        # offloaded updates then start in AdamW.step() instead of during the backward (`skips_nonfinite`)
+        self.loss_scaled = self.dtype == torch.float16
         # so does gradient clipping (runtime/clip.py), whose coefficient needs every gradient: a model clipped
         # once defers from then on, and its first step always defers, before any clip_grad_norm_ call is seen
         self.clipping = False
@@ -149,6 +152,8 @@ class ChunkManager:
         self._build(source or (lambda p: p.detach()))
         for p in self.params:
             p.__dict__[MANAGER_ATTR] = self
+        if model is not None:
+            model.register_state_dict_post_hook(functools.partial(_full_values_into_state_dict, self))
         self.handle = ops.register(self)
 
     # ----- storage -----------------------------------------------------------------------------------
@@ -190,6 +195,8 @@ class ChunkManager:
         self._ready: dict[int, torch.cuda.Event] = {}  # chunk -> its copy into a buffer is done
         self._resident: dict[int, int] = {}  # chunk -> buffer holding it
         self.found_inf = torch.zeros(1, device=self.device)  # 1 once a gradient of this step is not finite
+        # found_inf as each offloaded chunk's update started during the backward saw it: the update skips if set
+        self._found_host = torch.zeros(n, pin_memory=self.device.type == "cuda")
         self._one = torch.ones(1, device=self.device)
         self._in_use: set[int] = set()  # chunks gathered and not released yet
         self._released: list[int] = []  # released chunks still in a buffer, least recent first
@@ -220,13 +227,15 @@ class ChunkManager:
 
     def _adopt(self, source: Callable[[nn.Parameter], torch.Tensor]) -> None:
         """Move every parameter's values into its chunk; offloaded parameters keep their shape (on the chunks'
-        device), not their storage."""
+        device), not their storage. Values loaded into a parameter before its chunks were built
+        (`protrain_fx.load_state_dict`) come with their fp32 master (LOADED_MASTER_ATTR), which is taken."""
         lo, hi = self._shard_bounds()
         with torch.no_grad():
             pairs = zip(self.params, self.slots)
             for p, slot in progress(pairs, total=len(self.params), desc="parameters into chunks", unit="param"):
                 a, b = self._slot_range(slot)
-                values = source(p).reshape(-1)
+                loaded = p.__dict__.pop(LOADED_MASTER_ATTR, None)
+                values = (source(p) if loaded is None else loaded).reshape(-1)
                 if slot.chunk < self.n_persist:
                     self.flat[slot.chunk][a:b].copy_(values)
                     if self.master[slot.chunk] is not self.flat[slot.chunk]:
@@ -244,7 +253,16 @@ class ChunkManager:
         """The parameters a compiled graph was called with must be the ones in the chunks."""
         for i, t in zip(indices, inputs):
             if t is not self.params[i]:
-                raise replaced_param_error(self.slots[i].name)
+                name = self.slots[i].name
+                model = self._model() if self._model is not None else None
+                if model is not None and dict(model.named_parameters()).get(name) is self.params[i]:
+                    raise ValueError(
+                        f"a graph compiled for another model was called with this model's {name!r}: torch.compile "
+                        "reuses compiled code across models of one class when their backend is the same object, "
+                        "and each model's graphs are rewritten for its own chunks; compile each model with its own "
+                        "backend object: torch.compile(model, backend=protrain_fx.ProTrainBackend())"
+                    )
+                raise replaced_param_error(name)
 
     def is_persistent(self, p: nn.Parameter) -> bool:
         return self.slots[self.index[id(p)]].chunk < self.n_persist
@@ -340,9 +358,22 @@ class ChunkManager:
         self._grad_sources.setdefault(chunk, set()).add(source)
 
     @property
+    def skips_nonfinite(self) -> bool:
+        """A step with an inf or NaN gradient is skipped (on every rank), not an error: the optimizer's
+        `nonfinite` policy; by default for float16 (loss scaling), not for bfloat16 or float32."""
+        policy = self.optimizer.nonfinite if self.optimizer is not None else None
+        return policy == "skip" or (policy is None and self.loss_scaled)
+
+    @property
     def defer_updates(self) -> bool:
         """Offloaded chunks start their host update in `AdamW.step()`, not as their gradient completes."""
-        return self.check_finite or self.clipping or self._first_step
+        return self.skips_nonfinite or self.clipping or self._first_step
+
+    def _check_finite(self, grads: Sequence[torch.Tensor]) -> None:
+        """Set `found_inf` if a gradient (fp32, as reduced across ranks) is inf or NaN: torch's fused check (CUDA
+        has it for float16 and float32 only), on the device, no sync (it multiplies by 1: values unchanged).
+        `AdamW.step()` reads it."""
+        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), self.found_inf, self._one)
 
     @property
     def sync_grads(self) -> bool:
@@ -368,8 +399,6 @@ class ChunkManager:
                 "optimizer.step() after each backward, or, to accumulate gradients over several backward passes, "
                 "run all but the last inside `with protrain_fx.no_sync(model):`"
             )
-        if self.check_finite:  # torch's fused non-finite check (multiplies by 1: values unchanged)
-            torch._amp_foreach_non_finite_check_and_unscale_(list(grads), self.found_inf, self._one)
         accumulate = chunk in self.has_grad  # the first gradient of a step overwrites: zero_grad never memsets
         self.has_grad.add(chunk)
         sync = self.sync_grads
@@ -378,10 +407,13 @@ class ChunkManager:
         if persistent and self.world_size == 1:
             # straight into the fp32 gradient; where a parameter has no gradient yet this step its slot holds a
             # stale value, which is overwritten here or never read (the optimizer skips that parameter)
+            written = []
             for p, g in zip(params, grads):
                 a, b = self._slot_range(self.slot_of(p))
                 seen = self.index[id(p)] in self.params_with_grad
                 self.grad[chunk][a:b].add_(g.reshape(-1)) if seen else self.grad[chunk][a:b].copy_(g.reshape(-1))
+                written.append(self.grad[chunk][a:b])
+            self._check_finite(written)
             self.params_with_grad.update(self.index[id(p)] for p in params)
             return
         self.params_with_grad.update(self.index[id(p)] for p in params)
@@ -399,9 +431,11 @@ class ChunkManager:
                     accumulate = False
                 dist.all_reduce(flat)
                 flat /= self.world_size
+                self._check_finite([flat])
             self.grad[chunk].add_(flat) if accumulate else self.grad[chunk].copy_(flat)
             return
         shard = self._reduce_scatter(flat) / self.world_size if self.world_size > 1 else flat
+        self._check_finite([shard])  # (a rank's shard holds every rank's contribution to its elements)
         self.wait_for_update(chunk)  # the previous gradient copy of this chunk is taken in
         if accumulate:
             self.wait_for_update()  # the one staging shard is free once every pending copy is taken in
@@ -418,6 +452,8 @@ class ChunkManager:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             target.copy_(shard, non_blocking=True)
+            found = self._found_host[chunk]
+            found.copy_(self.found_inf[0], non_blocking=True)
             if stream is not None:
                 copied = stream.record_event()
         last = sync and self._arrivals[chunk] >= len(self._grad_sources.get(chunk, ()))
@@ -425,7 +461,8 @@ class ChunkManager:
         update = None
         if last:
             self._stepped.add(chunk)
-            update = self.optimizer.chunk_update(self, chunk)  # hyperparameters and gradients as of now
+            # hyperparameters and gradients as of now; skipped if a gradient of the step so far is not finite
+            update = self.optimizer.chunk_update(self, chunk, found_inf=found)
 
         self._drop_copied()
         if shard is flat:
@@ -487,6 +524,7 @@ class ChunkManager:
         for chunk in sorted(self._unreduced):
             dist.all_reduce(self.grad[chunk])
             self.grad[chunk] /= self.world_size
+            self._check_finite([self.grad[chunk]])
         self._unreduced.clear()
 
     def submit_update(self, chunk: int, update: Callable[[], None]) -> None:
@@ -554,6 +592,17 @@ class ChunkManager:
             self.flat[chunk].copy_(self.master[chunk])
         self._version[chunk] = self._version.get(chunk, 0) + 1
 
+    def full_params(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Every parameter with its current values, whole, on the host in the compute dtype, fetched chunk by
+        chunk: the host holds one chunk besides the values already handed out. A collective when sharded (every
+        rank must exhaust it)."""
+        self.wait_for_update()
+        for chunk in range(self.layout.n_chunk):
+            flat = self.full_values(chunk)
+            for p, slot in zip(self.params, self.slots):
+                if slot.chunk == chunk:
+                    yield p, flat[slot.offset : slot.offset + slot.numel].view(p.shape).clone()
+
     def full_values(self, chunk: int) -> torch.Tensor:
         """The chunk's current parameters, whole, on the host (a collective when sharded)."""
         if chunk < self.n_persist:
@@ -563,3 +612,20 @@ class ChunkManager:
         out = torch.empty(self.layout.chunk_elems, dtype=self.dtype, device=self.device)
         dist.all_gather_into_tensor(out, self.master[chunk].to(self.device, self.dtype))
         return out.to("cpu")
+
+
+def _full_values_into_state_dict(
+    manager: ChunkManager, module: nn.Module, state_dict: dict, prefix: str, _metadata
+) -> None:
+    """`model.state_dict()` hook: the parameters' current values, not their storage (emptied when offloaded);
+    so `model.state_dict()` and Hugging Face's `save_pretrained` save the trained weights. A collective when
+    sharded. `keep_vars=True` still gives the parameters themselves."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+        if id(p) in manager.index and name in state_dict:
+            if isinstance(state_dict[name], nn.Parameter):
+                return
+            names.setdefault(id(p), []).append(name)
+    for p, values in manager.full_params():
+        for name in names.get(id(p), ()):
+            state_dict[name] = values

@@ -36,7 +36,7 @@ def clip_grad_norm_(
         raise ValueError(f"clip_grad_norm_ needs max_norm >= 0 and norm_type > 0 or inf, got {max_norm}, {norm_type}")
     manager = model_manager(model)
     if manager is not None:
-        if manager.check_finite:
+        if manager.loss_scaled:
             raise ValueError(
                 "clip_grad_norm_ is not supported with float16 chunks (their gradients carry the loss scale); "
                 "train in bfloat16, which needs no loss scaling"

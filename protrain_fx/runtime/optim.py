@@ -44,12 +44,23 @@ class AdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        *,
+        nonfinite: str | None = None,
     ):
+        """`nonfinite`: what a step whose gradients hold inf or NaN does, on every rank. "raise": stop with a
+        `FloatingPointError` before any weight takes such a value (updates already started during the backward
+        skip themselves when they see one). "skip": skip the whole step and go on (offloaded chunks then update
+        in `step()`, not during the backward). Default: "skip" for float16 chunks (loss scaling with
+        `protrain_fx.amp.GradScaler`), "raise" otherwise."""
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(
                 f"AdamW got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}; "
                 "lr, eps and weight_decay must be >= 0 and betas in [0, 1)"
             )
+        if nonfinite not in (None, "raise", "skip"):
+            raise ValueError(f"AdamW got nonfinite={nonfinite!r}; use 'raise', 'skip' or None (by dtype)")
+        self.nonfinite = nonfinite
+        self.last_step_skipped = False
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._inner: dict[tuple[int, int], torch.optim.AdamW | None] = {}
         self._plain: torch.optim.AdamW | None = None
@@ -127,11 +138,14 @@ class AdamW(torch.optim.Optimizer):
         for group, g in zip(inner.param_groups, inner.outer_groups):
             group.update({k: self.param_groups[g][k] for k in _HYPER})
 
-    def chunk_update(self, manager, chunk: int, grad_scale: float | None = None) -> Callable[[], None]:
+    def chunk_update(
+        self, manager, chunk: int, grad_scale: float | None = None, found_inf: torch.Tensor | None = None
+    ) -> Callable[[], None]:
         """The update of one chunk piece as a function to run later (the manager runs it on its worker thread
         for offloaded chunks), with the hyperparameters and the set of parameters with a gradient as of now:
         a scheduler step or zero_grad() before it runs does not change it. `grad_scale`: the loss scale the
-        gradients carry, divided out by the fused kernel."""
+        gradients carry, divided out by the fused kernel. `found_inf`: a flag on the piece's device; the fused
+        kernel skips the update (and keeps `step`) when it is set by the time the update runs."""
         hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
         with_grad = {i for i, _, _, _ in manager.param_pieces(chunk) if i in manager.params_with_grad}
 
@@ -145,7 +159,7 @@ class AdamW(torch.optim.Optimizer):
                     for view in group["params"]:  # like torch's AdamW, a parameter without gradient is not updated
                         got_grad = manager.index[id(inner.param_of[id(view)])] in with_grad
                         view.grad = inner.grad_of[id(view)] if got_grad else None
-                _set_grad_scale(inner, grad_scale, manager.master[chunk].device)
+                _set_grad_scale(inner, grad_scale, manager.master[chunk].device, found_inf)
                 inner.step()
             manager.publish(chunk)
 
@@ -154,8 +168,9 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float | None = None):
         """Update every parameter. `grad_scale` (from `protrain_fx.amp.GradScaler.step`): the loss scale the
-        gradients carry. If any gradient of the step is inf or NaN, nothing is updated and `last_step_skipped`
-        is True; float16 chunks always get that check (scale 1 without a scaler)."""
+        gradients carry. If any gradient of the step, on any rank, is inf or NaN: with the `nonfinite` policy
+        "skip", nothing is updated and `last_step_skipped` is True; with "raise", a FloatingPointError on
+        every rank (the updates started during the backward skipped themselves where they saw it)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -163,19 +178,27 @@ class AdamW(torch.optim.Optimizer):
         managers = self._managers()
         for manager in managers:  # (the step's last backward ran inside no_sync)
             manager.finish_reduction()
-        if grad_scale is not None and any(not m.check_finite for m in managers):
+        if grad_scale is not None and any(not m.loss_scaled for m in managers):
             raise ValueError(
                 "loss scaling (protrain_fx.amp.GradScaler) is for float16 models; this model's chunks are "
                 f"{managers[0].dtype}, which trains without it: call optimizer.step() directly"
             )
         self.last_step_skipped = False
-        if grad_scale is not None or any(m.check_finite for m in managers):
-            self.last_step_skipped = self._found_inf(managers)
-            if self.last_step_skipped:
-                log.warning("a gradient is inf or NaN: optimizer step skipped (loss scale %s)", grad_scale)
-                for manager in managers:
-                    manager.end_step()
-                return loss
+        if self._found_inf(managers):
+            for manager in managers:
+                manager.end_step()
+            skip = self.nonfinite == "skip" or (self.nonfinite is None and any(m.loss_scaled for m in managers))
+            if not skip:
+                raise FloatingPointError(
+                    "a gradient of this step is inf or NaN (on this rank or another): training stopped before the "
+                    "optimizer applied it; no weight or optimizer state holds inf or NaN (the chunk updates that "
+                    "had started during the backward skipped themselves where they saw it, the others ran). "
+                    "Check the loss and the data, lower the learning rate or clip gradients, and resume from "
+                    "the last checkpoint; or skip such steps with protrain_fx.optim.AdamW(..., nonfinite='skip')"
+                )
+            self.last_step_skipped = True
+            log.warning("a gradient is inf or NaN: optimizer step skipped on every rank (loss scale %s)", grad_scale)
+            return loss
         for manager in managers:
             if manager.optimizer is not self:
                 manager.optimizer = self
@@ -191,7 +214,7 @@ class AdamW(torch.optim.Optimizer):
     def _found_inf(self, managers) -> bool:
         """Whether any gradient of this step, on any rank, is inf or NaN (one device sync)."""
         plain = [p.grad for g in self.param_groups for p in g["params"] if MANAGER_ATTR not in p.__dict__]
-        plain = [g for g in plain if g is not None]
+        plain = [g if g.dtype in (torch.float16, torch.float32) else g.float() for g in plain if g is not None]
         flags = [m.found_inf for m in managers]
         if plain:
             found = torch.zeros(1, device=plain[0].device)
@@ -204,16 +227,21 @@ class AdamW(torch.optim.Optimizer):
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
         return bool(total.item())
 
-    def _step_plain(self, grad_scale: float | None = None) -> None:
-        """Parameters no manager owns: a torch AdamW over them, kept in step with the param groups."""
+    def _plain_inner(self) -> torch.optim.AdamW | None:
+        """The torch AdamW over the parameters no manager owns (None if there are none)."""
         if self._plain is None:
             groups = {
                 i: [p for p in g["params"] if MANAGER_ATTR not in p.__dict__] for i, g in enumerate(self.param_groups)
             }
             groups = {i: ps for i, ps in groups.items() if ps}
-            if not groups:
-                return
-            self._plain = self._make_inner(groups, {id(p): p for ps in groups.values() for p in ps})
+            if groups:
+                self._plain = self._make_inner(groups, {id(p): p for ps in groups.values() for p in ps})
+        return self._plain
+
+    def _step_plain(self, grad_scale: float | None = None) -> None:
+        """Parameters no manager owns: a torch AdamW over them, kept in step with the param groups."""
+        if self._plain_inner() is None:
+            return
         self._sync_hyper(self._plain)
         _set_grad_scale(self._plain, grad_scale, next(iter(self._plain.param_of.values())).device)
         self._plain.step()
@@ -262,6 +290,51 @@ class AdamW(torch.optim.Optimizer):
         ]
         return {"state": state, "param_groups": groups}
 
+    def live_states(
+        self, manager=None, chunk: int | None = None, *, create: bool = True
+    ) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """The states this rank steps, by parameter: of its piece of `manager`'s `chunk` (1-D: the piece's
+        elements; device or host, where the piece steps), or, with no manager, of the parameters no manager owns
+        (only if they have stepped already, unless `create`). States not created yet (no step so far) are
+        created as zeros at step 0, as the first step would; so these tensors can be written into
+        (`protrain_fx.load_state_dict`)."""
+        if manager is not None:
+            manager.wait_for_update(chunk)
+            inner = self._inner_for(manager, chunk)
+        else:
+            inner = self._plain_inner() if create else self._plain
+        out = {}
+        for group in inner.param_groups if inner is not None else ():
+            for view in group["params"]:
+                st = inner.state[view]
+                if not st:
+                    st.update(
+                        step=torch.zeros((), dtype=torch.float32, device=view.device),
+                        exp_avg=torch.zeros_like(view),
+                        exp_avg_sq=torch.zeros_like(view),
+                    )
+                out[inner.param_of[id(view)]] = st
+        return out
+
+    def load_hyperparameters(self, groups: list[dict]) -> None:
+        """Take the param groups' settings (not their parameters) from a checkpoint's `param_groups`."""
+        if len(groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)
+        ):
+            raise ValueError(
+                "loaded optimizer state has param groups of sizes "
+                f"{[len(g['params']) for g in groups]}, this optimizer {[len(g['params']) for g in self.param_groups]}"
+            )
+        for mine, theirs in zip(self.param_groups, groups):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+
+    def load_full_states(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Whole (parameter-shaped) states to place where each parameter steps, once its inner optimizer exists
+        (for parameters whose chunks are not built yet)."""
+        self._loaded.update({id(p): st for p, st in states.items()})
+        for inner in self._inner_optimizers():
+            self._place_loaded(inner)
+
     def _gathered_states(self, manager, chunk: int, index: dict[int, int]) -> dict[int, dict]:
         """The states of a sharded chunk's parameters, whole: every rank's shard of `exp_avg` and `exp_avg_sq`
         gathered (a collective; a rank whose shard never stepped contributes zeros and step 0)."""
@@ -295,21 +368,12 @@ class AdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state from `state_dict()` (or from `torch.optim.AdamW.state_dict()` with the same param groups)."""
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(
-            len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)
-        ):
-            raise ValueError(
-                "loaded optimizer state has param groups of sizes "
-                f"{[len(g['params']) for g in groups]}, this optimizer {[len(g['params']) for g in self.param_groups]}"
-            )
-        for mine, theirs in zip(self.param_groups, groups):
-            mine.update({k: v for k, v in theirs.items() if k != "params"})
+        self.load_hyperparameters(groups)
         by_index = {
             i: p for theirs, mine in zip(groups, self.param_groups) for i, p in zip(theirs["params"], mine["params"])
         }
-        self._loaded = {id(by_index[int(i)]): st for i, st in state_dict["state"].items()}
-        for inner in self._inner_optimizers():
-            self._place_loaded(inner)
+        self._loaded = {}
+        self.load_full_states({by_index[int(i)]: st for i, st in state_dict["state"].items()})
 
     def _place_loaded(self, inner: torch.optim.AdamW) -> None:
         """Put loaded states into an inner optimizer, on its views' devices."""
@@ -328,10 +392,15 @@ class AdamW(torch.optim.Optimizer):
                 }
 
 
-def _set_grad_scale(inner: torch.optim.AdamW, grad_scale: float | None, device: torch.device) -> None:
-    """torch's fused AdamW divides the gradients by `inner.grad_scale` when set (as torch.amp.GradScaler does)."""
+def _set_grad_scale(
+    inner: torch.optim.AdamW, grad_scale: float | None, device: torch.device, found_inf: torch.Tensor | None = None
+) -> None:
+    """torch's fused AdamW divides the gradients by `inner.grad_scale` when set (as torch.amp.GradScaler does)
+    and skips the update where `inner.found_inf` is set."""
     inner.grad_scale = None if grad_scale is None else torch.full((), grad_scale, device=device)
-    inner.found_inf = None if grad_scale is None else torch.zeros((), device=device)
+    if found_inf is None and grad_scale is not None:
+        found_inf = torch.zeros((), device=device)
+    inner.found_inf = found_inf
 
 
 class GradScaler:

@@ -1,0 +1,132 @@
+"""GPU checks of the training-loop features: sharded checkpoints, inf/NaN handling, accumulation with clipping,
+and Hugging Face export, with chunks on the GPU and in pinned host memory (copy streams, CPU AdamW).
+Run on a GPU machine: `python -m pytest -m gpu tests/test_gpu_training.py`.
+
+Tolerances: loaded weights and states are compared bitwise; losses of two runs of the same steps to 1e-3
+(the embedding backward accumulates with atomics, whose order varies on a GPU); against eager fp32 under bf16
+autocast, the bf16 tolerance of test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import models
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from test_gpu import BF16_RTOL
+
+import protrain_fx
+
+pytestmark = pytest.mark.gpu
+PLAN = {"n_persist": 1, "n_buffer": 2}  # one chunk on the GPU, the rest offloaded
+
+
+def _model_and_optimizer(**kw):
+    model = protrain_fx.prepare(models.build("llama", layers=4).to(torch.bfloat16), plan=PLAN)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3, **kw)
+    # (a backend object per model: torch.compile would reuse one model's graphs for the next under the same one)
+    return model, opt, torch.compile(model, backend=protrain_fx.ProTrainBackend(), dynamic=False)
+
+
+def _steps(compiled, opt, steps, start=0):
+    losses = []
+    for step in range(start, start + steps):
+        batch = {k: v.cuda() for k, v in models.batch("llama", seed=step).items()}
+        loss = compiled(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _flat(state) -> dict[str, torch.Tensor]:
+    """Every tensor of a protrain_fx.state_dict on the CPU, by its path (one rank: plain tensors)."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in _flat(value).items()})
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().to("cpu", copy=True)
+    return out
+
+
+def test_checkpoint_resumes_on_gpu(tmp_path):
+    model, opt, compiled = _model_and_optimizer()
+    _steps(compiled, opt, 3)
+    saved = _flat(protrain_fx.state_dict(model, opt))
+    dcp.save(protrain_fx.state_dict(model, opt), checkpoint_id=tmp_path)
+    expected = _steps(compiled, opt, 3, start=3)
+
+    model, opt, compiled = _model_and_optimizer()
+    state = protrain_fx.state_dict(model, opt)
+    dcp.load(state, checkpoint_id=tmp_path)
+    protrain_fx.load_state_dict(model, opt, state)
+    loaded = _flat(protrain_fx.state_dict(model, opt))
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert _steps(compiled, opt, 3, start=3) == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_nan_gradient_on_gpu(nonfinite):
+    """A NaN loss at step 2 (offloaded updates start during the backward then): "raise" stops before any weight
+    changes, "skip" skips the step; either way the weights are those before it."""
+    model, opt, compiled = _model_and_optimizer(nonfinite=nonfinite)
+    _steps(compiled, opt, 2)
+    before = protrain_fx.full_state_dict(model)
+    batch = {k: v.cuda() for k, v in models.batch("llama", seed=2).items()}
+    (compiled(**batch).loss * float("nan")).backward()
+    if nonfinite == "raise":
+        with pytest.raises(FloatingPointError, match="inf or NaN"):
+            opt.step()
+    else:
+        opt.step()
+        assert opt.last_step_skipped
+    opt.zero_grad()
+    after = protrain_fx.full_state_dict(model)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert all(torch.isfinite(v).all() for st in opt.state_dict()["state"].values() for v in st.values())
+    if nonfinite == "skip":
+        assert all(torch.isfinite(torch.tensor(x)) for x in _steps(compiled, opt, 2, start=3))
+
+
+def test_accumulation_and_clipping_on_gpu():
+    """2 micro-batches accumulated with no_sync, gradients clipped to norm 0.5: against eager fp32 under bf16
+    autocast doing the same with torch's clip_grad_norm_."""
+    ref = models.build("llama", layers=4).cuda()
+    model = copy.deepcopy(ref).to(torch.bfloat16)
+    protrain_fx.prepare(model, plan=PLAN)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(), dynamic=False)
+    for step in range(4):
+        micro = [{k: v.cuda() for k, v in models.batch("llama", seed=2 * step + i).items()} for i in range(2)]
+        for batch in micro:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                (ref(**batch).loss / 2).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with protrain_fx.no_sync(model):
+            (compiled(**micro[0]).loss / 2).backward()
+        (compiled(**micro[1]).loss / 2).backward()
+        norm = protrain_fx.clip_grad_norm_(model, 0.5)
+        opt.step()
+        opt.zero_grad()
+        assert norm.item() == pytest.approx(ref_norm.item(), rel=5 * BF16_RTOL), step
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        ref_loss = ref(**micro[0]).loss.item()
+    assert compiled(**micro[0]).loss.item() == pytest.approx(ref_loss, rel=BF16_RTOL)
+
+
+def test_save_pretrained_after_gpu_training(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, opt, compiled = _model_and_optimizer()
+    _steps(compiled, opt, 3)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").cuda()
+    full = protrain_fx.full_state_dict(model)
+    assert all(torch.equal(v.cpu().to(full[k].dtype), full[k]) for k, v in loaded.state_dict().items())
