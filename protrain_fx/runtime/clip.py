@@ -35,12 +35,15 @@ def clip_grad_norm_(
     if max_norm < 0 or not (norm_type == math.inf or norm_type > 0):
         raise ValueError(f"clip_grad_norm_ needs max_norm >= 0 and norm_type > 0 or inf, got {max_norm}, {norm_type}")
     manager = model_manager(model)
+    scale = 1.0  # the loss scale the gradients carry (float16, announced by GradScaler.unscale_)
     if manager is not None:
         if manager.loss_scaled:
-            raise ValueError(
-                "clip_grad_norm_ is not supported with float16 chunks (their gradients carry the loss scale); "
-                "train in bfloat16, which needs no loss scaling"
-            )
+            scale = manager.optimizer.carried_scale if manager.optimizer is not None else None
+            if scale is None:
+                raise ValueError(
+                    "float16 gradients carry the loss scale: call scaler.unscale_(optimizer) before "
+                    "clip_grad_norm_, as with torch.amp.GradScaler"
+                )
         started = manager.updates_started()
         if started:
             raise RuntimeError(
@@ -50,7 +53,7 @@ def clip_grad_norm_(
             )
         manager.clipping = True
     pieces = _gradient_pieces(model, manager)
-    total = _total_norm(pieces, norm_type, manager)
+    total = _total_norm(pieces, norm_type, manager) / scale  # a norm scales with its vector
     if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is {total}, so they cannot be clipped; pass "

@@ -61,6 +61,9 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"AdamW got nonfinite={nonfinite!r}; use 'raise', 'skip' or None (by dtype)")
         self.nonfinite = nonfinite
         self.last_step_skipped = False
+        # the loss scale this step's gradients carry, announced by GradScaler.unscale_ (clip_grad_norm_ divides
+        # norms by it; the gradients themselves keep it until the fused update divides it out)
+        self.carried_scale: float | None = None
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._inner: dict[tuple[int, int], torch.optim.AdamW | None] = {}
         self._plain: torch.optim.AdamW | None = None
@@ -184,6 +187,7 @@ class AdamW(torch.optim.Optimizer):
                 f"{managers[0].dtype}, which trains without it: call optimizer.step() directly"
             )
         self.last_step_skipped = False
+        self.carried_scale = None
         if self._found_inf(managers):
             for manager in managers:
                 manager.end_step()
@@ -408,6 +412,7 @@ class GradScaler:
 
         scaler = protrain_fx.amp.GradScaler()
         scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # only before clipping: protrain_fx.clip_grad_norm_(model, max_norm)
         scaler.step(optimizer)      # unscales inside the fused AdamW; skips the step on inf/NaN
         scaler.update()             # halves the scale after a skipped step, doubles it after growth_interval good ones
 
@@ -435,12 +440,17 @@ class GradScaler:
     def scale(self, outputs: torch.Tensor) -> torch.Tensor:
         return outputs * self._scale
 
+    def unscale_(self, optimizer: AdamW) -> None:
+        """Before `protrain_fx.clip_grad_norm_`, as with torch.amp.GradScaler. The gradients are not divided here
+        (that would cost a pass over every offloaded shard on the host): they keep the scale, clipping reads it
+        from the optimizer to clip their unscaled norm, and the fused AdamW divides it out at `step()`."""
+        _check_adamw(optimizer)
+        if optimizer.carried_scale is not None:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last step()")
+        optimizer.carried_scale = self._scale
+
     def step(self, optimizer: AdamW, *args, **kwargs):
-        if not isinstance(optimizer, AdamW):
-            raise TypeError(
-                f"protrain_fx.amp.GradScaler steps a protrain_fx.optim.AdamW, got {type(optimizer).__name__}; "
-                "use torch.amp.GradScaler for other optimizers"
-            )
+        _check_adamw(optimizer)
         result = optimizer.step(*args, grad_scale=self._scale, **kwargs)
         self._skipped = optimizer.last_step_skipped
         return result
@@ -466,6 +476,14 @@ class GradScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self._scale, self._good_steps = float(state["scale"]), int(state["growth_tracker"])
+
+
+def _check_adamw(optimizer) -> None:
+    if not isinstance(optimizer, AdamW):
+        raise TypeError(
+            f"protrain_fx.amp.GradScaler steps a protrain_fx.optim.AdamW, got {type(optimizer).__name__}; "
+            "use torch.amp.GradScaler for other optimizers"
+        )
 
 
 def _full_state(st: dict, p: nn.Parameter) -> dict:
