@@ -18,6 +18,7 @@ compiled as they are, with no profile or plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ from protrain_fx.capture import (
 )
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import Dumper
-from protrain_fx.passes.pipeline import GRAPH_PASSES, JOINT_PASSES, PassContext, run_passes
+from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, PassContext, run_passes
 from protrain_fx.planner.cost import Config, CostModel, swap_interval
 from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, Plan
 from protrain_fx.planner.search import plan_graph
@@ -108,10 +109,11 @@ class ProTrainBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         check_torch_version()
         check_inputs(gm, example_inputs)
-        check_not_inference_on_offloaded(example_inputs)
         record = GraphRecord(index=len(self.graphs))
         self.graphs.append(record)
         partitioner = _Partitioner(self.config, record, gm, list(example_inputs), explain=self.explain)
+        manager = None if torch.is_grad_enabled() else _offloaded_manager(example_inputs)
+        inference = _InferencePasses(self.config, record, gm, list(example_inputs), manager) if manager else None
         log.info(
             "compiling graph %d (%d nodes) with the %s executor",
             record.index,
@@ -123,25 +125,63 @@ class ProTrainBackend:
 
             register_inductor_lowering()
             patches = {"custom_partitioner_fn": partitioner, "force_disable_caches": True}
-            return compile_fx(gm, example_inputs, config_patches=patches)
+            if inference is None:
+                return compile_fx(gm, example_inputs, config_patches=patches)
+            inner = functools.partial(_inductor_inner_compile, inference)
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
         eager = make_boxed_compiler(lambda g, _: g)
-        return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partitioner)(gm, example_inputs)
+        more = {"inference_compiler": make_boxed_compiler(lambda g, _: inference(g))} if inference else {}
+        return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partitioner, **more)(gm, example_inputs)
 
 
-def check_not_inference_on_offloaded(example_inputs: Sequence[Any]) -> None:
-    """An inference graph (compiled under no_grad: AOTAutograd runs no partitioner, so none of our passes) would
-    read offloaded parameters directly, whose storage is on the host."""
-    if torch.is_grad_enabled():
-        return
+def _offloaded_manager(example_inputs: Sequence[Any]):
+    """The ChunkManager of a graph's parameters when some of them are offloaded (they hold no values)."""
     for x in example_inputs:
         manager = x.__dict__.get(MANAGER_ATTR) if isinstance(x, nn.Parameter) else None
         if manager is not None and not manager.is_persistent(x):
-            raise ValueError(
-                "inference under torch.no_grad() (or inference mode) is not supported yet on a model with offloaded "
-                "chunks: the compiled forward would read parameters that live on the host. Run the forward with "
-                "gradients enabled (model.eval() is fine; skip backward()), or keep every chunk on the GPU "
-                "(plan n_persist equal to n_chunk)"
-            )
+            return manager
+    return None
+
+
+def _inductor_inner_compile(inference: _InferencePasses, gm: fx.GraphModule, example_inputs, **kwargs):
+    """Inductor's per-graph compile, with the inference graph rewritten first (training graphs come rewritten
+    by the partitioner)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    if kwargs.get("is_inference"):
+        gm = inference(gm)
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+class _InferencePasses:
+    """The graph AOTAutograd compiles for inference (under no_grad, or inference mode, it runs no partitioner) of
+    a model with offloaded chunks: the forward chunk passes, so it reads those parameters through gather and
+    release. Nothing is profiled or planned: the chunks are the model's, and no activation is kept for a
+    backward."""
+
+    def __init__(self, config: ProTrainConfig, record: GraphRecord, dynamo_gm, example_inputs: list, manager):
+        self.config, self.record, self.dynamo_gm = config, record, dynamo_gm
+        self.example_inputs, self.manager = example_inputs, manager
+
+    def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
+        record = self.record
+        roots = find_frame_roots(self.dynamo_gm, self.example_inputs)
+        record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, gm, roots)
+        check_params_managed(self.manager, record.param_map, self.example_inputs)
+        plans = roots.model.__dict__.get(PLANS_ATTR) if roots.model is not None else None
+        record.plan = plans[-1][1] if plans else None  # (the training plan in force, for plan_of and the dump)
+        dumper = Dumper(self.config.dump_dir) if self.config.dump_dir else None
+        ctx = PassContext(
+            config=self.config,
+            plan=record.plan,
+            record=record,
+            dumper=dumper,
+            manager=self.manager,
+            example_inputs=self.example_inputs,
+        )
+        record.forward = run_passes(gm, ctx, INFERENCE_PASSES, stage="forward")
+        log.info("graph %d: an inference graph, its offloaded chunks gathered as used", record.index)
+        return record.forward
 
 
 def _input_shapes(example_inputs: Sequence[Any]) -> list[tuple[int, ...]]:

@@ -189,29 +189,33 @@ def test_long_phases_show_progress_on_a_terminal(monkeypatch, tmp_path):
             assert (f"protrain: {phase}" in shown) == terminal, (phase, shown[-300:])
 
 
-def test_inference_on_offloaded_chunks():
-    """Under no_grad, AOTAutograd compiles an inference graph without our passes, which cannot read offloaded
-    parameters: a clear error says so and what works instead. The workaround (eval mode, gradients enabled)
-    gives eager's logits; with every chunk on the device, no_grad works."""
-    for plan in ({"n_persist": 1, "n_buffer": 3}, {}):
-        ref = models.build("llama", layers=3)
-        model = copy.deepcopy(ref)
-        protrain_fx.optim.AdamW(model.parameters())
-        options = {"executor": "eager", "plan": plan}
-        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
-        batch = models.batch("llama")
-        compiled(**batch).loss.backward()  # builds the chunks
-        model.eval()
-        ref.eval()
-        if plan:
-            with pytest.raises(Exception, match="inference under torch.no_grad.* is not supported yet .* offloaded"):
-                with torch.no_grad():
-                    compiled(**batch)
-            assert torch.equal(compiled(**batch).logits, ref(**batch).logits)
-        else:
-            with torch.no_grad():
-                assert torch.equal(compiled(**batch).logits, ref(**batch).logits)
-        torch._dynamo.reset()
+@pytest.mark.parametrize("executor", ["eager", "inductor"])
+def test_inference_on_offloaded_chunks(executor):
+    """Under no_grad AOTAutograd compiles an inference graph and runs no partitioner; the backend gives it the
+    chunk passes, so it reads offloaded parameters through gather and release: eager's logits, before and
+    after a training step (which republishes the chunks), with inductor's CPU kernels to 1e-5."""
+    ref = models.build("llama", layers=3)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = protrain_fx.ProTrainBackend({"executor": executor, "plan": {"n_persist": 1, "n_buffer": 2}})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    batch = models.batch("llama")
+    for m, o in ((ref, ref_opt), (compiled, opt)):
+        m(**batch).loss.backward()  # (builds the chunks)
+        o.step()
+        o.zero_grad()
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        got, expected = compiled(**batch).logits, ref(**batch).logits
+    if executor == "eager":
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    inference = backend.graphs[-1].forward
+    assert any(n.target is torch.ops.protrain.gather.default for n in inference.graph.nodes)
+    torch._dynamo.reset()
 
 
 def test_graph_of_another_model_of_the_same_class():

@@ -4,6 +4,7 @@ Passes read decisions from the plan and tags in `node.meta`; a pass with nothing
 unchanged. Stages:
   JOINT_PASSES   on the joint forward+backward graph, before partitioning (tagging, e.g. recompute tags)
   GRAPH_PASSES   on the partitioned forward and backward graphs (rewrites, e.g. inserting runtime ops)
+  INFERENCE_PASSES  on a graph compiled under no_grad of a model with offloaded chunks (the chunk passes)
 Joint passes: activation checkpointing tags (passes/activations.py). Graph passes: activation swapping
 (passes/activations.py), the chunk passes (passes/chunks.py), then with a dump directory the step marks
 that measure the plan against its predictions (passes/monitor.py).
@@ -59,6 +60,8 @@ GRAPH_PASSES: tuple[Pass, ...] = (
     param_check_pass,
     step_mark_pass,
 )
+# the graph AOTAutograd compiles for inference (no_grad): offloaded parameters read through gather/release
+INFERENCE_PASSES: tuple[Pass, ...] = (chunk_tag_pass, chunk_gather_pass, param_check_pass)
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *, stage: str) -> fx.GraphModule:
