@@ -4,6 +4,7 @@ packages (transformers, torch), byte-level tokens (ids 0-255, within any vocabul
 from __future__ import annotations
 
 import ast
+import importlib
 import logging
 import sysconfig
 from pathlib import Path
@@ -16,11 +17,12 @@ PACKAGES = ("transformers", "torch")  # besides the standard library
 
 
 def corpus(max_bytes: int) -> bytes:
-    """English prose: every module, class and function docstring of the sources, in sorted file order, UTF-8."""
+    """English prose: the module, class and function docstrings of the sources, in sorted file order, UTF-8,
+    up to `max_bytes`."""
     roots = [Path(sysconfig.get_paths()["stdlib"])]
     for name in PACKAGES:
         try:
-            module = __import__(name)
+            module = importlib.import_module(name)
         except ImportError:
             continue
         roots.append(Path(module.__file__).parent)

@@ -12,7 +12,8 @@ With the inductor executor the partitioner is installed through inductor's `cust
 option, so everything else inductor does (its decompositions, joint-graph and post-grad passes) is
 unchanged. With the eager executor, AOTAutograd runs the graphs as FX modules.
 Graphs compiled without autograd (inference under `torch.no_grad()`) have no joint graph and are
-compiled as they are, with no profile or plan.
+compiled with no profile or plan; where the model has offloaded chunks, `_InferencePasses` gives them the
+forward chunk passes (their parameters hold no values).
 """
 
 from __future__ import annotations
