@@ -26,6 +26,18 @@ def train(model, kind: str, steps: int, *, seed: int = 0, lr: float = 1e-2, devi
     return losses
 
 
+def train_steps(model, opt, kind: str, steps: int, first_step: int = 0) -> list[float]:
+    """Steps `first_step` .. `first_step + steps - 1` of `opt` on their batches; the losses."""
+    losses = []
+    for step in range(first_step, first_step + steps):
+        loss = models.loss_of(kind, model(**models.batch(kind, seed=step)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def eager_and_protrain(kind: str, steps: int, options=None, *, device="cpu", autocast=None, **model_kw):
     """Train the same model eagerly and through the protrain backend; return (eager, protrain, backend, model)."""
     ref = models.build(kind, **model_kw).to(device)

@@ -11,6 +11,7 @@ import copy
 import models
 import pytest
 import torch
+from helpers import train_steps
 
 import protrain_fx
 from protrain_fx.runtime.adopt import model_manager
@@ -145,17 +146,6 @@ def test_host_memory_checked_before_allocating(monkeypatch):
         run("toy", {"n_persist": 0, "n_buffer": 3}, steps=1)
 
 
-def _train(model, opt, kind, steps, first_step=0):
-    losses = []
-    for step in range(first_step, first_step + steps):
-        loss = models.loss_of(kind, model(**models.batch(kind, seed=step)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("plan", [{}, {"n_persist": 1, "n_buffer": 3}], ids=["persistent", "offloaded"])
 def test_optimizer_state_dict_matches_torch_and_resumes(plan):
     """state_dict() has torch AdamW's format and values; saving after 2 steps and loading into a new model and
@@ -167,8 +157,8 @@ def test_optimizer_state_dict_matches_torch_and_resumes(plan):
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     backend = {"executor": "eager", "plan": plan}
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(backend), dynamic=False)
-    _train(ref, ref_opt, kind, 2)
-    _train(compiled, opt, kind, 2)
+    train_steps(ref, ref_opt, kind, 2)
+    train_steps(compiled, opt, kind, 2)
     ours, theirs = opt.state_dict(), ref_opt.state_dict()
     assert sorted(ours["state"]) == sorted(theirs["state"])
     for i, st in theirs["state"].items():
@@ -178,14 +168,14 @@ def test_optimizer_state_dict_matches_torch_and_resumes(plan):
     assert ours["param_groups"][0]["lr"] == theirs["param_groups"][0]["lr"]
 
     weights = protrain_fx.full_state_dict(model)
-    expected = _train(compiled, opt, kind, 2, first_step=2)  # the uninterrupted run
+    expected = train_steps(compiled, opt, kind, 2, first_step=2)  # the uninterrupted run
 
     resumed = models.build(kind, seed=123)
     resumed.load_state_dict(weights)
     resumed_opt = protrain_fx.optim.AdamW(resumed.parameters(), lr=5.0)  # lr comes back from the state
     resumed_opt.load_state_dict(ours)
     resumed_compiled = torch.compile(resumed, backend=protrain_fx.ProTrainBackend(backend), dynamic=False)
-    assert _train(resumed_compiled, resumed_opt, kind, 2, first_step=2) == expected
+    assert train_steps(resumed_compiled, resumed_opt, kind, 2, first_step=2) == expected
     with pytest.raises(ValueError, match="param groups of sizes"):
         resumed_opt.load_state_dict({"state": {}, "param_groups": []})
 
@@ -199,7 +189,7 @@ def test_parameter_no_graph_uses_is_not_updated(plan):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan}))
-    assert _train(compiled, opt, "toy", 3) == _train(ref, ref_opt, "toy", 3)
+    assert train_steps(compiled, opt, "toy", 3) == train_steps(ref, ref_opt, "toy", 3)
     state = protrain_fx.full_state_dict(model)
     for name, value in ref.state_dict().items():
         assert torch.equal(state[name], value), name

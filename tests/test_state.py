@@ -14,6 +14,7 @@ import models
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import train_steps
 from test_chunk_distributed import spawn_gloo
 
 import protrain_fx
@@ -48,13 +49,7 @@ def _train(kind, plan, start, steps, *, load=None, save=None, prepare=False, dty
         protrain_fx.load_state_dict(model, opt, state)
     backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {} if prepare else plan})
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    losses = []
-    for step in range(start, start + steps):
-        loss = models.loss_of(kind, compiled(**models.batch(kind, seed=step)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(compiled, opt, kind, steps, start)
     if save is not None:
         dcp.save(protrain_fx.state_dict(model, opt), checkpoint_id=save)
     return losses
