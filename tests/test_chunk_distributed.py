@@ -168,3 +168,33 @@ def test_optimizer_state_dict_across_ranks():
     """The single-process state_dict test on 2 ranks: AdamW.state_dict() gathers the sharded states (every rank
     gets torch's AdamW state, bitwise), and loading it resumes exactly."""
     _spawn(_state_dict_worker, 2)
+
+
+def _dying_rank(rank: int, world: int) -> None:
+    """Rank 1 dies before its third step; rank 0 fails at its next collective with an error that says so."""
+    import time
+
+    import models
+
+    import protrain_fx
+
+    model = models.build("toy")
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": OFFLOADED}))
+    for step in range(4):
+        if step == 2 and rank == 1:
+            os._exit(0)
+        start = time.perf_counter()
+        try:
+            compiled(**models.batch("toy", seed=step)).backward()
+            opt.step()
+        except RuntimeError as e:
+            assert step == 2 and "Another rank has most likely died or stopped" in str(e), (step, e)
+            assert time.perf_counter() - start < 60
+            return
+        opt.zero_grad()
+    raise AssertionError("rank 0 trained on without rank 1")
+
+
+def test_a_dead_rank_stops_the_others_with_a_clear_error():
+    spawn_gloo(_dying_rank, 2)

@@ -59,6 +59,27 @@ def rank_and_world_size() -> tuple[int, int]:
     return 0, 1
 
 
+class CollectiveError(RuntimeError):
+    """A collective of the chunks failed on a multi-rank run: another rank has most likely died or left."""
+
+
+@contextlib.contextmanager
+def across_ranks(what: str) -> Iterator[None]:
+    """Name the collective and the likely cause when one fails with several ranks (gloo: the peer's connection
+    closed; NCCL: the communicator aborted after its timeout), instead of the backend's bare message."""
+    try:
+        yield
+    except RuntimeError as e:
+        rank, world = rank_and_world_size()
+        if world == 1 or isinstance(e, CollectiveError):
+            raise
+        raise CollectiveError(
+            f"rank {rank} of {world}: {what} failed ({type(e).__name__}: {e}). Another rank has most likely died "
+            "or stopped (see its log), and this one cannot go on without it: restart every rank, resuming from "
+            "the last checkpoint (protrain_fx.state_dict with torch.distributed.checkpoint)"
+        ) from e
+
+
 def check_ranks_agree(layout: ChunkLayout, n_persist: int, n_buffer: int) -> None:
     """Every rank must lay out the same parameters the same way and plan alike; raise on all ranks if not
     (a disagreement would otherwise hang in the first collective of unequal size)."""
@@ -328,7 +349,8 @@ class ChunkManager:
                 self._landing.copy_(self.master[chunk], non_blocking=True)
                 mine.copy_(self._landing)
             if self.world_size > 1:
-                dist.all_gather_into_tensor(buffer, mine.clone())
+                with across_ranks(f"the all-gather of chunk {chunk}'s parameters"):
+                    dist.all_gather_into_tensor(buffer, mine.clone())
             if stream is not None:
                 self._ready[chunk] = stream.record_event()
 
@@ -429,12 +451,17 @@ class ChunkManager:
                     flat.add_(self.grad[chunk])
                     self._unreduced.discard(chunk)
                     accumulate = False
-                dist.all_reduce(flat)
+                with across_ranks(f"the all-reduce of chunk {chunk}'s gradients"):
+                    dist.all_reduce(flat)
                 flat /= self.world_size
                 self._check_finite([flat])
             self.grad[chunk].add_(flat) if accumulate else self.grad[chunk].copy_(flat)
             return
-        shard = self._reduce_scatter(flat) / self.world_size if self.world_size > 1 else flat
+        if self.world_size > 1:
+            with across_ranks(f"the reduce-scatter of chunk {chunk}'s gradients"):
+                shard = self._reduce_scatter(flat) / self.world_size
+        else:
+            shard = flat
         self._check_finite([shard])  # (a rank's shard holds every rank's contribution to its elements)
         self.wait_for_update(chunk)  # the previous gradient copy of this chunk is taken in
         if accumulate:
@@ -522,7 +549,8 @@ class ChunkManager:
         """Before an optimizer step: reduce the persistent gradients still holding this rank's sum (the step's
         last backward ran inside `no_sync`)."""
         for chunk in sorted(self._unreduced):
-            dist.all_reduce(self.grad[chunk])
+            with across_ranks(f"the all-reduce of chunk {chunk}'s accumulated gradients"):
+                dist.all_reduce(self.grad[chunk])
             self.grad[chunk] /= self.world_size
             self._check_finite([self.grad[chunk]])
         self._unreduced.clear()
@@ -577,12 +605,13 @@ class ChunkManager:
     def gather_shards(self, shard: torch.Tensor) -> torch.Tensor:
         """A chunk-long host tensor from every rank's `shard` (a collective)."""
         parts = [torch.empty_like(shard) for _ in range(self.world_size)]
-        if dist.get_backend() == "gloo":
-            dist.all_gather(parts, shard)
-        else:
-            on_device = [t.to(self.device) for t in parts]
-            dist.all_gather(on_device, shard.to(self.device))
-            parts = [t.cpu() for t in on_device]
+        with across_ranks("the all-gather of a sharded chunk's optimizer states"):
+            if dist.get_backend() == "gloo":
+                dist.all_gather(parts, shard)
+            else:
+                on_device = [t.to(self.device) for t in parts]
+                dist.all_gather(on_device, shard.to(self.device))
+                parts = [t.cpu() for t in on_device]
         return torch.cat(parts)
 
     def publish(self, chunk: int) -> None:
@@ -610,7 +639,8 @@ class ChunkManager:
         if self.world_size == 1:
             return self.master[chunk].to(self.dtype, copy=True)
         out = torch.empty(self.layout.chunk_elems, dtype=self.dtype, device=self.device)
-        dist.all_gather_into_tensor(out, self.master[chunk].to(self.device, self.dtype))
+        with across_ranks(f"the all-gather of chunk {chunk}'s weights"):
+            dist.all_gather_into_tensor(out, self.master[chunk].to(self.device, self.dtype))
         return out.to("cpu")
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from protrain_fx.runtime.adopt import model_manager, user_model
+from protrain_fx.runtime.chunks import across_ranks
 
 
 @torch.no_grad()
@@ -114,7 +115,8 @@ def _total_norm(pieces: _Pieces, norm_type: float, manager) -> float:
     local, once = partial(pieces.local), partial(pieces.once)
     if manager is not None and manager.world_size > 1:
         t = torch.tensor([local], dtype=torch.float64, device=manager.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
+        with across_ranks("the all-reduce of the gradient norm"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM)
         local = t.item()
     if norm_type == math.inf:
         return max(local, once)

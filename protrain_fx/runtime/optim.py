@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from protrain_fx.runtime.chunks import MANAGER_ATTR
+from protrain_fx.runtime.chunks import MANAGER_ATTR, across_ranks
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,8 @@ class AdamW(torch.optim.Optimizer):
             return False
         total = sum(f.to(flags[0].device) for f in flags)
         if managers and managers[0].world_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+            with across_ranks("the all-reduce of the step's inf/NaN flag"):
+                dist.all_reduce(total, op=dist.ReduceOp.MAX)
         return bool(total.item())
 
     def _plain_inner(self) -> torch.optim.AdamW | None:
