@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.model import DTYPES, PRESETS, ModelSpec
+from bench.model import DTYPES, FAMILIES, PRESETS, ModelSpec
 from bench.predict import predict
 from bench.table import table
 from bench.worker import RESULT_PREFIX, SYSTEMS, emit, train
@@ -76,7 +76,19 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def format_table(results: list[dict]) -> str:
-    header = ("system", "tokens/s", "step ms", "peak GPU GiB", "peak RSS GiB", "loss first", "loss last", "params M")
+    header = (
+        "system",
+        "tokens/s",
+        "step ms",
+        "TFLOP/s",
+        "MFU",
+        "fwd/bwd/opt ms",
+        "peak GPU GiB",
+        "peak RSS GiB",
+        "loss first",
+        "loss last",
+        "params M",
+    )
     return table([header, *(_row(r) for r in results)])
 
 
@@ -85,8 +97,11 @@ def _row(r: dict) -> tuple[str, ...]:
         return r["system"], "FAILED: " + " ".join(r["error"].split())  # one line, whatever the message
     gpu = "-" if r["peak_gpu_bytes"] is None else f"{r['peak_gpu_bytes'] / GiB:.2f}"
     speed = f"{r['tokens_per_s']:.1f}", f"{r['step_time_s'] * 1e3:.1f}"
+    tflops = f"{r['tflops']:.1f}" + (f" ({r['tflops_recompute']:.1f})" if r["tflops_recompute"] > r["tflops"] else "")
+    split = "/".join(f"{s * 1e3:.0f}" for s in r["breakdown_s"].values())
     losses = f"{r['loss_first']:.4f}", f"{r['loss_last']:.4f}"
-    return r["system"], *speed, gpu, f"{r['peak_rss_bytes'] / GiB:.2f}", *losses, f"{r['params'] / 1e6:.1f}"
+    memory = gpu, f"{r['peak_rss_bytes'] / GiB:.2f}"
+    return r["system"], *speed, tflops, f"{r['mfu']:.1%}", split, *memory, *losses, f"{r['params'] / 1e6:.1f}"
 
 
 def _run_worker(system: str, args: argparse.Namespace) -> dict:
@@ -119,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     sizes = argparse.ArgumentParser(add_help=False)
     sizes.add_argument("--preset", choices=list(PRESETS), default="1b", help="model sizes (default 1b)")
     for name in dataclasses.asdict(ModelSpec()):
+        if name == "family":
+            sizes.add_argument("--family", choices=FAMILIES, help="architecture (default llama)")
+            continue
         presets = ", ".join(f"{getattr(spec, name)} with {preset}" for preset, spec in PRESETS.items())
         sizes.add_argument(f"--{name}", type=int, help=f"overrides the preset's ({presets})")
     for name, default in RUN_FLAGS.items():

@@ -1,4 +1,5 @@
-"""The benchmarked model: a LLaMA-style decoder built from a transformers `LlamaConfig`, random weights, no download."""
+"""The benchmarked models: decoders built from transformers configs (LLaMA, Mistral, OPT or GPT-2 style), random
+weights, no download."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ class ModelSpec:
     heads: int = 16
     vocab: int = 32000
     seq: int = 1024
+    family: str = "llama"  # llama | mistral | opt | gpt2: the same sizes in that architecture
+
+
+FAMILIES = ("llama", "mistral", "opt", "gpt2")
 
 
 # `--preset`: 1b is the defaults; 5.5b is 26 blocks of 202M, untied 131M embedding and head (5.52B parameters)
@@ -34,12 +39,13 @@ PRESETS = {
 
 
 def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int) -> nn.Module:
-    """A `LlamaForCausalLM` with SDPA attention, initialised on `device` from `seed`, then cast to `dtype`."""
-    from transformers import LlamaForCausalLM
+    """The causal LM of `spec.family` with SDPA attention, initialised on `device` from `seed`, then cast to
+    `dtype`."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):  # initialise on the device: the host never holds the fp32 weights
-        model = LlamaForCausalLM(_config(spec))
+        model = AutoModelForCausalLM.from_config(_config(spec))
     return model.to(device, dtype=dtype).train()
 
 
@@ -59,7 +65,9 @@ def build_fsdp2_model(
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from bench.flops import decoder_layers
 
     if device.type == "cpu":
         log.warning("compute on the CPU: FSDP2 without CPUOffloadPolicy (pinned host shards need an accelerator)")
@@ -69,8 +77,8 @@ def build_fsdp2_model(
         "offload_policy": OffloadPolicy() if device.type == "cpu" else CPUOffloadPolicy(),
     }
     with torch.device("meta"):
-        model = LlamaForCausalLM(_config(spec))
-    layers = model.model.layers
+        model = AutoModelForCausalLM.from_config(_config(spec))
+    layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # checkpoint_wrapper, not HF's gradient_checkpointing_enable: wrapping before fully_shard puts FSDP2's
         # unshard/reshard hooks outside the checkpointed region (the torchtitan recipe), so the recomputation in
@@ -79,9 +87,9 @@ def build_fsdp2_model(
     fully_shard(model, **fsdp)
     model.to_empty(device="cpu")  # FSDP2 pins the offloaded shards here
     _init_weights(model, seed)
-    rotary = model.model.rotary_emb
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     # inv_freq (a non-persistent buffer) was computed on the meta device, so to_empty left garbage: recompute it
-    for name, buffer in type(rotary)(config=model.config).named_buffers():
+    for name, buffer in type(rotary)(config=model.config).named_buffers() if rotary is not None else ():
         setattr(rotary, name, buffer.to(device))
     return model.train()
 
@@ -96,28 +104,51 @@ def random_batches(spec: ModelSpec, batch: int, n: int, device: torch.device, se
 
 
 def _config(spec: ModelSpec):
-    from transformers import LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, OPTConfig
 
-    return LlamaConfig(
-        hidden_size=spec.hidden,
-        num_hidden_layers=spec.layers,
-        intermediate_size=spec.intermediate,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.heads,
-        vocab_size=spec.vocab,
-        max_position_embeddings=spec.seq,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
+    common = dict(vocab_size=spec.vocab, use_cache=False, attn_implementation="sdpa")
+    if spec.family in ("llama", "mistral"):
+        config = LlamaConfig if spec.family == "llama" else MistralConfig
+        return config(
+            hidden_size=spec.hidden,
+            num_hidden_layers=spec.layers,
+            intermediate_size=spec.intermediate,
+            num_attention_heads=spec.heads,
+            num_key_value_heads=spec.heads,
+            max_position_embeddings=spec.seq,
+            **common,
+        )
+    if spec.family == "opt":
+        return OPTConfig(
+            hidden_size=spec.hidden,
+            num_hidden_layers=spec.layers,
+            ffn_dim=spec.intermediate,
+            num_attention_heads=spec.heads,
+            max_position_embeddings=spec.seq,
+            word_embed_proj_dim=spec.hidden,
+            **common,
+        )
+    if spec.family == "gpt2":
+        return GPT2Config(
+            n_embd=spec.hidden,
+            n_layer=spec.layers,
+            n_inner=spec.intermediate,
+            n_head=spec.heads,
+            n_positions=spec.seq,
+            **common,
+        )
+    raise ValueError(f"unknown model family {spec.family!r}; choose from {FAMILIES}")
 
 
 def _init_weights(model: nn.Module, seed: int) -> None:
-    """RMSNorm weights 1, every other parameter normal(0, 0.02): each from its own generator, on host threads."""
+    """Norm weights 1 and biases 0, every other parameter normal(0, 0.02): each from its own generator, on host
+    threads."""
     from torch.distributed.tensor import DTensor
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     params = list(model.parameters())
-    norms = {id(m.weight) for m in model.modules() if isinstance(m, LlamaRMSNorm)}
+    norm_modules = [m for m in model.modules() if "Norm" in type(m).__name__]
+    norms = {id(m.weight) for m in norm_modules if getattr(m, "weight", None) is not None}
+    zeros = {id(m.bias) for m in norm_modules if getattr(m, "bias", None) is not None}
     seeds = torch.randint(2**62, (len(params),), generator=torch.Generator().manual_seed(seed)).tolist()
 
     @torch.no_grad()  # grad mode is per thread
@@ -125,6 +156,8 @@ def _init_weights(model: nn.Module, seed: int) -> None:
         local = param.to_local() if isinstance(param, DTensor) else param
         if id(param) in norms:
             local.fill_(1.0)
+        elif id(param) in zeros:
+            local.zero_()
         else:
             local.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(param_seed))
 

@@ -3,7 +3,11 @@
 Measured: the median step time over the timed steps (those after `warmup`; the first warmup step
 includes compilation), tokens/s from it, peak GPU memory (`torch.cuda.max_memory_allocated`, reset
 after the model is built), peak host RSS of this process (`ru_maxrss`; inductor's compile workers
-are other processes and not counted), and the loss of the first and last step.
+are other processes and not counted), and the loss of every step. From the step time: TFLOP/s (6 N per
+token, and with the forward of recomputed blocks counted again) and MFU against this device's measured
+matmul rate (bench/flops.py). Then a few more steps, synchronized between phases, split the step into
+forward, backward and optimizer (synchronizing removes overlap between them, and protrain's host updates
+that run on past `optimizer.step()` are not in it: the split is a guide, the step time is the figure).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from bench.flops import decoder_layers, matmul_tflops, step_flops
 from bench.model import DTYPES, ModelSpec, build_fsdp2_model, build_model, random_batches
 from bench.text import text_batches
 
@@ -51,6 +56,11 @@ class Result:
     loss_last: float
     step_times_s: list[float]
     losses: list[float]
+    tflops: float  # 6 N tokens per step time
+    tflops_recompute: float  # with recomputed blocks' forward counted
+    matmul_tflops: float  # this device's measured rate on a large matmul of the compute dtype
+    mfu: float  # tflops / matmul_tflops
+    breakdown_s: dict[str, float]  # median forward, backward, optimizer seconds of synchronized steps
 
 
 def wrap(model: nn.Module, system: str, plan: dict | None = None, dump_dir: str | None = None) -> nn.Module:
@@ -109,6 +119,12 @@ def train(
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.4f}", step_s=f"{times[-1]:.3f}")
 
+        breakdown = _breakdown(step_model, opt, batches[-BREAKDOWN_STEPS:], device)
+        recomputed = _recomputed_blocks(system, step_model, model)
+        flops, flops_recompute = step_flops(model, batch * spec.seq, recomputed)
+        compute_dtype = DTYPES[dtype] if cuda else torch.float32  # (bf16 matmuls on a CPU are not its peak)
+        peak = matmul_tflops(device, compute_dtype)
+
     diverged = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
     if diverged is not None:
         log.warning("%s: the loss is %s from step %d on (counting from 0)", system, losses[diverged], diverged)
@@ -126,7 +142,50 @@ def train(
         loss_last=losses[-1],
         step_times_s=times,
         losses=losses,
+        tflops=flops / step_time / 1e12,
+        tflops_recompute=flops_recompute / step_time / 1e12,
+        matmul_tflops=peak,
+        mfu=flops / step_time / 1e12 / peak,
+        breakdown_s=breakdown,
     )
+
+
+BREAKDOWN_STEPS = 3
+
+
+def _breakdown(step_model: nn.Module, opt, batches: list[torch.Tensor], device: torch.device) -> dict[str, float]:
+    """Median seconds of forward, backward and optimizer over steps synchronized between the phases."""
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    for ids in batches:
+        marks = [_now(device)]
+        loss = step_model(input_ids=ids, labels=ids).loss
+        marks.append(_now(device))
+        loss.backward()
+        marks.append(_now(device))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        marks.append(_now(device))
+        for times, a, b in zip(phases.values(), marks, marks[1:]):
+            times.append(b - a)
+    return {name: statistics.median(times) for name, times in phases.items()}
+
+
+def _now(device: torch.device) -> float:
+    _sync(device)
+    return time.perf_counter()
+
+
+def _recomputed_blocks(system: str, step_model: nn.Module, model: nn.Module) -> int:
+    """Blocks whose forward runs again in the backward: protrain's plan, or every block under FSDP2 with
+    activation checkpointing."""
+    if system.startswith("protrain"):
+        import protrain_fx
+
+        try:
+            return protrain_fx.plan_of(step_model).n_checkpoint
+        except ValueError:  # no plan (no graph was planned)
+            return 0
+    return len(decoder_layers(model)) if system == "fsdp2-offload-ac" else 0
 
 
 def emit(result: dict) -> None:

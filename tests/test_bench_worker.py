@@ -1,0 +1,26 @@
+"""The bench worker on CPU at tiny sizes: every model family trains, and the result carries TFLOP/s (with
+recomputed blocks counted for a checkpointed protrain plan), MFU and the step's split."""
+
+import math
+
+import pytest
+
+from bench.model import FAMILIES, ModelSpec
+from bench.worker import train
+
+TINY = dict(hidden=32, layers=2, intermediate=64, heads=4, vocab=96, seq=16)
+RUN = dict(batch=2, steps=2, warmup=1, dtype="float32", seed=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_trains_eagerly(family):
+    result = train("eager", ModelSpec(**TINY, family=family), **RUN)
+    assert math.isfinite(result.loss_last) and len(result.losses) == 3
+    assert result.tflops > 0 and result.tflops_recompute == result.tflops and 0 < result.mfu
+    assert set(result.breakdown_s) == {"forward", "backward", "optimizer"}
+
+
+def test_recomputed_blocks_count_in_tflops():
+    result = train("protrain-chunks", ModelSpec(**TINY), plan={"n_checkpoint": 1}, **RUN)
+    # one of two blocks recomputed: its forward (2 N_block per token) on top of 6 N
+    assert result.tflops < result.tflops_recompute < result.tflops * (1 + 1 / 3)
