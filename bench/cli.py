@@ -1,4 +1,5 @@
-"""`python -m bench compare` (the table) and `python -m bench worker` (one system, run by compare)."""
+"""`python -m bench compare` (the table), `predict`, `sweep`, `maxsize` (bench/predict.py, bench/sweep.py) and
+`python -m bench worker` (one system's run, in its own process, started by the others)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from bench.model import DTYPES, FAMILIES, PRESETS, ModelSpec
 from bench.predict import predict
+from bench.sweep import maxsize, sweep
 from bench.table import table
 from bench.worker import RESULT_PREFIX, SYSTEMS, emit, train
 
@@ -37,10 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def compare(args: argparse.Namespace) -> int:
     """Run every selected system in its own worker process; print the table, write the JSON."""
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        raise SystemExit(f"unknown system(s) {unknown} in --systems; choose from {list(SYSTEMS)}")
+    systems = parse_systems(args.systems)
     results = [_run_worker(system, args) for system in systems]
     ratio = _ratio(results)
 
@@ -61,6 +60,15 @@ def compare(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         log.info("wrote %s", args.out)
     return 1 if any("error" in r for r in results) else 0
+
+
+def parse_systems(text: str) -> list[str]:
+    """The comma-separated `--systems`, checked."""
+    systems = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown system(s) {unknown} in --systems; choose from {list(SYSTEMS)}")
+    return systems
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -169,6 +177,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/predict.json", help="where the JSON report goes ('' for none)")
     p.add_argument("--keep-dumps", default="", help="keep each plan's dump directory here, as plan<i>")
     p.set_defaults(func=predict)
+    p = sub.add_parser("sweep", parents=[sizes], help="tokens/s of each system across batch sizes")
+    p.add_argument("--systems", default="protrain,compile,eager", help=f"comma-separated, from {list(SYSTEMS)}")
+    p.add_argument("--batches", default="4,8,16,32", help="comma-separated batch sizes (default 4,8,16,32)")
+    p.add_argument("--out", default="out/sweep.json", help="where the JSON report goes ('' for none)")
+    p.set_defaults(func=sweep)
+    p = sub.add_parser("maxsize", parents=[sizes], help="the largest model each system trains (bisection)")
+    p.add_argument("--systems", default="protrain-chunks,fsdp2-offload", help=f"from {list(SYSTEMS)}")
+    p.add_argument("--out", default="out/maxsize.json", help="where the JSON report goes ('' for none)")
+    p.set_defaults(func=maxsize, steps=3, warmup=0)
     p = sub.add_parser("worker", parents=[sizes], help="one system's run (started by compare)")
     p.add_argument("--system", choices=list(SYSTEMS), required=True)
     p.set_defaults(func=worker)

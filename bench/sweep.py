@@ -1,0 +1,128 @@
+"""`python -m bench sweep` (throughput across batch sizes) and `python -m bench maxsize` (the largest model that
+trains), per system, each run in its own worker process as `compare` does.
+
+    python -m bench sweep --systems protrain,fsdp2-offload-ac --batches 4,8,16,32
+    python -m bench maxsize --systems protrain-chunks,fsdp2-offload --family llama
+
+sweep: tokens/s of every system at every batch size; a system's "maximum throughput" (the paper's) is its best
+over the batches. maxsize: bisection over a ladder of growing models of one family (`LADDER`: hidden size and
+blocks as in the paper's Table "Model configuration", 1.9B to 80B for LLaMA sizes); a size counts as trainable
+when `--steps` steps (3 by default here) finish with a finite loss. Bisection assumes that a system that trains
+a size trains every smaller one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+from pathlib import Path
+
+from bench.model import ModelSpec
+from bench.table import table
+
+log = logging.getLogger(__name__)
+
+# (hidden, intermediate, heads, blocks): LLaMA-style proportions, growing parameter counts
+LADDER = [
+    *((4096, 11008, 32, blocks) for blocks in (8, 16, 26, 32, 40, 48, 64, 80, 96, 128)),
+    *((8192, 22016, 64, blocks) for blocks in (40, 48, 64, 80, 96)),
+]
+
+
+def sweep(args: argparse.Namespace) -> int:
+    from bench.cli import _git_commit, _run_worker, parse_systems
+
+    systems, batches = parse_systems(args.systems), [int(b) for b in args.batches.split(",")]
+    results = {
+        s: {b: _run_worker(s, argparse.Namespace(**{**vars(args), "batch": b})) for b in batches} for s in systems
+    }
+    header = ("system", *(f"batch {b} tokens/s" for b in batches), "best tokens/s", "best batch")
+    rows = [header]
+    for system, by_batch in results.items():
+        speeds = {b: r.get("tokens_per_s") for b, r in by_batch.items()}
+        ok = {b: v for b, v in speeds.items() if v is not None and math.isfinite(by_batch[b]["loss_last"])}
+        best = max(ok, key=ok.get, default=None)
+        cells = [f"{v:.1f}" if b in ok else "failed" for b, v in speeds.items()]
+        rows.append((system, *cells, f"{ok[best]:.1f}" if best else "-", str(best or "-")))
+    print(table(rows))
+    _write(
+        args, {"commit": _git_commit(), "results": {s: {str(b): r for b, r in v.items()} for s, v in results.items()}}
+    )
+    return 0
+
+
+def maxsize(args: argparse.Namespace) -> int:
+    from bench.cli import _git_commit, parse_systems
+
+    ladder = [_spec(args, *sizes) for sizes in LADDER]
+    report, rows = {"commit": _git_commit(), "systems": {}}, [("system", "largest trained", "params B", "tried")]
+    for system in parse_systems(args.systems):
+        largest, tried = bisect_largest(ladder, lambda spec, system=system: _trains(system, spec, args))
+        report["systems"][system] = {
+            "largest": dataclasses.asdict(largest) if largest else None,
+            "params": _params(largest) if largest else None,
+            "tried": [{"spec": dataclasses.asdict(spec), "trains": ok} for spec, ok in tried],
+        }
+        size = f"{_params(largest) / 1e9:.1f}" if largest else "-"
+        rows.append((system, _describe(largest), size, ", ".join(f"{_describe(s)}: {ok}" for s, ok in tried)))
+    print(table(rows))
+    _write(args, report)
+    return 0
+
+
+def bisect_largest(ladder: list, trains) -> tuple[object | None, list[tuple[object, bool]]]:
+    """The largest entry of `ladder` (sorted by size) for which `trains(entry)` holds, by bisection, with the
+    entries tried and their outcome."""
+    lo, hi, tried = 0, len(ladder) - 1, []  # the answer is in ladder[lo - 1 .. hi]
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        ok = trains(ladder[mid])
+        tried.append((ladder[mid], ok))
+        if ok:
+            best, lo = ladder[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best, tried
+
+
+def _trains(system: str, spec: ModelSpec, args: argparse.Namespace) -> bool:
+    from bench.cli import _run_worker
+
+    run = argparse.Namespace(**{**vars(args), **dataclasses.asdict(spec), "warmup": 0})
+    result = _run_worker(system, run)
+    ok = "error" not in result and all(math.isfinite(x) for x in result.get("losses", [math.nan]))
+    log.info("%s at %s: %s", system, _describe(spec), "trains" if ok else result.get("error", "non-finite loss"))
+    return ok
+
+
+def _spec(args: argparse.Namespace, hidden: int, intermediate: int, heads: int, blocks: int) -> ModelSpec:
+    return ModelSpec(
+        hidden=hidden,
+        layers=blocks,
+        intermediate=intermediate,
+        heads=heads,
+        vocab=args.vocab,
+        seq=args.seq,
+        family=args.family,
+    )
+
+
+def _params(spec: ModelSpec) -> int:
+    """LLaMA-style parameter count: per block 4 h^2 attention + 3 h i MLP, untied embedding and head."""
+    return spec.layers * (4 * spec.hidden**2 + 3 * spec.hidden * spec.intermediate) + 2 * spec.vocab * spec.hidden
+
+
+def _describe(spec: ModelSpec | None) -> str:
+    return "-" if spec is None else f"h{spec.hidden} x {spec.layers}"
+
+
+def _write(args: argparse.Namespace, report: dict) -> None:
+    if args.out:
+        report["args"] = {k: v for k, v in vars(args).items() if k != "func"}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        log.info("wrote %s", args.out)

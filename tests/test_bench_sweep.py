@@ -1,0 +1,34 @@
+"""bench sweep and maxsize: the bisection finds the largest trainable size; a sweep runs on CPU at tiny sizes."""
+
+import json
+import subprocess
+import sys
+
+from bench.sweep import LADDER, _params, _spec, bisect_largest
+
+
+def test_bisection_finds_the_largest_trainable_size_in_few_tries():
+    ladder = list(range(15))
+    for limit in range(-1, 15):  # -1: nothing trains
+        largest, tried = bisect_largest(ladder, lambda size: size <= limit)
+        assert largest == (limit if limit >= 0 else None)
+        assert len(tried) <= 4 and all(ok == (size <= limit) for size, ok in tried)
+
+
+def test_ladder_grows():
+    class Args:
+        vocab, seq, family = 32000, 1024, "llama"
+
+    sizes = [_params(_spec(Args, *entry)) for entry in LADDER]
+    assert sizes == sorted(sizes) and 1.5e9 < sizes[0] < 2.5e9 and sizes[-1] > 70e9
+
+
+def test_sweep_on_cpu(tmp_path):
+    out = tmp_path / "sweep.json"
+    tiny = "--hidden 32 --layers 2 --intermediate 64 --heads 4 --vocab 96 --seq 16 --steps 1 --warmup 0 --dtype float32"
+    cmd = [sys.executable, "-m", "bench", "sweep", "--systems", "eager", "--batches", "1,2", *tiny.split()]
+    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "best tokens/s" in proc.stdout and "eager" in proc.stdout
+    results = json.loads(out.read_text())["results"]["eager"]
+    assert set(results) == {"1", "2"} and all(r["tokens_per_s"] > 0 for r in results.values())
