@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shlex
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from bench.model import DTYPES, FAMILIES, PRESETS, ModelSpec
 from bench.predict import predict
-from bench.sweep import maxsize, sweep
+from bench.sweep import maxsize, scaling, sweep
 from bench.table import table
 from bench.worker import RESULT_PREFIX, SYSTEMS, emit, train
 
@@ -74,12 +75,13 @@ def parse_systems(text: str) -> list[str]:
 def worker(args: argparse.Namespace) -> int:
     spec = ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
     try:
-        run = {name: getattr(args, name) for name in ("batch", "steps", "warmup", "dtype", "seed", "data")}
+        run = {name: getattr(args, name) for name in ("batch", "steps", "warmup", "dtype", "seed", "data", "executor")}
         result = train(args.system, spec, plan=json.loads(args.plan), dump_dir=args.dump_dir or None, **run)
     except Exception as e:
         emit({"system": args.system, "error": f"{type(e).__name__}: {e}"})
         raise
-    emit(dataclasses.asdict(result))
+    if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, rank 0 reports for all
+        emit(dataclasses.asdict(result))
     return 0
 
 
@@ -112,10 +114,12 @@ def _row(r: dict) -> tuple[str, ...]:
     return r["system"], *speed, tflops, f"{r['mfu']:.1%}", split, *memory, *losses, f"{r['params'] / 1e6:.1f}"
 
 
-def _run_worker(system: str, args: argparse.Namespace) -> dict:
+def _run_worker(system: str, args: argparse.Namespace, nproc: int = 1) -> dict:
+    """One system's run in a worker process; with `nproc` > 1, that many ranks under torchrun."""
     flags = [*dataclasses.asdict(ModelSpec()), *RUN_FLAGS]
-    cmd = [sys.executable, "-m", "bench", "worker", "--system", system, "--dtype", args.dtype, "--plan", args.plan]
-    cmd += ["--data", args.data]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
+    cmd = [*(launch if nproc > 1 else [sys.executable, "-m"]), "bench", "worker", "--system", system]
+    cmd += ["--dtype", args.dtype, "--plan", args.plan, "--data", args.data, "--executor", args.executor]
     cmd += ["--dump-dir", args.dump_dir]
     cmd += [arg for name in flags for arg in (f"--{name}", str(getattr(args, name)))]
     log.info("running %s", shlex.join(cmd))
@@ -161,6 +165,9 @@ def _parser() -> argparse.ArgumentParser:
         default="random",
         help="uniform random tokens, or byte tokens of real text (docstrings of installed code; bench/text.py)",
     )
+    sizes.add_argument(
+        "--executor", choices=["inductor", "eager"], default="inductor", help="protrain's executor (default inductor)"
+    )
     sizes.add_argument("--dump-dir", default="", help="protrain's dump directory (protrain systems; '' for none)")
     sizes.add_argument(
         "--plan", default="{}", help="JSON plan fields forced on protrain-chunks, e.g. '{\"n_persist\": 4}'"
@@ -186,6 +193,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default="protrain-chunks,fsdp2-offload", help=f"from {list(SYSTEMS)}")
     p.add_argument("--out", default="out/maxsize.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=maxsize, steps=3, warmup=0)
+    p = sub.add_parser("scaling", parents=[sizes], help="tokens/s on 1, 2, 4 GPUs (torchrun) and the efficiency")
+    p.add_argument("--systems", default="protrain-chunks", help=f"data-parallel ones, from {list(SYSTEMS)}")
+    p.add_argument("--gpus", default="1,2,4", help="comma-separated rank counts (default 1,2,4)")
+    p.add_argument("--out", default="out/scaling.json", help="where the JSON report goes ('' for none)")
+    p.set_defaults(func=scaling)
     p = sub.add_parser("worker", parents=[sizes], help="one system's run (started by compare)")
     p.add_argument("--system", choices=list(SYSTEMS), required=True)
     p.set_defaults(func=worker)

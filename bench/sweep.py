@@ -3,12 +3,14 @@ trains), per system, each run in its own worker process as `compare` does.
 
     python -m bench sweep --systems protrain,fsdp2-offload-ac --batches 4,8,16,32
     python -m bench maxsize --systems protrain-chunks,fsdp2-offload --family llama
+    python -m bench scaling --systems protrain-chunks --preset 5.5b --gpus 1,2,4
 
 sweep: tokens/s of every system at every batch size; a system's "maximum throughput" (the paper's) is its best
 over the batches. maxsize: bisection over a ladder of growing models of one family (`LADDER`: hidden size and
 blocks as in the paper's Table "Model configuration", 1.9B to 80B for LLaMA sizes); a size counts as trainable
 when `--steps` steps (3 by default here) finish with a finite loss. Bisection assumes that a system that trains
-a size trains every smaller one.
+a size trains every smaller one. scaling: tokens/s of data-parallel systems on N ranks (torchrun, every rank the
+same batch size) and the efficiency tokens/s(N) / (N tokens/s(1)).
 """
 
 from __future__ import annotations
@@ -50,6 +52,30 @@ def sweep(args: argparse.Namespace) -> int:
     print(table(rows))
     _write(
         args, {"commit": _git_commit(), "results": {s: {str(b): r for b, r in v.items()} for s, v in results.items()}}
+    )
+    return 0
+
+
+def scaling(args: argparse.Namespace) -> int:
+    from bench.cli import _git_commit, _run_worker, parse_systems
+
+    systems, counts = parse_systems(args.systems), [int(n) for n in args.gpus.split(",")]
+    not_parallel = [s for s in systems if s in ("protrain", "compile", "eager")]
+    if not_parallel:
+        raise SystemExit(f"{not_parallel} train each rank alone (no gradient reduction): scaling measures none of them")
+    results = {s: {n: _run_worker(s, args, nproc=n) for n in counts} for s in systems}
+    rows = [("system", *(f"{n} ranks tokens/s (eff.)" for n in counts))]
+    for system, by_count in results.items():
+        one = by_count.get(1, {}).get("tokens_per_s")
+        cells = []
+        for n, r in by_count.items():
+            speed = r.get("tokens_per_s")
+            eff = f" ({speed / (n * one):.0%})" if speed and one else ""
+            cells.append(f"{speed:.1f}{eff}" if speed else "failed")
+        rows.append((system, *cells))
+    print(table(rows))
+    _write(
+        args, {"commit": _git_commit(), "results": {s: {str(n): r for n, r in v.items()} for s, v in results.items()}}
     )
     return 0
 

@@ -61,10 +61,15 @@ class Result:
     matmul_tflops: float  # this device's measured rate on a large matmul of the compute dtype
     mfu: float  # tflops / matmul_tflops
     breakdown_s: dict[str, float]  # median forward, backward, optimizer seconds of synchronized steps
+    world_size: int  # ranks training together (torchrun); tokens/s and TFLOP/s are their total
 
 
-def wrap(model: nn.Module, system: str, plan: dict | None = None, dump_dir: str | None = None) -> nn.Module:
+def wrap(
+    model: nn.Module, system: str, plan: dict | None = None, dump_dir: str | None = None, executor: str = "inductor"
+) -> nn.Module:
     dump = {"dump_dir": dump_dir} if dump_dir else {}
+    if executor != "inductor":  # (the eager FX executor: CPU smoke runs)
+        dump["executor"] = executor
     if system == "protrain":
         return torch.compile(model, backend="protrain", options=dump)  # the default inductor executor
     if system == "protrain-chunks":  # model states in chunks (protrain_fx.optim.AdamW), plan forced by --plan
@@ -88,16 +93,19 @@ def train(
     data: str = "random",
     plan: dict | None = None,
     dump_dir: str | None = None,
+    executor: str = "inductor",
 ) -> Result:
     """Train `warmup + steps` AdamW steps of the model under `system` and measure them. `data`: "random"
     tokens or byte tokens of real "text" (bench/text.py)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
-    with _process_group(device) if system in FSDP2_SYSTEMS else contextlib.nullcontext():
+    distributed = system in FSDP2_SYSTEMS or int(os.environ.get("WORLD_SIZE", 1)) > 1  # (torchrun sets it)
+    with _process_group(device) if distributed else contextlib.nullcontext():
+        world = dist.get_world_size() if dist.is_initialized() else 1
         model, opt = _model_and_optimizer(system, spec, device, DTYPES[dtype], seed)
         params = sum(p.numel() for p in model.parameters())
         log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
-        step_model = wrap(model, system, plan, dump_dir)
+        step_model = wrap(model, system, plan, dump_dir, executor)
         if data == "text":
             batches = text_batches(spec.seq, batch, warmup + steps, device, seed)
         else:
@@ -134,7 +142,7 @@ def train(
         device=_device_name(device),
         torch_version=torch.__version__,
         params=params,
-        tokens_per_s=batch * spec.seq / step_time,
+        tokens_per_s=world * batch * spec.seq / step_time,
         step_time_s=step_time,
         peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
@@ -142,11 +150,12 @@ def train(
         loss_last=losses[-1],
         step_times_s=times,
         losses=losses,
-        tflops=flops / step_time / 1e12,
-        tflops_recompute=flops_recompute / step_time / 1e12,
+        tflops=world * flops / step_time / 1e12,
+        tflops_recompute=world * flops_recompute / step_time / 1e12,
         matmul_tflops=peak,
-        mfu=flops / step_time / 1e12 / peak,
+        mfu=flops / step_time / 1e12 / peak,  # per device
         breakdown_s=breakdown,
+        world_size=world,
     )
 
 

@@ -10,7 +10,7 @@ from bench.sweep import LADDER, _params, _spec, bisect_largest
 def test_bisection_finds_the_largest_trainable_size_in_few_tries():
     ladder = list(range(15))
     for limit in range(-1, 15):  # -1: nothing trains
-        largest, tried = bisect_largest(ladder, lambda size: size <= limit)
+        largest, tried = bisect_largest(ladder, lambda size, limit=limit: size <= limit)
         assert largest == (limit if limit >= 0 else None)
         assert len(tried) <= 4 and all(ok == (size <= limit) for size, ok in tried)
 
@@ -32,3 +32,17 @@ def test_sweep_on_cpu(tmp_path):
     assert "best tokens/s" in proc.stdout and "eager" in proc.stdout
     results = json.loads(out.read_text())["results"]["eager"]
     assert set(results) == {"1", "2"} and all(r["tokens_per_s"] > 0 for r in results.values())
+
+
+def test_scaling_on_two_cpu_ranks(tmp_path):
+    """protrain-chunks under torchrun with 2 gloo ranks: the total tokens/s and the efficiency against 1 rank."""
+    out = tmp_path / "scaling.json"
+    tiny = "--hidden 32 --layers 2 --intermediate 64 --heads 4 --vocab 96 --seq 16 --steps 2 --warmup 1 --dtype float32"
+    cmd = [sys.executable, "-m", "bench", "scaling", "--systems", "protrain-chunks", "--gpus", "1,2", *tiny.split()]
+    proc = subprocess.run([*cmd, "--executor", "eager", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]["protrain-chunks"]
+    assert [results[n]["world_size"] for n in ("1", "2")] == [1, 2]
+    assert "%)" in proc.stdout.splitlines()[-1]
+    none = subprocess.run([*cmd[:5], "eager", *cmd[6:]], capture_output=True, text=True, timeout=60)
+    assert none.returncode != 0 and "train each rank alone" in none.stderr
