@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from bench.model import DTYPES, FAMILIES, PRESETS, ModelSpec
+from bench.plot import plot
 from bench.predict import predict
 from bench.sweep import maxsize, scaling, sweep
 from bench.table import table
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     parser = _parser()
     args = parser.parse_args(argv)
+    if not hasattr(args, "preset"):  # (plot: no run)
+        return args.func(args)
     for name, size in dataclasses.asdict(PRESETS[args.preset]).items():  # the preset fills the sizes not given
         if getattr(args, name) is None:
             setattr(args, name, size)
@@ -198,6 +201,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", default="1,2,4", help="comma-separated rank counts (default 1,2,4)")
     p.add_argument("--out", default="out/scaling.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=scaling)
+    p = sub.add_parser("plot", help="tokens/s against model size per system, from compare reports (PNG)")
+    p.add_argument("reports", nargs="+", help="JSON reports of `compare`, one model size each")
+    p.add_argument("--out", default="out/throughput.png", help="the PNG to write")
+    p.set_defaults(func=plot)
     p = sub.add_parser("worker", parents=[sizes], help="one system's run (started by compare)")
     p.add_argument("--system", choices=list(SYSTEMS), required=True)
     p.set_defaults(func=worker)

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from bench.sweep import LADDER, _params, _spec, bisect_largest
 
 
@@ -46,3 +48,17 @@ def test_scaling_on_two_cpu_ranks(tmp_path):
     assert "%)" in proc.stdout.splitlines()[-1]
     none = subprocess.run([*cmd[:5], "eager", *cmd[6:]], capture_output=True, text=True, timeout=60)
     assert none.returncode != 0 and "train each rank alone" in none.stderr
+
+
+def test_plot_of_compare_reports(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench.cli import main
+
+    for size, speed in ((1e9, 70000.0), (5.5e9, 12000.0)):
+        results = [
+            {"system": s, "params": size, "tokens_per_s": speed * k} for s, k in (("protrain", 1), ("fsdp2", 0.3))
+        ]
+        (tmp_path / f"{size}.json").write_text(json.dumps({"device": "H100", "results": results}))
+    out = tmp_path / "plot.png"
+    assert main(["plot", *map(str, sorted(tmp_path.glob("*.json"))), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
