@@ -1,5 +1,6 @@
-"""`python -m bench compare` (the table), `predict`, `sweep`, `maxsize` (bench/predict.py, bench/sweep.py) and
-`python -m bench worker` (one system's run, in its own process, started by the others)."""
+"""`python -m bench compare` (the table), `predict`, `sweep`, `maxsize`, `scaling`, `plot` (bench/predict.py,
+bench/sweep.py, bench/plot.py) and `python -m bench worker` (one system's run, in its own process, started by
+the others)."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def wrap(
     if executor != "inductor":  # (the eager FX executor: CPU smoke runs)
         dump["executor"] = executor
     if system == "protrain":
-        return torch.compile(model, backend="protrain", options=dump)  # the default inductor executor
+        return torch.compile(model, backend="protrain", options=dump)  # everything searched
     if system == "protrain-chunks":  # model states in chunks (protrain_fx.optim.AdamW), plan forced by --plan
         return torch.compile(model, backend="protrain", options={"plan": plan or {}, **dump})
     if system == "compile":
