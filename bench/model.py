@@ -28,7 +28,7 @@ class ModelSpec:
     family: str = "llama"  # llama | mistral | opt | gpt2: the same sizes in that architecture
 
 
-FAMILIES = ("llama", "mistral", "opt", "gpt2")
+FAMILIES = ("llama", "mistral", "opt", "gpt2")  # (_CONFIGS below: how each names the sizes)
 
 
 # `--preset`: 1b is the defaults; 5.5b is 26 blocks of 202M, untied 131M embedding and head (5.52B parameters)
@@ -103,41 +103,44 @@ def random_batches(spec: ModelSpec, batch: int, n: int, device: torch.device, se
     return [torch.randint(0, spec.vocab, (batch, spec.seq), device=device, generator=gen) for _ in range(n)]
 
 
-def _config(spec: ModelSpec):
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, OPTConfig
+_LLAMA_FIELDS = dict(
+    hidden_size="hidden",
+    num_hidden_layers="layers",
+    intermediate_size="intermediate",
+    num_attention_heads="heads",
+    num_key_value_heads="heads",
+    max_position_embeddings="seq",
+)
+# per family: the transformers config class, and which of its fields holds which ModelSpec size
+_CONFIGS = {
+    "llama": ("LlamaConfig", _LLAMA_FIELDS),
+    "mistral": ("MistralConfig", _LLAMA_FIELDS),
+    "opt": (
+        "OPTConfig",
+        dict(
+            hidden_size="hidden",
+            num_hidden_layers="layers",
+            ffn_dim="intermediate",
+            num_attention_heads="heads",
+            max_position_embeddings="seq",
+            word_embed_proj_dim="hidden",
+        ),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        dict(n_embd="hidden", n_layer="layers", n_inner="intermediate", n_head="heads", n_positions="seq"),
+    ),
+}
 
-    common = dict(vocab_size=spec.vocab, use_cache=False, attn_implementation="sdpa")
-    if spec.family in ("llama", "mistral"):
-        config = LlamaConfig if spec.family == "llama" else MistralConfig
-        return config(
-            hidden_size=spec.hidden,
-            num_hidden_layers=spec.layers,
-            intermediate_size=spec.intermediate,
-            num_attention_heads=spec.heads,
-            num_key_value_heads=spec.heads,
-            max_position_embeddings=spec.seq,
-            **common,
-        )
-    if spec.family == "opt":
-        return OPTConfig(
-            hidden_size=spec.hidden,
-            num_hidden_layers=spec.layers,
-            ffn_dim=spec.intermediate,
-            num_attention_heads=spec.heads,
-            max_position_embeddings=spec.seq,
-            word_embed_proj_dim=spec.hidden,
-            **common,
-        )
-    if spec.family == "gpt2":
-        return GPT2Config(
-            n_embd=spec.hidden,
-            n_layer=spec.layers,
-            n_inner=spec.intermediate,
-            n_head=spec.heads,
-            n_positions=spec.seq,
-            **common,
-        )
-    raise ValueError(f"unknown model family {spec.family!r}; choose from {FAMILIES}")
+
+def _config(spec: ModelSpec):
+    import transformers
+
+    if spec.family not in _CONFIGS:
+        raise ValueError(f"unknown model family {spec.family!r}; choose from {FAMILIES}")
+    name, fields = _CONFIGS[spec.family]
+    sizes = {field: getattr(spec, size) for field, size in fields.items()}
+    return getattr(transformers, name)(vocab_size=spec.vocab, use_cache=False, attn_implementation="sdpa", **sizes)
 
 
 def _init_weights(model: nn.Module, seed: int) -> None:
