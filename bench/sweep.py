@@ -7,7 +7,7 @@ trains), per system, each run in its own worker process as `compare` does.
 
 sweep: tokens/s of every system at every batch size; a system's "maximum throughput" (the paper's) is its best
 over the batches. maxsize: bisection over a ladder of growing models of one family (`LADDER`: hidden size and
-blocks as in the paper's Table "Model configuration", 1.9B to 80B for LLaMA sizes); a size counts as trainable
+blocks as in the paper's Table "Model configuration", 1.9B to 78B for LLaMA sizes); a size counts as trainable
 when `--steps` steps (3 by default here) finish with a finite loss. Bisection assumes that a system that trains
 a size trains every smaller one. scaling: tokens/s of data-parallel systems on N ranks (torchrun, every rank the
 same batch size) and the efficiency tokens/s(N) / (N tokens/s(1)).
