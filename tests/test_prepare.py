@@ -9,7 +9,7 @@ import copy
 import models
 import pytest
 import torch
-from test_chunk_parity import _train
+from helpers import train_steps
 
 import protrain_fx
 from protrain_fx.runtime.adopt import model_manager
@@ -23,7 +23,7 @@ def _compare(ref, model, kind, steps=4, options=None):
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     backend = protrain_fx.ProTrainBackend({"executor": "eager", **(options or {})})
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    assert _train(compiled, opt, kind, steps) == _train(ref, ref_opt, kind, steps)
+    assert train_steps(compiled, opt, kind, steps) == train_steps(ref, ref_opt, kind, steps)
     state = protrain_fx.full_state_dict(model)
     assert list(state) == list(ref.state_dict())
     for name, value in ref.state_dict().items():
