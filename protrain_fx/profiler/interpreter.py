@@ -258,7 +258,9 @@ def profile_iteration(
     tracker = CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()
     if on_demand is not None:
         tracker = AbsentCounting(tracker, on_demand)
-    nodes, baseline, peak, saved_bytes = _iteration(fw, bw, primals, block_map, device, tracker, on_demand)
+    nodes, baseline, peak, saved_bytes = _iteration(
+        fw, bw, primals, block_map, device, tracker, on_demand, timed_graphs
+    )
     bar.update()
     reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     timed, *_ = _iteration(fw, bw, primals, block_map, device, None, on_demand, timed_graphs)
@@ -310,8 +312,8 @@ def _iteration(
     block_map: BlockMap,
     device: torch.device,
     tracker,
-    on_demand: OnDemand | None = None,
-    timed_graphs: dict[str, TimedGraph] | None = None,
+    on_demand: OnDemand | None,
+    timed_graphs: dict[str, TimedGraph],
 ) -> tuple[list[NodeProfile], int, int, int]:
     """One forward + backward run; returns (node records, bytes allocated at the start, peak bytes, saved
     activation bytes); the byte counts are 0 without a tracker. Without one the graphs are timed, by the
@@ -382,10 +384,9 @@ def _iteration(
 
 
 def _runner(
-    gm: fx.GraphModule, graph_kind: str, block_map: BlockMap, device: torch.device, tracker, run, timed_graphs=None
+    gm: fx.GraphModule, graph_kind: str, block_map: BlockMap, device: torch.device, tracker, run, timed_graphs: dict
 ):
     if tracker is None:
-        timed_graphs = {} if timed_graphs is None else timed_graphs
         if graph_kind not in timed_graphs:
             timed_graphs[graph_kind] = TimedGraph(
                 gm, graph_kind=graph_kind, block_map=block_map, device=device, replay=run
