@@ -62,6 +62,7 @@ class Result:
     mfu: float  # tflops / matmul_tflops
     breakdown_s: dict[str, float]  # median forward, backward, optimizer seconds of synchronized steps
     world_size: int  # ranks training together (torchrun); tokens/s and TFLOP/s are their total
+    plan: dict | None = None  # protrain: the plan in force (`protrain_fx.plan_of(...).to_json()`, no runners-up)
 
 
 def wrap(
@@ -128,7 +129,8 @@ def train(
             bar.set_postfix(loss=f"{losses[-1]:.4f}", step_s=f"{times[-1]:.3f}")
 
         breakdown = _breakdown(step_model, opt, batches[-BREAKDOWN_STEPS:], device)
-        recomputed = _recomputed_blocks(system, step_model, model)
+        plan_in_force = _plan_in_force(system, step_model)
+        recomputed = _recomputed_blocks(system, plan_in_force, model)
         flops, flops_recompute = step_flops(model, batch * spec.seq, recomputed)
         compute_dtype = DTYPES[dtype] if cuda else torch.float32  # (bf16 matmuls on a CPU are not its peak)
         peak = matmul_tflops(device, compute_dtype)
@@ -156,6 +158,7 @@ def train(
         mfu=flops / step_time / 1e12 / peak,  # per device
         breakdown_s=breakdown,
         world_size=world,
+        plan=plan_in_force,
     )
 
 
@@ -184,16 +187,24 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _recomputed_blocks(system: str, step_model: nn.Module, model: nn.Module) -> int:
+def _plan_in_force(system: str, step_model: nn.Module) -> dict | None:
+    """protrain's plan (its fields and predictions; runners-up left out), None for other systems or no plan."""
+    if not system.startswith("protrain"):
+        return None
+    import protrain_fx
+
+    try:
+        plan = protrain_fx.plan_of(step_model)
+    except ValueError:  # no plan (no graph was planned)
+        return None
+    return {k: v for k, v in plan.to_json().items() if k != "runners_up"}
+
+
+def _recomputed_blocks(system: str, plan: dict | None, model: nn.Module) -> int:
     """Blocks whose forward runs again in the backward: protrain's plan, or every block under FSDP2 with
     activation checkpointing."""
-    if system.startswith("protrain"):
-        import protrain_fx
-
-        try:
-            return protrain_fx.plan_of(step_model).n_checkpoint
-        except ValueError:  # no plan (no graph was planned)
-            return 0
+    if plan is not None:
+        return plan["n_checkpoint"]
     return len(decoder_layers(model)) if system == "fsdp2-offload-ac" else 0
 
 

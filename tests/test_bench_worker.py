@@ -24,3 +24,4 @@ def test_recomputed_blocks_count_in_tflops():
     result = train("protrain-chunks", ModelSpec(**TINY), plan={"n_checkpoint": 1}, **RUN)
     # one of two blocks recomputed: its forward (2 N_block per token) on top of 6 N
     assert result.tflops < result.tflops_recompute < result.tflops * (1 + 1 / 3)
+    assert result.plan["n_checkpoint"] == 1 and result.plan["predicted_step_s"] > 0  # the plan is in the report
