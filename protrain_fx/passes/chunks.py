@@ -7,12 +7,18 @@ tagged placeholder unchanged.
 chunk_gather_pass (forward and backward graphs), for each offloaded chunk c:
 
     before:  w1 = placeholder; w2 = placeholder; ...; y = mm(x, w1); z = mm(y, w2)
-    after:   buf = protrain.gather(m, c)
+    after:   buf = protrain.gather(m, c, [r_prev, buf_prev])   # after the releases before it and the gather
+                                                  # before it, whatever order the compiler picks (below)
              protrain.prefetch(m, c_next, buf)    # the chunk gathered next in this graph, on the copy stream
              w1' = view(slice(buf, 0, o1, o1 + n1), shape1); w2' = ...
              y = mm(x, w1'); z = mm(y, w2')
-             protrain.release(m, c, [z])          # after the last reader of any parameter of c: it waits
+             r = protrain.release(m, c, [z])      # after the last reader of any parameter of c: it waits
                                                   # for the readers' outputs none of the others feeds (z, not y)
+
+A gather has no data input but the tokens it is given, and inductor schedules a kernel as soon as its inputs
+exist: without them it hoists gathers above the releases that free their buffers. So each gather takes the
+tokens of the releases placed between it and the gather before it, and that gather's buffer: gathers and
+releases then run in the graph's order, the order `_check_buffers` counts buffers in.
 
 param_check_pass (forward graph): `protrain.check_params(m, [i1, i2, ...], [w1, w2, ...])` after the
 placeholders: at run time each parameter input must still be the one the chunk holds (a parameter replaced
@@ -130,7 +136,7 @@ def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         first = min(_readers(placeholders), key=order.__getitem__)
         tag = placeholders[0].meta[TAG]
         with graph.inserting_before(first):
-            buf = graph.call_function(torch.ops.protrain.gather.default, (tag.manager, chunk))
+            buf = graph.call_function(torch.ops.protrain.gather.default, (tag.manager, chunk, []))
             readers_of[chunk] = []
             for ph in placeholders:
                 t = ph.meta[TAG]
@@ -148,15 +154,42 @@ def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     order = {n: i for i, n in enumerate(graph.nodes)}
     dag = nx.DiGraph((a, n) for n in graph.nodes for a in n.all_input_nodes)
     for chunk, readers in readers_of.items():
-        deps = _downstream(_tensor_outputs(readers), dag, order)
+        outputs = _tensor_outputs(readers)
+        deps = _downstream(outputs, dag, order)
         last = max(readers + deps, key=order.__getitem__)
         tag = by_chunk[chunk][0].meta[TAG]
         with graph.inserting_after(last):
             graph.call_function(torch.ops.protrain.release.default, (tag.manager, chunk, deps))
+        _materialize_escaping(graph, [o for o in outputs if o not in deps], set(readers))
+    _order_gathers(graph)
     _check_buffers(graph, ctx)
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _materialize_escaping(graph: fx.Graph, outputs: list[fx.Node], readers: set[fx.Node]) -> None:
+    """Reader outputs the release does not wait for but a node other than a reader uses (a residual stream
+    `x = embed + pos`, read again by a later block) get `protrain.materialize` right after them: inductor
+    computes an op's inputs into buffers, where it would otherwise recompute such a pointwise reader inside
+    the later kernel, reading the chunk buffer after the release, when the next gather may have loaded
+    another chunk into it. The release waits for the others (module docstring); these are not held to it."""
+    for out in outputs:
+        if any(u not in readers and u.target is not torch.ops.protrain.release.default for u in out.users):
+            with graph.inserting_after(out):
+                graph.call_function(torch.ops.protrain.materialize.default, ([out],))
+
+
+def _order_gathers(graph: fx.Graph) -> None:
+    """Each gather waits for the releases before it and for the gather before it (see the module docstring)."""
+    released: list[fx.Node] = []
+    previous = None
+    for node in list(graph.nodes):
+        if node.target is torch.ops.protrain.release.default:
+            released.append(node)
+        elif node.target is torch.ops.protrain.gather.default:
+            node.args = (*node.args[:2], released + ([previous] if previous is not None else []))
+            released, previous = [], node
 
 
 def _check_buffers(graph: fx.Graph, ctx) -> None:

@@ -1,9 +1,11 @@
 """The runtime ops the rewritten graphs call: `torch.library` custom ops with fake implementations.
 
-    buf  = protrain.gather(manager, chunk)                     # chunk's parameters, whole, in a device buffer
+    buf  = protrain.gather(manager, chunk, [tokens])           # chunk's parameters, whole, in a device buffer
     protrain.prefetch(manager, next_chunk, buf)                # start loading the next chunk on the copy stream
     w    = aten.view(aten.slice(buf, 0, offset, offset + numel), shape)   # a parameter, read from the buffer
-    protrain.release(manager, chunk, [last users of the chunk])          # after its last use
+    tok  = protrain.release(manager, chunk, [last users of the chunk])   # after its last use; the token orders
+                                                               # the gathers after it (passes/chunks.py)
+    protrain.materialize([y])                                  # y, a reader's output, computed into a buffer
     protrain.reduce_grads(manager, chunk, [param indices], [grads], [last readers])  # after the chunk's last
                                                                # gradient and (offloaded) its last read
     protrain.check_params(manager, [param indices], [parameters])        # forward: inputs are still ours
@@ -15,10 +17,12 @@
     x2 = protrain.after(x, [values])                           # backward: x, copied once `values` exist
 
 Ordering comes from data dependencies: every read of a parameter goes through its chunk's `gather`
-output, `release` takes the outputs of the chunk's last readers as arguments, and `reduce_grads` takes
-the gradients and those same last readers' outputs (an offloaded chunk's CPU update starts at its reduce, so no
-read of its parameters may come after it, whatever order the compiler picks among independent nodes). `release` and `reduce_grads` return nothing and are registered as side-effecting, so no
-compiler removes them.
+output, `release` takes the outputs of the chunk's last readers as arguments and returns a token each later
+`gather` waits for (with the gather before it: gathers and releases keep the graph's order), and
+`reduce_grads` takes the gradients and those same last readers' outputs (an offloaded chunk's CPU update
+starts at its reduce, so no read of its parameters may come after it, whatever order the compiler picks among
+independent nodes). `release` and `reduce_grads` are registered as side-effecting, so no compiler removes them
+(a token nothing waits for, or no output at all).
 
 Custom ops are process-wide and take only tensors and numbers, so a graph names its ChunkManager by an
 integer handle. `_MANAGERS` is that handle table: a weak mapping (a manager lives as long as its model's
@@ -52,12 +56,12 @@ def _manager(handle: int):
 
 
 @torch.library.custom_op("protrain::gather", mutates_args=())
-def gather(manager: int, chunk: int) -> torch.Tensor:
+def gather(manager: int, chunk: int, after: list[torch.Tensor]) -> torch.Tensor:
     return _manager(manager).gather(chunk)
 
 
 @gather.register_fake
-def _(manager: int, chunk: int) -> torch.Tensor:
+def _(manager: int, chunk: int, after: list[torch.Tensor]) -> torch.Tensor:
     m = _manager(manager)
     return torch.empty(m.layout.chunk_elems, dtype=m.dtype, device=m.device)
 
@@ -73,12 +77,25 @@ def _(manager: int, chunk: int, after: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("protrain::release", mutates_args=())
-def release(manager: int, chunk: int, after: list[torch.Tensor]) -> None:
-    _manager(manager).release(chunk)
+def release(manager: int, chunk: int, after: list[torch.Tensor]) -> torch.Tensor:
+    m = _manager(manager)
+    m.release(chunk)
+    return torch.empty(0, device=m.device)  # the token later gathers wait for
 
 
 @release.register_fake
-def _(manager: int, chunk: int, after: list[torch.Tensor]) -> None:
+def _(manager: int, chunk: int, after: list[torch.Tensor]) -> torch.Tensor:
+    return torch.empty(0, device=_manager(manager).device)
+
+
+@torch.library.custom_op("protrain::materialize", mutates_args=())
+def materialize(values: list[torch.Tensor]) -> None:
+    """Nothing at run time: inductor computes an op's inputs into buffers, which keeps it from recomputing
+    `values` inside later kernels (passes/chunks.py)."""
+
+
+@materialize.register_fake
+def _(values: list[torch.Tensor]) -> None:
     return None
 
 
@@ -177,6 +194,7 @@ has_side_effect(torch.ops.protrain.swap_settle.default)
 has_side_effect(torch.ops.protrain.step_mark.default)
 has_side_effect(torch.ops.protrain.prefetch.default)
 has_side_effect(torch.ops.protrain.release.default)
+has_side_effect(torch.ops.protrain.materialize.default)
 has_side_effect(torch.ops.protrain.reduce_grads.default)
 
 
