@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,8 +48,8 @@ from protrain_fx.debug.dump import Dumper
 from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, PassContext, run_passes
 from protrain_fx.planner.cost import Config, CostModel, swap_interval
 from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, Plan
-from protrain_fx.planner.search import plan_graph
-from protrain_fx.profiler.hardware import hardware_profile
+from protrain_fx.planner.search import NoPlanFits, plan_graph
+from protrain_fx.profiler.hardware import device_capacity, hardware_profile
 from protrain_fx.profiler.interpreter import profile_iteration, profile_on_every_rank
 from protrain_fx.profiler.on_demand import OnDemand, storage_key
 from protrain_fx.profiler.profile import GraphProfile
@@ -60,9 +61,10 @@ from protrain_fx.runtime.adopt import (
     plan_fields_of,
     wants_chunks,
 )
-from protrain_fx.runtime.chunks import MANAGER_ATTR
+from protrain_fx.runtime.chunks import MANAGER_ATTR, rank_and_world_size
 from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.monitor import StepMonitor
+from protrain_fx.runtime.oom import Replanning, device_state, first_line
 from protrain_fx.runtime.ops import register_inductor_lowering
 from protrain_fx.runtime.swap import SwapSpace
 
@@ -86,6 +88,11 @@ class GraphRecord:
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
     swap: Any = None  # the SwapSpace of its swapped activations (runtime/swap.py), None when no block swaps
+    monitor: Any = None  # its StepMonitor (runtime/monitor.py), with a dump directory only
+    capacity: int | None = None  # the GPU bytes its plan was searched under (None: not budgeted, on the CPU)
+    model: Any = None  # weak reference to the model whose graph it is
+    manager: Any = None  # weak reference to the model's ChunkManager, None when not chunked
+    grad_source: Any = None  # the compiled frame its backward reduces gradients for (ChunkManager.expect_gradients)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of profile, hardware, search
 
 
@@ -112,27 +119,136 @@ class ProTrainBackend:
         check_inputs(gm, example_inputs)
         record = GraphRecord(index=len(self.graphs))
         self.graphs.append(record)
-        partitioner = _Partitioner(self.config, record, gm, list(example_inputs), explain=self.explain)
+        if self.explain or not torch.is_grad_enabled():
+            return self.compile(gm, example_inputs, record)
+        return _Guarded(self, gm, example_inputs, record)
+
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord, guard=None):
+        """Compile one Dynamo graph: our stages run in AOTAutograd's partitioner. `guard`: the graph's `_Guarded`
+        (out-of-memory handling), whose config is ours with the capacity of its last re-plan."""
+        config = guard.replanning.config if guard is not None else self.config
+        partitioner = _Partitioner(config, record, gm, list(example_inputs), explain=self.explain, guard=guard)
         manager = None if torch.is_grad_enabled() else _offloaded_manager(example_inputs)
-        inference = _InferencePasses(self.config, record, gm, list(example_inputs), manager) if manager else None
+        inference = _InferencePasses(config, record, gm, list(example_inputs), manager) if manager else None
         log.info(
-            "compiling graph %d (%d nodes) with the %s executor",
-            record.index,
-            len(gm.graph.nodes),
-            self.config.executor,
+            "compiling graph %d (%d nodes) with the %s executor", record.index, len(gm.graph.nodes), config.executor
         )
-        if self.config.executor == "inductor":
+        if config.executor == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
             register_inductor_lowering()
             patches = {"custom_partitioner_fn": partitioner, "force_disable_caches": True}
-            if inference is None:
-                return compile_fx(gm, example_inputs, config_patches=patches)
-            inner = functools.partial(_inductor_inner_compile, inference)
+            inner = functools.partial(_inductor_inner_compile, inference, guard)
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
         eager = make_boxed_compiler(lambda g, _: g)
         more = {"inference_compiler": make_boxed_compiler(lambda g, _: inference(g))} if inference else {}
-        return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partitioner, **more)(gm, example_inputs)
+        if guard is not None:
+            more["bw_compiler"] = lambda g, _: guard.backward(make_boxed_func(g), g)
+        compiler = aot_autograd(**{"fw_compiler": eager, "bw_compiler": eager, "partition_fn": partitioner, **more})
+        return compiler(gm, example_inputs)
+
+
+class _Guarded:
+    """What Dynamo runs for one training graph: the compiled graph, whose out-of-memory errors name the plan
+    or, under on_oom="replan", re-plan it (the table in runtime/oom.py)."""
+
+    def __init__(self, backend: ProTrainBackend, gm: fx.GraphModule, example_inputs: Sequence[Any], record):
+        self.backend, self.gm, self.record = backend, gm, record
+        self.device = _device_of(example_inputs)
+        self.replanning = Replanning(backend.config, self.device)
+        # where each input comes from (capture.py reads it), which Dynamo deletes once the graph is compiled
+        self.graphargs = {n: n.meta["grapharg"] for n in gm.graph.find_nodes(op="placeholder") if "grapharg" in n.meta}
+        self.compiled = backend.compile(gm, example_inputs, record, self)
+
+    def __call__(self, *args):
+        if self.replanning.due:  # (a backward ran out of memory)
+            self._recompile(args, "backward", "", "(in the last step)")
+        while True:
+            try:
+                return self.compiled(*args)
+            except torch.OutOfMemoryError as error:
+                state, cause = device_state(self.device), first_line(error)
+            # (out of the except block: the failed forward's tensors went with its frames)
+            self._abandon()
+            if not self._replan():
+                raise self._error("forward", state, cause)
+            self._recompile(args, "forward", state, cause)
+
+    def backward(self, compiled, gm: fx.GraphModule):
+        """The compiled backward (boxed), losing its step instead of failing when it runs out of memory under
+        on_oom="replan": its outputs are then all None (the parameters' gradients live in chunks)."""
+        n_outputs = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+
+        def run(args: list) -> list:
+            try:
+                return compiled(args)
+            except torch.OutOfMemoryError as error:
+                state, cause = device_state(self.device), first_line(error)
+            args.clear()  # the saved activations
+            self._abandon()
+            manager = self.record.manager() if self.record.manager is not None else None
+            started = manager.updates_started() if manager is not None else []
+            replanned = self._replan()
+            if not replanned or manager is None or started:
+                why = (
+                    "re-planned for the next step, but this step's weights were partly updated already (offloaded "
+                    f"chunks {started} had started): resume from the last checkpoint"
+                    if started
+                    else "re-planned for the next step, but only protrain_fx.optim.AdamW can skip this lost step: "
+                    "call optimizer.zero_grad() and go on"
+                )
+                raise self._error("backward", state, cause, why=why if replanned else "")
+            manager.lose_step()
+            log.warning(
+                "graph %d: the backward ran out of GPU memory; this step is lost (the optimizer step skips it) and "
+                "the graph is re-planned before its next forward",
+                self.record.index,
+            )
+            return [None] * n_outputs
+
+        run._boxed_call = True
+        return run
+
+    def _replan(self) -> bool:
+        """Lower the capacity for a re-plan before the next forward; False when that is not possible."""
+        if rank_and_world_size()[1] > 1 or not self.replanning.lower(self.record.capacity):
+            return False
+        self.replanning.due = True
+        return True
+
+    def _abandon(self) -> None:
+        manager = self.record.manager() if self.record.manager is not None else None
+        if manager is not None:
+            manager.abandon_step()
+        if self.record.swap is not None:
+            self.record.swap.abandon()
+
+    def _error(self, where: str, state: str, cause: str, *, why: str = "") -> torch.OutOfMemoryError:
+        record = self.record
+        return self.replanning.error(where, record.index, record.plan, record.capacity, state, cause, why=why)
+
+    def _recompile(self, args: Sequence[Any], where: str, state: str, cause: str) -> None:
+        """The graph again, planned under the lowered capacity from its profile (not profiled again); with the
+        model's chunks as built, only the activation fields change. `where`, `state`, `cause`: of the out-of-memory
+        error that asked for it, for the error if no plan fits."""
+        self.replanning.due = False
+        record = self.record
+        model = record.model() if record.model is not None else None
+        if model is not None:  # its swap space and monitor go (the ops hold them weakly: the model keeps them)
+            old = [o for o in (record.swap, record.monitor) if o is not None]
+            kept = [o for o in model.__dict__.get(RUNTIME_ATTR, []) if all(o is not x for x in old)]
+            model.__dict__[RUNTIME_ATTR] = kept
+        record.swap = record.monitor = self.compiled = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        for node, grapharg in self.graphargs.items():
+            node.meta.setdefault("grapharg", grapharg)
+        try:
+            self.compiled = self.backend.compile(self.gm, args, record, self)
+        except NoPlanFits as error:
+            why = f"re-planned under {self.replanning.config.gpu_memory_bytes} bytes, where {error}"
+            raise self._error(where, state, cause, why=why) from None
+        log.warning("graph %d re-planned:\n%s", record.index, record.plan)
 
 
 def _offloaded_manager(example_inputs: Sequence[Any]):
@@ -144,14 +260,15 @@ def _offloaded_manager(example_inputs: Sequence[Any]):
     return None
 
 
-def _inductor_inner_compile(inference: _InferencePasses, gm: fx.GraphModule, example_inputs, **kwargs):
+def _inductor_inner_compile(inference: _InferencePasses | None, guard, gm: fx.GraphModule, example_inputs, **kwargs):
     """Inductor's per-graph compile, with the inference graph rewritten first (training graphs come rewritten
-    by the partitioner)."""
+    by the partitioner) and the backward under the graph's out-of-memory guard."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    if kwargs.get("is_inference"):
+    if kwargs.get("is_inference") and inference is not None:
         gm = inference(gm)
-    return compile_fx_inner(gm, example_inputs, **kwargs)
+    compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+    return guard.backward(compiled, gm) if kwargs.get("is_backward") and guard is not None else compiled
 
 
 class _InferencePasses:
@@ -226,13 +343,21 @@ class _Partitioner(CustomPartitionerFn):
     """Our stages, run on AOTAutograd's joint graph in place of its partitioner (see the module docstring)."""
 
     def __init__(
-        self, config: ProTrainConfig, record: GraphRecord, dynamo_gm: fx.GraphModule, example_inputs, *, explain=False
+        self,
+        config: ProTrainConfig,
+        record: GraphRecord,
+        dynamo_gm: fx.GraphModule,
+        example_inputs,
+        *,
+        explain=False,
+        guard: _Guarded | None = None,
     ):
         self.config = config
         self.record = record
         self.dynamo_gm = dynamo_gm
         self.example_inputs = example_inputs
         self.explain = explain
+        self.guard = guard  # out-of-memory handling of a training graph (runtime/oom.py)
 
     def uuid(self) -> None:
         return None  # never cache: each compile profiles its own graph
@@ -279,16 +404,17 @@ class _Partitioner(CustomPartitionerFn):
             torch.cuda.empty_cache()  # what the failed iteration left cached, once its frames are gone
             return profile_iteration(fw, bw, self.example_inputs, record.block_map, OnDemand())
 
-        start = time.perf_counter()
-        record.profile = profile_on_every_rank(profile, device)
-        record.seconds["profile"] = time.perf_counter() - start
-        if device.type == "cuda":  # the allocator gives back what it cached for an iteration that held everything
-            torch.cuda.empty_cache()
+        if record.profile is None:  # (a re-plan after running out of memory reuses the graph's profile)
+            start = time.perf_counter()
+            record.profile = profile_on_every_rank(profile, device)
+            record.seconds["profile"] = time.perf_counter() - start
+            if device.type == "cuda":  # the allocator gives back what it cached for an iteration that held all
+                torch.cuda.empty_cache()
         if manager is None and (wants_chunks(params) or (self.explain and any(p.requires_grad for p in params))):
             layout = model_layout(roots, record, self.example_inputs, config.plan)
             record.plan = self._plan(config.plan, layout, device, bw, roots.model, None)
             if not self.explain:
-                manager = build_manager(roots.model, layout, record.plan)
+                manager = self._build_chunks(roots.model, layout, device, bw)
         else:
             # a graph without parameters (a loss after a graph break) has no chunk or block decisions to check
             unplanned = CHUNK_FIELDS + ACTIVATION_FIELDS if record.block_map.family is None else CHUNK_FIELDS
@@ -303,6 +429,8 @@ class _Partitioner(CustomPartitionerFn):
             ", ".join(f"{stage} {s:.2f} s" for stage, s in record.seconds.items()),
             record.plan,
         )
+        record.model = weakref.ref(roots.model) if roots.model is not None else None
+        record.manager = weakref.ref(manager) if manager is not None else None
         if roots.model is not None and params and not self.explain:
             _warn_if_reshaped(roots.model, record, self.example_inputs)
             roots.model.__dict__.setdefault(PLANS_ATTR, []).append((len(params), record.plan))
@@ -331,11 +459,12 @@ class _Partitioner(CustomPartitionerFn):
         saved = frozenset(n.name for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents"))
         swap = None
         if "swap" in record.plan.block_modes:
-            limits = (record.plan.predicted_peak_bytes, config.gpu_memory_bytes, _capacity(device))
+            limits = (record.plan.predicted_peak_bytes, config.gpu_memory_bytes, device_capacity(device))
             budget = min((limit for limit in limits if limit), default=None)  # prefetch within the tightest
             swap = SwapSpace(device, budget_bytes=budget, upload_stream=manager.upload_stream if manager else None)
         # (a graph of no model, a loss after a graph break, has nothing to keep its monitor alive: none there)
         monitor = StepMonitor(device, record.plan, dumper) if dumper and roots.model is not None else None
+        record.monitor = monitor
         for runtime_object in (swap, monitor):  # the ops reach them by weak handle: the model keeps them alive
             if runtime_object is not None:
                 roots.model.__dict__.setdefault(RUNTIME_ATTR, []).append(runtime_object)
@@ -357,8 +486,10 @@ class _Partitioner(CustomPartitionerFn):
                 swap.allocate([(n.meta["val"].shape, n.meta["val"].dtype) for n in outs])
             record.swap = swap
         if manager is not None:
-            compile_id = torch._guards.CompileContext.current_compile_id()
-            source = compile_id.frame_id if compile_id is not None else ("graph", record.index)
+            if record.grad_source is None:  # (kept by a re-plan, which compiles outside Dynamo)
+                compile_id = torch._guards.CompileContext.current_compile_id()
+                record.grad_source = compile_id.frame_id if compile_id is not None else ("graph", record.index)
+            source = record.grad_source
             for node in bw.graph.find_nodes(op="call_function", target=torch.ops.protrain.reduce_grads.default):
                 manager.expect_gradients(node.args[1], source)
         record.forward, record.backward = fw, bw
@@ -367,6 +498,23 @@ class _Partitioner(CustomPartitionerFn):
         if dumper:
             _dump(dumper, record)
         return fw, bw
+
+    def _build_chunks(self, model: nn.Module, layout, device: torch.device, bw: fx.GraphModule):
+        """The model's ChunkManager for the plan; out of memory, under on_oom="replan", searched again under a
+        lower capacity and built again (runtime/oom.py)."""
+        replanning = self.guard.replanning if self.guard is not None else Replanning(self.config, device)
+        while True:
+            try:
+                return build_manager(model, layout, self.record.plan)
+            except torch.OutOfMemoryError as error:
+                state, cause = device_state(device), first_line(error)
+            if device.type == "cuda":  # what the partly built chunks had cached
+                torch.cuda.empty_cache()
+            if rank_and_world_size()[1] > 1 or not replanning.lower(self.record.capacity):
+                record = self.record
+                raise replanning.error("chunk building", record.index, record.plan, record.capacity, state, cause)
+            self.config = replanning.config
+            self.record.plan = self._plan(self.config.plan, layout, device, bw, model, None)
 
     def _plan(self, forced: dict[str, Any], layout, device: torch.device, bw: fx.GraphModule, model, manager) -> Plan:
         """Search the fields the user did not force, with the cost models of this graph (planner/cost.py)."""
@@ -414,7 +562,8 @@ class _Partitioner(CustomPartitionerFn):
         )
         record.costs = costs
         start = time.perf_counter()
-        plan = plan_graph(costs, forced, layout, self.config.gpu_memory_bytes or _capacity(device))
+        record.capacity = self.config.gpu_memory_bytes or device_capacity(device)
+        plan = plan_graph(costs, forced, layout, record.capacity)
         record.seconds["search"] = time.perf_counter() - start
         return plan
 
@@ -438,15 +587,6 @@ def _cost_terms(costs: CostModel, plan: Plan) -> dict[str, Any]:
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _capacity(device: torch.device) -> int | None:
-    """What PyTorch may use of the device: its free memory and what the caching allocator holds already (None
-    on the CPU, whose memory the planner does not budget unless told with `gpu_memory_bytes`)."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device)
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:

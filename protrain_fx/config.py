@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 EXECUTORS = ("inductor", "eager")
+ON_OOM = ("raise", "replan")
 DUMP_DIR_ENV = "PROTRAIN_DUMP_DIR"
 CACHE_DIR_ENV = "PROTRAIN_CACHE_DIR"
 
@@ -31,12 +32,15 @@ class ProTrainConfig:
     plan: plan fields to force instead of searching them, as a dict or the path of a plan JSON file.
     gpu_memory_bytes: the GPU capacity the planner may assume (default: the device's free memory).
     dump_dir: where graphs, profiles, maps and plans are written (default: $PROTRAIN_DUMP_DIR, else nothing).
+    on_oom: what a CUDA out-of-memory error in a step does (runtime/oom.py): "raise" an error that names the plan
+        and what to do, or "replan" under a lower capacity and go on.
     """
 
     executor: str = "inductor"
     plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     gpu_memory_bytes: int | None = None
     dump_dir: str | None = None
+    on_oom: str = "raise"
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | ProTrainConfig | None) -> ProTrainConfig:
@@ -59,6 +63,8 @@ class ProTrainConfig:
     def _validate(self) -> None:
         if self.executor not in EXECUTORS:
             raise ValueError(f"option 'executor' must be one of {list(EXECUTORS)}, got {self.executor!r}")
+        if self.on_oom not in ON_OOM:
+            raise ValueError(f"option 'on_oom' must be one of {list(ON_OOM)}, got {self.on_oom!r}")
         if self.gpu_memory_bytes is not None and (
             isinstance(self.gpu_memory_bytes, bool) or not isinstance(self.gpu_memory_bytes, int)
         ):

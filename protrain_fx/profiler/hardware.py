@@ -369,3 +369,16 @@ def _device_facts(device: torch.device) -> tuple[str, int]:
             log.debug("nvidia-ml-py unavailable (%s); using torch.cuda.mem_get_info", e)
             return torch.cuda.get_device_name(index), int(torch.cuda.mem_get_info(index)[1])
     return "cpu", meminfo_bytes("MemTotal") or 0
+
+
+def device_capacity(device: torch.device) -> int | None:
+    """What PyTorch may use of the device now: its free memory plus what the caching allocator holds already,
+    within the process's share (`torch.cuda.set_per_process_memory_fraction`). None on the CPU, whose memory
+    the planner does not budget unless told with `gpu_memory_bytes`."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    capacity = free + torch.cuda.memory_reserved(device)
+    share = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # (newer torch)
+    fraction = share(device) if share is not None else 1.0
+    return min(capacity, int(fraction * total)) if fraction < 1 else capacity

@@ -168,6 +168,9 @@ class ChunkManager:
         # once defers from then on, and its first step always defers, before any clip_grad_norm_ call is seen
         self.clipping = False
         self._first_step = True
+        # a backward ran out of memory under on_oom="replan" (runtime/oom.py): the step's gradients are ignored
+        # until the optimizer step, which skips
+        self.step_lost = False
         owner = next((p.__dict__.get("_protrain_optimizer") for p in self.params), None)
         self.optimizer = owner() if owner is not None else None  # the protrain_fx.optim.AdamW stepping us
         self._build(source or (lambda p: p.detach()))
@@ -364,6 +367,20 @@ class ChunkManager:
             return self._resident.pop(self._released.pop(0))
         return None
 
+    def abandon_step(self) -> None:
+        """A forward or backward ran out of memory midway (runtime/oom.py): the chunks it gathered are released
+        (they stay in their buffers, free for reuse)."""
+        for chunk in sorted(self._in_use):
+            self.release(chunk)
+
+    def lose_step(self) -> None:
+        """A backward ran out of memory and its step is given up (on_oom="replan"): its gradients so far are
+        dropped and later ones ignored; `AdamW.step()` skips the step and clears this."""
+        assert not self._stepped, f"chunks {sorted(self._stepped)} started their update in the lost step"
+        self.abandon_step()
+        self.zero_grad()
+        self.step_lost = True
+
     def release(self, chunk: int) -> None:
         """The graph is done with the chunk for now; its buffer may be reused (least recently released first)."""
         self._in_use.discard(chunk)
@@ -413,6 +430,8 @@ class ChunkManager:
         ranks: each rank adds up its own until the step's last backward, which reduces the sum once.
         Offloaded shards are reduce-scattered every time (a rank holds only its shard of their gradient).
         """
+        if self.step_lost:  # (a later graph's backward after an out-of-memory error lost the step)
+            return
         persistent = chunk < self.n_persist
         if chunk in self._stepped:
             raise RuntimeError(

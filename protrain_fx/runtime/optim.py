@@ -179,6 +179,15 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         managers = self._managers()
+        self.last_step_skipped = False
+        self.carried_scale = None
+        if any(m.step_lost for m in managers):
+            for manager in managers:
+                manager.zero_grad()
+                manager.step_lost = False
+            self.last_step_skipped = True
+            log.warning("a backward ran out of GPU memory and was re-planned: optimizer step skipped")
+            return loss
         for manager in managers:  # (the step's last backward ran inside no_sync)
             manager.finish_reduction()
         if grad_scale is not None and any(not m.loss_scaled for m in managers):
@@ -186,8 +195,6 @@ class AdamW(torch.optim.Optimizer):
                 "loss scaling (protrain_fx.amp.GradScaler) is for float16 models; this model's chunks are "
                 f"{managers[0].dtype}, which trains without it: call optimizer.step() directly"
             )
-        self.last_step_skipped = False
-        self.carried_scale = None
         if self._found_inf(managers):
             for manager in managers:
                 manager.end_step()

@@ -75,6 +75,15 @@ class SwapSpace:
             at += step
         log.info("swap space: %d tensors, %.1f MiB of host memory", len(specs), self.arena.numel() / 2**20)
 
+    def abandon(self) -> None:
+        """A forward or backward ran out of memory midway (runtime/oom.py): wait for the copies it started and
+        drop the device tensors it held here; the slots are written again by the next forward."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._in_flight.clear()
+        self._fetched.clear()
+        self._stored.clear()
+
     def _retire(self) -> None:
         """Drop the device tensors whose copy to the host has finished."""
         self._in_flight = {s: (ev, t) for s, (ev, t) in self._in_flight.items() if not ev.query()}
