@@ -73,7 +73,6 @@ def test_release_waits_for_every_reader_and_holds_no_recomputed_activation():
                 not in (
                     torch.ops.protrain.release.default,
                     torch.ops.protrain.prefetch.default,
-                    torch.ops.protrain.gather.default,  # (the next gather waits for this one: not a reader)
                     torch.ops.protrain.materialize.default,
                 )
                 and _reads_directly(n, gather)

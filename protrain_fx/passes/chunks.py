@@ -7,8 +7,8 @@ tagged placeholder unchanged.
 chunk_gather_pass (forward and backward graphs), for each offloaded chunk c:
 
     before:  w1 = placeholder; w2 = placeholder; ...; y = mm(x, w1); z = mm(y, w2)
-    after:   buf = protrain.gather(m, c, [r_prev, buf_prev])   # after the releases before it and the gather
-                                                  # before it, whatever order the compiler picks (below)
+    after:   buf = protrain.gather(m, c, [r_1, r_2, ...])  # after every release before it, whatever order
+                                                  # the compiler picks (below)
              protrain.prefetch(m, c_next, buf)    # the chunk gathered next in this graph, on the copy stream
              w1' = view(slice(buf, 0, o1, o1 + n1), shape1); w2' = ...
              y = mm(x, w1'); z = mm(y, w2')
@@ -17,8 +17,9 @@ chunk_gather_pass (forward and backward graphs), for each offloaded chunk c:
 
 A gather has no data input but the tokens it is given, and inductor schedules a kernel as soon as its inputs
 exist: without them it hoists gathers above the releases that free their buffers. So each gather takes the
-tokens of the releases placed between it and the gather before it, and that gather's buffer: gathers and
-releases then run in the graph's order, the order `_check_buffers` counts buffers in.
+tokens of every release placed before it (not the gather before it: a buffer may be its own input then, which
+a custom op must not have): gathers run after the releases before them in the graph, the order
+`_check_buffers` counts buffers in.
 
 param_check_pass (forward graph): `protrain.check_params(m, [i1, i2, ...], [w1, w2, ...])` after the
 placeholders: at run time each parameter input must still be the one the chunk holds (a parameter replaced
@@ -181,15 +182,13 @@ def _materialize_escaping(graph: fx.Graph, outputs: list[fx.Node], readers: set[
 
 
 def _order_gathers(graph: fx.Graph) -> None:
-    """Each gather waits for the releases before it and for the gather before it (see the module docstring)."""
+    """Each gather waits for every release before it (see the module docstring)."""
     released: list[fx.Node] = []
-    previous = None
     for node in list(graph.nodes):
         if node.target is torch.ops.protrain.release.default:
             released.append(node)
         elif node.target is torch.ops.protrain.gather.default:
-            node.args = (*node.args[:2], released + ([previous] if previous is not None else []))
-            released, previous = [], node
+            node.args = (*node.args[:2], list(released))
 
 
 def _check_buffers(graph: fx.Graph, ctx) -> None:

@@ -18,7 +18,7 @@
 
 Ordering comes from data dependencies: every read of a parameter goes through its chunk's `gather`
 output, `release` takes the outputs of the chunk's last readers as arguments and returns a token each later
-`gather` waits for (with the gather before it: gathers and releases keep the graph's order), and
+`gather` waits for (each gather takes every release before it: they keep the graph's order), and
 `reduce_grads` takes the gradients and those same last readers' outputs (an offloaded chunk's CPU update
 starts at its reduce, so no read of its parameters may come after it, whatever order the compiler picks among
 independent nodes). `release` and `reduce_grads` are registered as side-effecting, so no compiler removes them
