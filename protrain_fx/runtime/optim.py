@@ -173,7 +173,8 @@ class AdamW(torch.optim.Optimizer):
         """Update every parameter. `grad_scale` (from `protrain_fx.amp.GradScaler.step`): the loss scale the
         gradients carry. If any gradient of the step, on any rank, is inf or NaN: with the `nonfinite` policy
         "skip", nothing is updated and `last_step_skipped` is True; with "raise", a FloatingPointError on
-        every rank (the updates started during the backward skipped themselves where they saw it)."""
+        every rank (the updates started during the backward skipped themselves where they saw it). A step whose
+        backward ran out of GPU memory under on_oom="replan" (runtime/oom.py) is skipped the same way."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
