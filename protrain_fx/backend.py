@@ -186,7 +186,7 @@ class _Guarded:
                 state, cause = device_state(self.device), first_line(error)
             args.clear()  # the saved activations
             self._abandon()
-            manager = self.record.manager() if self.record.manager is not None else None
+            manager = self._manager()
             started = manager.updates_started() if manager is not None else []
             replanned = self._replan()
             if not replanned or manager is None or started:
@@ -216,8 +216,12 @@ class _Guarded:
         self.replanning.due = True
         return True
 
+    def _manager(self):
+        """The model's ChunkManager, None when the graph is not chunked."""
+        return self.record.manager() if self.record.manager is not None else None
+
     def _abandon(self) -> None:
-        manager = self.record.manager() if self.record.manager is not None else None
+        manager = self._manager()
         if manager is not None:
             manager.abandon_step()
         if self.record.swap is not None:

@@ -374,10 +374,9 @@ class ChunkManager:
             self.release(chunk)
 
     def lose_step(self) -> None:
-        """A backward ran out of memory and its step is given up (on_oom="replan"): its gradients so far are
-        dropped and later ones ignored; `AdamW.step()` skips the step and clears this."""
+        """A backward ran out of memory and its step is given up (on_oom="replan"; after `abandon_step`): its
+        gradients so far are dropped and later ones ignored; `AdamW.step()` skips the step and clears this."""
         assert not self._stepped, f"chunks {sorted(self._stepped)} started their update in the lost step"
-        self.abandon_step()
         self.zero_grad()
         self.step_lost = True
 

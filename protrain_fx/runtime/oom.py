@@ -85,22 +85,28 @@ class Replanning:
     def enabled(self) -> bool:
         return self.config.on_oom == "replan"
 
-    def lower(self, assumed: int | None) -> bool:
-        """Lower the capacity for the next plan from `assumed` (what the last plan was searched under); False
-        when re-planning is off, spent, or has no capacity to lower (the CPU without `gpu_memory_bytes`)."""
+    def _next_capacity(self, assumed: int | None) -> int | None:
+        """SHRINK of the smaller of `assumed` (what the last plan was searched under) and the device's capacity;
+        None with neither (the CPU without `gpu_memory_bytes`)."""
         limits = [c for c in (assumed, device_capacity(self.device)) if c]
-        if not self.enabled or self.replans >= MAX_REPLANS or not limits:
+        return int(min(limits) * SHRINK) if limits else None
+
+    def lower(self, assumed: int | None) -> bool:
+        """Lower the capacity for the next plan; False when re-planning is off, spent, or has no capacity to
+        lower."""
+        capacity = self._next_capacity(assumed)
+        if not self.enabled or self.replans >= MAX_REPLANS or capacity is None:
             return False
         self.replans += 1
-        capacity = int(min(limits) * SHRINK)
         self.config = dataclasses.replace(self.config, gpu_memory_bytes=capacity)
         log.warning("out of GPU memory: re-plan %d of at most %d, under %s", self.replans, MAX_REPLANS, _gib(capacity))
         return True
 
     def error(self, where: str, graph: int, plan: Any, assumed: int | None, state: str, cause: str, *, why=""):
         """The OutOfMemoryError to raise: what ran out, under which plan, and what to do."""
-        lower = min(c for c in (assumed, device_capacity(self.device), 2**62) if c)
-        advice = f"options={{'gpu_memory_bytes': {int(lower * SHRINK)}}} plans for less memory from the start"
+        lower = self._next_capacity(assumed)
+        advice = "a smaller gpu_memory_bytes" if lower is None else f"options={{'gpu_memory_bytes': {lower}}}"
+        advice += " plans for less memory from the start"
         if self.enabled:
             what = why or f"re-planned {self.replans} times down to {_gib(self.config.gpu_memory_bytes)}"
             todo = (
