@@ -1,8 +1,10 @@
 """protrain_fx: ProTrain automatic memory management for LLM training, as a torch.compile backend.
 
-model = torch.compile(model, backend="protrain")            # the backend is found by entry point
+model = torch.compile(model, backend="protrain")            # found by entry point, or registered on import
 model = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}))  # inspectable
 """
+
+import torch
 
 from protrain_fx import amp, optim
 from protrain_fx.backend import GraphRecord, ProTrainBackend, protrain
@@ -32,3 +34,13 @@ __all__ = [
     "prepare",
     "protrain",
 ]
+
+
+def _register_backend() -> None:
+    """`backend="protrain"` also where the package's entry point is not installed (a source checkout on the
+    path): torch finds installed entry points itself."""
+    if "protrain" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(protrain, name="protrain")
+
+
+_register_backend()

@@ -133,19 +133,24 @@ class ProTrainBackend:
         log.info(
             "compiling graph %d (%d nodes) with the %s executor", record.index, len(gm.graph.nodes), config.executor
         )
-        if config.executor == "inductor":
-            from torch._inductor.compile_fx import compile_fx
+        try:
+            if config.executor == "inductor":
+                from torch._inductor.compile_fx import compile_fx
 
-            register_inductor_lowering()
-            patches = {"custom_partitioner_fn": partitioner, "force_disable_caches": True}
-            inner = functools.partial(_inductor_inner_compile, inference, guard)
-            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
-        eager = make_boxed_compiler(lambda g, _: g)
-        more = {"inference_compiler": make_boxed_compiler(lambda g, _: inference(g))} if inference else {}
-        if guard is not None:
-            more["bw_compiler"] = lambda g, _: guard.backward(make_boxed_func(g), g)
-        compiler = aot_autograd(**{"fw_compiler": eager, "bw_compiler": eager, "partition_fn": partitioner, **more})
-        return compiler(gm, example_inputs)
+                register_inductor_lowering()
+                patches = {"custom_partitioner_fn": partitioner, "force_disable_caches": True}
+                inner = functools.partial(_inductor_inner_compile, inference, guard)
+                return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+            eager = make_boxed_compiler(lambda g, _: g)
+            more = {"inference_compiler": make_boxed_compiler(lambda g, _: inference(g))} if inference else {}
+            if guard is not None:
+                more["bw_compiler"] = lambda g, _: guard.backward(make_boxed_func(g), g)
+            compiler = aot_autograd(**{"fw_compiler": eager, "bw_compiler": eager, "partition_fn": partitioner, **more})
+            return compiler(gm, example_inputs)
+        finally:  # (inductor's config cache keeps the last partitioner: it must not keep a dropped model's chunks)
+            partitioner.forget()
+            if inference is not None:
+                inference.forget()
 
 
 class _Guarded:
@@ -285,8 +290,13 @@ class _InferencePasses:
         self.config, self.record, self.dynamo_gm = config, record, dynamo_gm
         self.example_inputs, self.manager = example_inputs, manager
 
+    def forget(self) -> None:
+        """Drop the graph and its inputs (the model's parameters among them) once the compile is done."""
+        self.dynamo_gm = self.example_inputs = self.record = self.manager = None
+
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
         record = self.record
+        assert record is not None, f"the inference passes of {gm} ran after its compile was done"
         roots = find_frame_roots(self.dynamo_gm, self.example_inputs)
         record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, gm, roots)
         check_params_managed(self.manager, record.param_map, self.example_inputs)
@@ -366,11 +376,16 @@ class _Partitioner(CustomPartitionerFn):
     def uuid(self) -> None:
         return None  # never cache: each compile profiles its own graph
 
+    def forget(self) -> None:
+        """Drop the graph and its inputs (the model's parameters among them) once the compile is done."""
+        self.dynamo_gm = self.example_inputs = self.record = self.guard = None
+
     def __deepcopy__(self, memo):
         return self  # inductor copies its config, which holds us; our inputs are real tensors, not copyable
 
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
         record, config = self.record, self.config
+        assert record is not None, f"the partitioner of {joint} ran after its compile was done"
         roots = find_frame_roots(self.dynamo_gm, self.example_inputs)
         record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, joint, roots)
         record.block_map = build_block_map(joint, roots)

@@ -132,6 +132,29 @@ def test_save_pretrained_after_gpu_training(tmp_path):
     assert all(torch.equal(v.cpu().to(full[k].dtype), full[k]) for k, v in loaded.state_dict().items())
 
 
+def test_inference_on_offloaded_chunks_on_gpu():
+    """model.eval() under no_grad after training, chunks in pinned host memory gathered through the copy stream:
+    the loss of the same weights run eagerly in bf16, and a training step after it goes on as before."""
+    model = protrain_fx.prepare(models.build("llama", layers=4).to(torch.bfloat16), plan=PLAN)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    backend = protrain_fx.ProTrainBackend()
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    _steps(compiled, opt, 2)
+    batch = {k: v.cuda() for k, v in models.batch("llama", seed=9).items()}
+    model.eval()
+    with torch.no_grad():
+        got = compiled(**batch).loss.item()
+    ref = models.build("llama", layers=4).to(torch.bfloat16).cuda().eval()
+    ref.load_state_dict(protrain_fx.full_state_dict(model))
+    with torch.no_grad():
+        expected = ref(**batch).loss.item()
+    assert got == pytest.approx(expected, rel=BF16_RTOL)
+    inference = backend.graphs[-1].forward
+    assert any(n.target is torch.ops.protrain.gather.default for n in inference.graph.nodes)
+    model.train()
+    assert all(torch.isfinite(torch.tensor(_steps(compiled, opt, 1, start=2))))
+
+
 def test_out_of_memory_is_replanned_and_training_finishes(caplog):
     """The planner is told the card has 16 GiB; after the first step (profiled and planned on the whole card) the
     process may use 8 GiB of it (a per-process memory fraction): the plan keeps more activations than fit, a step

@@ -1,9 +1,16 @@
-"""The host worker runs, among the tasks whose copy has landed, the lowest chunk first."""
+"""The host worker runs, among the tasks whose copy has landed, the lowest chunk first, and keeps nothing
+once a task ran."""
 
+import gc
 import threading
+import weakref
 
+import models
 import pytest
+import torch
 
+import protrain_fx
+from protrain_fx.runtime.chunks import MANAGER_ATTR
 from protrain_fx.runtime.host_queue import HostQueue
 
 
@@ -24,3 +31,38 @@ def test_lowest_landed_chunk_first_and_errors_reach_the_waiter():
     with pytest.raises(RuntimeError, match="boom"):
         queue.submit(1, None, fail).result(timeout=10)
     queue.close()
+
+
+def test_a_finished_task_is_not_kept():
+    """The worker keeps no reference to a task once it ran (a task's closure holds a chunk manager, and through
+    it GPU chunks that would outlive their model)."""
+
+    class Held:
+        pass
+
+    queue, held = HostQueue(), Held()
+    ref = weakref.ref(held)
+    queue.submit(0, None, lambda held=held: None).result(timeout=10)
+    del held
+    gc.collect()
+    assert ref() is None
+    queue.close()
+
+
+def test_a_dropped_model_frees_its_chunks_and_worker_thread():
+    model = models.build("toy")
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = protrain_fx.ProTrainBackend({"plan": {"n_persist": 1, "n_buffer": 3}})  # (inductor)
+    compiled = torch.compile(model, backend=backend)
+    for step in range(2):  # (the second step runs the offloaded chunks' updates on the worker)
+        compiled(**models.batch("toy", 2, 16, seed=step)).backward()
+        opt.step()
+        opt.zero_grad()
+    model.__dict__[MANAGER_ATTR].wait_for_update()  # (the last step's host updates may still be running)
+    manager = weakref.ref(model.__dict__[MANAGER_ATTR])
+    assert any(t.name == "protrain-cpu-adam" for t in threading.enumerate())
+    del model, opt, compiled, backend
+    torch._dynamo.reset()
+    gc.collect()
+    assert manager() is None
+    assert not any(t.name == "protrain-cpu-adam" for t in threading.enumerate())

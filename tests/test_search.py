@@ -12,7 +12,7 @@ import torch
 
 import protrain_fx
 from protrain_fx.planner.cost import Config, CostModel, _HostRates, _Segment
-from protrain_fx.planner.search import TIE_REL, NoPlanFits, brute_force, plan_graph, rank, search
+from protrain_fx.planner.search import SAFE_HEADROOM, TIE_REL, NoPlanFits, brute_force, plan_graph, rank, search
 from protrain_fx.profiler.hardware import HardwareProfile
 
 GiB = 2**30
@@ -81,10 +81,10 @@ def test_search_finds_the_brute_force_optimum(seed):
     model = synthetic(seed=seed, n_block=6 + seed, n_chunk=4 + seed)
     for capacity in _capacities(model):
         best, runners_up = search(model, capacity)
-        expected, _ = rank(brute_force(model, capacity))
+        expected, _ = rank(brute_force(model, capacity), capacity)
         assert best == expected, capacity
         assert best[2] <= capacity and all(r[2] <= capacity for r in runners_up)
-        assert all(r[1] * (1 + TIE_REL) >= best[1] for r in runners_up)  # (ties go to headroom)
+        assert all(r[1] * (1 + TIE_REL) >= best[1] for r in runners_up)  # (ties go to the least rewritten)
 
 
 def test_search_reacts_to_capacity():
@@ -97,6 +97,20 @@ def test_search_reacts_to_capacity():
     assert tight.n_persist < model.n_chunk and tight.n_checkpoint + tight.n_swap > 0
     persist = [p.n_persist for p in plans]
     assert persist == sorted(persist, reverse=True)
+
+
+def test_ties_go_to_the_least_rewritten_plan_with_headroom_to_spare():
+    """Equal predicted times (a swap hidden behind compute is priced at nothing): with SAFE_HEADROOM to spare the
+    plan that rewrites least wins; when only the swapping one leaves it, that one; when none does, the lowest
+    peak."""
+    plain, swapped = (Config(4, 0, 0, 0), 1.0, 50), (Config(4, 0, 1, 0), 1.0 + TIE_REL / 2, 40)
+    slower = (Config(4, 0, 0, 1), 1.1, 30)
+    fits = [swapped, slower, plain]
+    assert rank(fits, 100)[0] == plain
+    assert rank(fits, None)[0] == plain
+    assert rank(fits, int(50 / (1 - SAFE_HEADROOM)) - 1)[0] == swapped
+    assert rank(fits, 42)[0] == swapped  # (neither leaves SAFE_HEADROOM: the lower peak)
+    assert rank(fits, 100)[1] == [swapped, slower]
 
 
 def test_forced_fields_are_held():

@@ -8,9 +8,11 @@ Exhaustive over n_swap, n_checkpoint, n_buffer and n_persist with the paper's pr
 - for fixed activation modes and buffers, memory grows with n_persist, so n_persist is visited upwards and
   the first configuration over capacity ends that row (every later one is larger);
 - configurations over capacity are never timed.
-Among those that fit, the lowest predicted step time wins; ties (within TIE_REL) go to the one with the most
-headroom (with no capacity, on the CPU, to the one that changes the least). A field the user forces is held at
-its value and the rest searched.
+Among those that fit, the lowest predicted step time wins. Ties (within TIE_REL) go to the one that rewrites the
+model least (fewest blocks checkpointed or swapped, then most chunks persistent) among those leaving at least
+SAFE_HEADROOM of the capacity free, else to the one with the most headroom. (A swap hidden behind compute is
+priced at nothing, but its copies, events and settle points measured a few ms a step: with memory to spare it
+buys nothing.) A field the user forces is held at its value and the rest searched.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from protrain_fx.planner.plan import Plan, make_plan
 log = logging.getLogger(__name__)
 
 TIE_REL = 0.005  # step times within 0.5% count as equal
+SAFE_HEADROOM = 0.1  # a plan predicted to leave this share of the capacity free needs no more headroom
 MAX_BUFFER = 4  # buffers searched: one in use, one loading, one recomputed from, one spare (more is forced only)
 N_RUNNERS_UP = 3
 
@@ -93,15 +96,20 @@ def search(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, An
     if not fits:
         assert smallest is not None, "no configuration to search"
         raise NoPlanFits(smallest[0], smallest[1], capacity_bytes)
-    return rank(fits, headroom=capacity_bytes is not None)
+    return rank(fits, capacity_bytes)
 
 
-def rank(fits: list[tuple[Config, float, int]], *, headroom: bool = True):
-    """(best, runners-up): the fastest, ties within TIE_REL going to the lowest peak (the most headroom), or with
-    no capacity to keep headroom under (the CPU) to the highest (the least rewritten plan); then by step time."""
+def rank(fits: list[tuple[Config, float, int]], capacity_bytes: int | None):
+    """(best, runners-up): the fastest; among ties within TIE_REL the least rewritten plan whose predicted peak
+    leaves SAFE_HEADROOM of `capacity_bytes` free (any, with no capacity), else the lowest peak; then by step
+    time."""
     fastest = min(step for _, step, _ in fits)
-    sign = 1 if headroom else -1
-    best = min((f for f in fits if f[1] <= fastest * (1 + TIE_REL)), key=lambda f: (sign * f[2], f[1]))
+    ties = [f for f in fits if f[1] <= fastest * (1 + TIE_REL)]
+    safe = [f for f in ties if capacity_bytes is None or f[2] <= (1 - SAFE_HEADROOM) * capacity_bytes]
+    if safe:
+        best = min(safe, key=lambda f: (f[0].n_swap + f[0].n_checkpoint, -f[0].n_persist, f[1], f[2]))
+    else:
+        best = min(ties, key=lambda f: (f[2], f[1]))
     rest = sorted((f for f in fits if f is not best), key=lambda f: (f[1], f[2]))
     log.info(
         "searched %d configurations that fit; best %s: %.1f ms, %.2f GiB",

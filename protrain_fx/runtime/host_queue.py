@@ -66,14 +66,26 @@ class HostQueue:
             torch.set_num_threads(max(1, torch.get_num_threads() - 1))
         while (task := self._next()) is not None:
             _, copied, fn, future = task
-            try:
-                if copied is not None:
-                    copied.synchronize()
-                fn()
-            except BaseException as e:  # handed to whoever waits for this chunk
-                future.set_exception(e)
-            else:
+            del task
+            error = _execute(copied, fn)
+            # the task is let go before its waiter wakes: its closure holds the chunk manager, and through it the
+            # GPU chunks, which must go with their model
+            del copied, fn
+            if error is None:
                 future.set_result(None)
+            else:  # handed to whoever waits for this chunk
+                future.set_exception(error)
+            del future, error
+
+
+def _execute(copied, fn: Callable[[], None]) -> BaseException | None:
+    try:
+        if copied is not None:
+            copied.synchronize()
+        fn()
+    except BaseException as e:
+        return e
+    return None
 
 
 def _close(ref: weakref.ref) -> None:
