@@ -96,8 +96,9 @@ def manager_of(model):
 
 def chunk_grads(model) -> dict[str, torch.Tensor]:
     """Each parameter's gradient as its chunk holds it, copied to the CPU (whole chunks: one rank, or persistent
-    chunks), once every gradient copy to the host has landed."""
+    chunks), once every gradient is reduced across ranks and every copy to the host has landed."""
     manager = manager_of(model)
+    manager.finish_reduction()
     manager.wait_for_update()
     out = {}
     for name, p in getattr(model, "_orig_mod", model).named_parameters():

@@ -323,7 +323,9 @@ class CostModel:
         buffers = config.n_buffer * self.chunk_elems * self.element_size
         offloaded = self.n_chunk - config.n_persist
         landing = self.shard_elems * 4 if offloaded and master else 0
-        reduce = min(REDUCE_BUFFERS, offloaded) * self.chunk_elems * 4  # what offloaded gradients are reduced in
+        # what gradients are reduced in: an offloaded chunk's always, a persistent one's across several ranks
+        buffered = offloaded + (config.n_persist if self.world_size > 1 else 0)
+        reduce = min(REDUCE_BUFFERS, buffered) * self.chunk_elems * 4
         return persistent + buffers + landing + reduce
 
     def peak_bytes(self, config: Config) -> int:
@@ -344,10 +346,12 @@ class CostModel:
         return self.shard_elems * 4 / hw.h2d_bytes_per_s + gather
 
     def _reduce_s(self, chunk: int, n_persist: int, concurrent: bool) -> tuple[float, float]:
-        """Seconds to reduce a chunk's fp32 gradient across ranks and, offloaded, to copy its shard to the host
+        """Seconds to reduce a chunk's fp32 gradient across ranks (an all-reduce where it is persistent, every rank
+        keeping all of it; a reduce-scatter to the shards otherwise) and, offloaded, to copy its shard to the host
         (`concurrent`: while chunk uploads use the link the other way)."""
         hw = self.hardware
-        reduce = hw.collective_s("reduce_scatter", self.chunk_elems * 4) if self.world_size > 1 else 0.0
+        op = "all_reduce" if chunk < n_persist else "reduce_scatter"
+        reduce = hw.collective_s(op, self.chunk_elems * 4) if self.world_size > 1 else 0.0
         rate = hw.d2h_concurrent_bytes_per_s if concurrent else hw.d2h_bytes_per_s
         return reduce, (self.shard_elems * 4 / rate if chunk >= n_persist else 0.0)
 

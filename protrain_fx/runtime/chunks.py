@@ -161,6 +161,9 @@ class ChunkManager:
         self._stepped: set[int] = set()  # offloaded chunks whose CPU step has started this step
         self._model = weakref.ref(model) if model is not None else None
         self._unreduced: set[int] = set()  # persistent chunks whose gradient is this rank's sum only (no_sync)
+        # persistent chunks' all-reduces in flight, landed in their gradient later (`_land_reductions`), so the
+        # backward computes on while the collective runs: (chunk, reduce buffer, work, add into the gradient)
+        self._in_flight: list[tuple[int, torch.Tensor, dist.Work, bool]] = []
         # float16 needs loss scaling, whose overflow check must see every gradient of the step before any update:
         # offloaded updates then start in AdamW.step() instead of during the backward (`skips_nonfinite`)
         self.loss_scaled = self.dtype == torch.float16
@@ -457,6 +460,7 @@ class ChunkManager:
             self.params_with_grad.update(self.index[id(p)] for p in params)
             return
         self.params_with_grad.update(self.index[id(p)] for p in params)
+        self._land_reductions()  # (at most one in flight: the reduce buffer it holds is the next to be taken)
         flat, slot = self._reduce_buffer()
         for p, g in zip(params, grads):
             a, b = self._slot_range(self.slot_of(p))
@@ -470,9 +474,8 @@ class ChunkManager:
                     self._unreduced.discard(chunk)
                     accumulate = False
                 with across_ranks(f"the all-reduce of chunk {chunk}'s gradients"):
-                    dist.all_reduce(flat)
-                flat /= self.world_size
-                self._check_finite([flat])
+                    self._in_flight.append((chunk, flat, dist.all_reduce(flat, async_op=True), accumulate))
+                return
             self.grad[chunk].add_(flat) if accumulate else self.grad[chunk].copy_(flat)
             return
         if self.world_size > 1:
@@ -563,9 +566,23 @@ class ChunkManager:
         """Offloaded chunks whose host update has started this step (reading this step's gradients)."""
         return sorted(self._stepped)
 
+    def _land_reductions(self, *, discard: bool = False) -> None:
+        """Put the persistent chunks' all-reduces in flight into their gradients: the compute stream waits for
+        each (on the device; the CPU goes on). `discard`: wait only (the step's gradients are being dropped)."""
+        for chunk, flat, work, accumulate in self._in_flight:
+            with across_ranks(f"the all-reduce of chunk {chunk}'s gradients"):
+                work.wait()
+            if discard:
+                continue
+            flat /= self.world_size
+            self._check_finite([flat])
+            self.grad[chunk].add_(flat) if accumulate else self.grad[chunk].copy_(flat)
+        self._in_flight.clear()
+
     def finish_reduction(self) -> None:
-        """Before an optimizer step: reduce the persistent gradients still holding this rank's sum (the step's
-        last backward ran inside `no_sync`)."""
+        """Before the gradients are read (an optimizer step, clipping): land the all-reduces in flight, and reduce
+        the persistent gradients still holding this rank's sum (the step's last backward ran inside `no_sync`)."""
+        self._land_reductions()
         for chunk in sorted(self._unreduced):
             with across_ranks(f"the all-reduce of chunk {chunk}'s accumulated gradients"):
                 dist.all_reduce(self.grad[chunk])
@@ -598,6 +615,7 @@ class ChunkManager:
 
     def zero_grad(self) -> None:
         """Forget this step's gradients; the next one overwrites each chunk's fp32 gradient (no memset)."""
+        self._land_reductions(discard=True)
         self.has_grad.clear()
         self.params_with_grad.clear()
         self._unreduced.clear()

@@ -85,6 +85,7 @@ def _gradient_pieces(model: nn.Module, manager) -> _Pieces:
     pieces = _Pieces()
     managed = set()
     if manager is not None:
+        manager.finish_reduction()  # every gradient reduced across ranks
         manager.wait_for_update()  # every gradient copy to the host has landed
         for chunk in sorted(manager.has_grad):
             target = pieces.once if chunk < manager.n_persist else pieces.local
