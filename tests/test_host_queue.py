@@ -49,7 +49,12 @@ def test_a_finished_task_is_not_kept():
     queue.close()
 
 
+def _workers() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "protrain-cpu-adam"}
+
+
 def test_a_dropped_model_frees_its_chunks_and_worker_thread():
+    before = _workers()  # (other tests' models may be alive in this process)
     model = models.build("toy")
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     backend = protrain_fx.ProTrainBackend({"plan": {"n_persist": 1, "n_buffer": 3}})  # (inductor)
@@ -60,9 +65,9 @@ def test_a_dropped_model_frees_its_chunks_and_worker_thread():
         opt.zero_grad()
     model.__dict__[MANAGER_ATTR].wait_for_update()  # (the last step's host updates may still be running)
     manager = weakref.ref(model.__dict__[MANAGER_ATTR])
-    assert any(t.name == "protrain-cpu-adam" for t in threading.enumerate())
+    assert _workers() - before
     del model, opt, compiled, backend
     torch._dynamo.reset()
     gc.collect()
     assert manager() is None
-    assert not any(t.name == "protrain-cpu-adam" for t in threading.enumerate())
+    assert not _workers() - before
