@@ -81,7 +81,7 @@ def test_search_finds_the_brute_force_optimum(seed):
     model = synthetic(seed=seed, n_block=6 + seed, n_chunk=4 + seed)
     for capacity in _capacities(model):
         best, runners_up = search(model, capacity)
-        expected, _ = rank(brute_force(model, capacity), capacity)
+        expected, _ = rank(brute_force(model, capacity), capacity, alpha=model.alpha)
         assert best == expected, capacity
         assert best[2] <= capacity and all(r[2] <= capacity for r in runners_up)
         assert all(r[1] * (1 + TIE_REL) >= best[1] for r in runners_up)  # (ties go to the least rewritten)
@@ -111,6 +111,7 @@ def test_ties_go_to_the_least_rewritten_plan_with_headroom_to_spare():
     assert rank(fits, int(50 / (1 - SAFE_HEADROOM)) - 1)[0] == swapped
     assert rank(fits, 42)[0] == swapped  # (neither leaves SAFE_HEADROOM: the lower peak)
     assert rank(fits, 100)[1] == [swapped, slower]
+    assert rank(fits, 100, alpha=2.0)[0] == swapped  # (headroom is of the reserved bytes: peak times alpha)
 
 
 def test_forced_fields_are_held():

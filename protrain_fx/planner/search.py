@@ -96,16 +96,16 @@ def search(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, An
     if not fits:
         assert smallest is not None, "no configuration to search"
         raise NoPlanFits(smallest[0], smallest[1], capacity_bytes)
-    return rank(fits, capacity_bytes)
+    return rank(fits, capacity_bytes, alpha=model.alpha)
 
 
-def rank(fits: list[tuple[Config, float, int]], capacity_bytes: int | None):
-    """(best, runners-up): the fastest; among ties within TIE_REL the least rewritten plan whose predicted peak
-    leaves SAFE_HEADROOM of `capacity_bytes` free (any, with no capacity), else the lowest peak; then by step
-    time."""
+def rank(fits: list[tuple[Config, float, int]], capacity_bytes: int | None, *, alpha: float = 1.0):
+    """(best, runners-up): the fastest; among ties within TIE_REL the least rewritten plan whose predicted
+    reserved bytes (peak times `alpha`, as `CostModel.reserved_bytes`) leave SAFE_HEADROOM of `capacity_bytes`
+    free (any, with no capacity), else the lowest peak; then by step time."""
     fastest = min(step for _, step, _ in fits)
     ties = [f for f in fits if f[1] <= fastest * (1 + TIE_REL)]
-    safe = [f for f in ties if capacity_bytes is None or f[2] <= (1 - SAFE_HEADROOM) * capacity_bytes]
+    safe = [f for f in ties if capacity_bytes is None or f[2] * alpha <= (1 - SAFE_HEADROOM) * capacity_bytes]
     if safe:
         best = min(safe, key=lambda f: (f[0].n_swap + f[0].n_checkpoint, -f[0].n_persist, f[1], f[2]))
     else:
