@@ -49,7 +49,7 @@ from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PA
 from protrain_fx.planner.cost import Config, CostModel, swap_interval
 from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, Plan
 from protrain_fx.planner.search import NoPlanFits, plan_graph
-from protrain_fx.profiler.hardware import device_capacity, hardware_profile
+from protrain_fx.profiler.hardware import device_capacity, hardware_profile, host_capacity, least_on_every_rank
 from protrain_fx.profiler.interpreter import profile_iteration, profile_on_every_rank
 from protrain_fx.profiler.on_demand import OnDemand, storage_key
 from protrain_fx.profiler.profile import GraphProfile
@@ -196,7 +196,7 @@ class _Guarded:
             replanned = self._replan()
             if not replanned or manager is None or started:
                 why = (
-                    "re-planned for the next step, but this step's weights were partly updated already (offloaded "
+                    "re-planned for the next step, but this step's weights were partly updated already ("
                     f"chunks {started} had started): resume from the last checkpoint"
                     if started
                     else "re-planned for the next step, but only protrain_fx.optim.AdamW can skip this lost step: "
@@ -581,8 +581,14 @@ class _Partitioner(CustomPartitionerFn):
         )
         record.costs = costs
         start = time.perf_counter()
-        record.capacity = self.config.gpu_memory_bytes or device_capacity(device)
-        plan = plan_graph(costs, forced, layout, record.capacity)
+        record.capacity, host = least_on_every_rank(
+            [
+                self.config.gpu_memory_bytes or device_capacity(device),
+                self.config.host_memory_bytes or host_capacity(device),
+            ],
+            device,
+        )
+        plan = plan_graph(costs, forced, layout, record.capacity, host)
         record.seconds["search"] = time.perf_counter() - start
         return plan
 

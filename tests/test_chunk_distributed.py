@@ -170,6 +170,18 @@ def test_optimizer_state_dict_across_ranks():
     _spawn(_state_dict_worker, 2)
 
 
+def _early_updates_worker(rank: int, world: int, port: int, errors):
+    from test_chunk_parity import updates_during_the_backward_equal_updates_in_step
+
+    _gloo_rank(rank, world, port, errors, updates_during_the_backward_equal_updates_in_step)
+
+
+def test_persistent_updates_during_the_backward_across_ranks():
+    """Persistent chunks' updates start as their all-reduce lands (during the backward), offloaded shards' as
+    their reduce-scatter does: the same weights and states as deferring every update to `step()`."""
+    _spawn(_early_updates_worker, 2)
+
+
 def _dying_rank(rank: int, world: int) -> None:
     """Rank 1 dies before its third step; rank 0 fails at its next collective with an error that says so."""
     import time

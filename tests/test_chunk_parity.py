@@ -15,6 +15,7 @@ from helpers import train_steps
 
 import protrain_fx
 from protrain_fx.runtime.adopt import model_manager
+from protrain_fx.runtime.chunks import rank_and_world_size
 
 STEPS = 10
 PLANS = {
@@ -234,3 +235,42 @@ def test_fp32_chunks_under_autocast(plan):
     state = protrain_fx.full_state_dict(model)
     for name, value in ref.state_dict().items():
         assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_persistent_updates_during_the_backward_equal_updates_in_step(device):
+    """From the second step on, a bf16 model's persistent chunks update as soon as their gradient is final (on
+    CUDA on a stream beside the backward), and their parameters take the new fp32 master after the backward.
+    Bitwise the same weights and states as updating everything in `step()`, which clipping forces (its max_norm
+    here never scales a gradient). tests/test_chunk_distributed.py runs it on 2 ranks."""
+    updates_during_the_backward_equal_updates_in_step(device)
+
+
+def updates_during_the_backward_equal_updates_in_step(device: str = "cpu") -> None:
+    def run(clip: bool):
+        model = models.build("llama", seed=0).to(device, torch.bfloat16)
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_persist": 2, "n_buffer": 2}})
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+        started = []
+        for step in range(4):
+            batch = {k: v.to(device) for k, v in models.batch("llama", seed=step).items()}
+            models.loss_of("llama", compiled(**batch)).backward()
+            started.append(model_manager(model).updates_started())
+            if clip:
+                protrain_fx.clip_grad_norm_(model, 1e9)
+            opt.step()
+            opt.zero_grad()
+        return protrain_fx.full_state_dict(model), opt.state_dict(), started
+
+    weights, states, started = run(clip=False)
+    weights_deferred, states_deferred, started_deferred = run(clip=True)
+    # on several ranks the last all-reduce of the backward (chunk 0's) lands in step(), which updates it there
+    early = {0, 1} if rank_and_world_size()[1] == 1 else {1}
+    assert started[0] == [] and all(early <= set(s) for s in started[1:]), started
+    assert all(s == [] for s in started_deferred), started_deferred
+    for name, value in weights_deferred.items():
+        assert torch.equal(weights[name], value), name
+    for i, st in states_deferred["state"].items():
+        for k, v in st.items():
+            assert torch.equal(states["state"][i][k], v), (i, k)

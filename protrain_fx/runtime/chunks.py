@@ -5,7 +5,8 @@ Layout (planner/chunking.py) decides which parameter is where; the plan decides 
 
 - persistent chunks (the first `n_persist`): the chunk's parameters are views of one flat device tensor
   (compute dtype), with an fp32 master copy, an fp32 gradient and AdamW states on the device, updated by
-  torch's fused AdamW in `step()`. Gradients are all-reduced across ranks.
+  torch's fused AdamW as soon as the chunk's gradient is final, on a stream beside the rest of the backward
+  (the parameters take the new master after the backward). Gradients are all-reduced across ranks.
 - non-persistent chunks: each rank holds its shard (fp32 master, fp32 gradient) in one host arena allocated
   once at its exact size (runtime/host.py: pinned with `cudaHostRegister` on CUDA, not the power-of-two host
   allocator; unregistered when the manager is collected). The parameters' own storage is emptied
@@ -158,7 +159,10 @@ class ChunkManager:
         self.params_with_grad: set[int] = set()  # parameters (indices) that got a gradient this step
         self._grad_sources: dict[int, set] = {}  # chunk -> the compiled frames whose backward reduces into it
         self._arrivals: dict[int, int] = {}  # chunk -> gradients reduced into it this step
-        self._stepped: set[int] = set()  # offloaded chunks whose CPU step has started this step
+        self._stepped: set[int] = set()  # chunks whose update has started this step
+        # persistent chunks updated during the backward (`_step_persistent_early`): their fp32 master is new, their
+        # compute-dtype parameters take it at `end_step` (the rest of the backward may still read them)
+        self._early: set[int] = set()
         self._model = weakref.ref(model) if model is not None else None
         self._unreduced: set[int] = set()  # persistent chunks whose gradient is this rank's sum only (no_sync)
         # persistent chunks' all-reduces in flight, landed in their gradient later (`_land_reductions`), so the
@@ -218,12 +222,15 @@ class ChunkManager:
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None  # host-to-device chunk copies
         self._d2h_stream = torch.cuda.Stream(self.device) if cuda else None  # device-to-host gradient copies
+        # persistent chunks' updates during the backward, beside it (memory-bound AdamW next to its matmuls)
+        self._optim_stream = torch.cuda.Stream(self.device) if cuda and self.n_persist else None
         self._freed = [torch.cuda.current_stream(self.device).record_event() for _ in self.buffers] if cuda else []
         self._ready: dict[int, torch.cuda.Event] = {}  # chunk -> its copy into a buffer is done
         self._resident: dict[int, int] = {}  # chunk -> buffer holding it
         self.found_inf = torch.zeros(1, device=self.device)  # 1 once a gradient of this step is not finite
         # found_inf as each offloaded chunk's update started during the backward saw it: the update skips if set
         self._found_host = torch.zeros(n, pin_memory=self.device.type == "cuda")
+        self._found_early = torch.zeros(self.n_persist, device=self.device)  # the same, of persistent chunks
         self._one = torch.ones(1, device=self.device)
         self._in_use: set[int] = set()  # chunks gathered and not released yet
         self._released: list[int] = []  # released chunks still in a buffer, least recent first
@@ -458,6 +465,7 @@ class ChunkManager:
                 written.append(self.grad[chunk][a:b])
             self._check_finite(written)
             self.params_with_grad.update(self.index[id(p)] for p in params)
+            self._step_persistent_early(chunk)
             return
         self.params_with_grad.update(self.index[id(p)] for p in params)
         self._land_reductions()  # (at most one in flight: the reduce buffer it holds is the next to be taken)
@@ -504,8 +512,7 @@ class ChunkManager:
             found.copy_(self.found_inf[0], non_blocking=True)
             if stream is not None:
                 copied = stream.record_event()
-        last = sync and self._arrivals[chunk] >= len(self._grad_sources.get(chunk, ()))
-        last = last and self.optimizer is not None and not self.defer_updates
+        last = self._complete(chunk) and self.optimizer is not None and not self.defer_updates
         update = None
         if last:
             self._stepped.add(chunk)
@@ -527,6 +534,43 @@ class ChunkManager:
                     update()
 
         self._pending[chunk] = self._host.submit(chunk, copied, take_in)
+
+    def _complete(self, chunk: int) -> bool:
+        """Whether the chunk's gradient is final for this step: this is the step's last backward (not inside
+        `no_sync`) and every compiled frame reducing into the chunk has run its backward."""
+        return self.sync_grads and self._arrivals.get(chunk, 0) >= len(self._grad_sources.get(chunk, ()))
+
+    def _step_persistent_early(self, chunk: int) -> None:
+        """Update a persistent chunk as soon as its gradient is final (reduced across ranks), when updates need
+        not wait for `AdamW.step()` (`defer_updates`): on CUDA on the optimizer stream, beside the rest of the
+        backward. Only the fp32 master and states change now; the compute-dtype parameters, which the rest of the
+        backward may still read, take the new master at `end_step`. (An fp32 model's parameters are its master:
+        they update in `AdamW.step()`.) Like an offloaded chunk's update, it skips itself if a gradient of the
+        step so far is inf or NaN."""
+        if (
+            self.optimizer is None
+            or self.defer_updates
+            or self.flat[chunk] is self.master[chunk]
+            or not self._complete(chunk)
+        ):
+            return
+        self._stepped.add(chunk)
+        self._early.add(chunk)
+        found = self._found_early[chunk]
+        found.copy_(self.found_inf[0])  # as of now: later gradients' flags do not reach this update
+        update = self.optimizer.chunk_update(self, chunk, found_inf=found)
+        stream = self._optim_stream
+        if stream is None:
+            update()
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.profiler.record_function("protrain::gpu_adamw_early"):
+            update()
+
+    def _join_early_updates(self) -> None:
+        """The compute stream waits (on the device) for the persistent updates started during the backward."""
+        if self._optim_stream is not None and self._early:
+            torch.cuda.current_stream(self.device).wait_stream(self._optim_stream)
 
     def _reduce_buffer(self) -> tuple[torch.Tensor, int]:
         """The next of REDUCE_BUFFERS fp32 chunk buffers, zeroed, and its index. Before reusing one, the compute
@@ -558,12 +602,13 @@ class ChunkManager:
         return shard
 
     def unstepped(self) -> list[int]:
-        """Offloaded chunks with a gradient this step whose CPU step has not started (a frame reducing into them
-        did not run its backward, or the optimizer was not known yet): `AdamW.step()` steps them."""
-        return sorted(c for c in self.has_grad if c >= self.n_persist and c not in self._stepped)
+        """Chunks with a gradient this step whose update has not started (updates deferred to the step, a frame
+        reducing into them did not run its backward, or the optimizer was not known yet): `AdamW.step()` steps
+        them."""
+        return sorted(self.has_grad - self._stepped)
 
     def updates_started(self) -> list[int]:
-        """Offloaded chunks whose host update has started this step (reading this step's gradients)."""
+        """Chunks whose update has started this step, during the backward (reading this step's gradients)."""
         return sorted(self._stepped)
 
     def _land_reductions(self, *, discard: bool = False) -> None:
@@ -577,6 +622,7 @@ class ChunkManager:
             flat /= self.world_size
             self._check_finite([flat])
             self.grad[chunk].add_(flat) if accumulate else self.grad[chunk].copy_(flat)
+            self._step_persistent_early(chunk)
         self._in_flight.clear()
 
     def finish_reduction(self) -> None:
@@ -599,6 +645,10 @@ class ChunkManager:
     def end_step(self) -> None:
         """After the optimizer step: the next backward starts a new step (gradients still add up until
         zero_grad, as in torch)."""
+        self._join_early_updates()
+        for chunk in sorted(self._early):  # the parameters take the masters updated during the backward
+            self.flat[chunk].copy_(self.master[chunk])
+        self._early.clear()
         self._arrivals.clear()
         self._stepped.clear()
         if self.has_grad:  # (zero_grad before the first backward does not end the first step)
@@ -607,7 +657,10 @@ class ChunkManager:
         self._drop_copied()
 
     def wait_for_update(self, chunk: int | None = None) -> None:
-        """Block until the CPU optimizer step of `chunk` (of every chunk if None) is done."""
+        """Block until the CPU optimizer step of `chunk` (of every chunk if None) is done; a persistent chunk's
+        update during the backward is waited for on the device (the current stream waits for it)."""
+        if chunk is None or chunk < self.n_persist:
+            self._join_early_updates()
         for c in [chunk] if chunk is not None else list(self._pending):
             future = self._pending.pop(c, None)
             if future is not None:
@@ -652,8 +705,9 @@ class ChunkManager:
 
     def publish(self, chunk: int) -> None:
         """After an update: a persistent chunk's parameters take the fp32 master's values; an offloaded chunk's
-        next gather loads the new master (a buffered copy is stale now)."""
-        if chunk < self.n_persist and self.flat[chunk] is not self.master[chunk]:
+        next gather loads the new master (a buffered copy is stale now). A persistent chunk updated during the
+        backward publishes at `end_step` instead."""
+        if chunk < self.n_persist and chunk not in self._early and self.flat[chunk] is not self.master[chunk]:
             self.flat[chunk].copy_(self.master[chunk])
         self._version[chunk] = self._version.get(chunk, 0) + 1
 

@@ -48,7 +48,7 @@ def clip_grad_norm_(
         started = manager.updates_started()
         if started:
             raise RuntimeError(
-                "clip_grad_norm_ came after offloaded chunks had started their optimizer step with unclipped "
+                "clip_grad_norm_ came after chunks had started their optimizer step with unclipped "
                 f"gradients (chunks {started}): call it in every step, from the first, between backward() and "
                 "optimizer.step(); a model clipped once defers those steps until optimizer.step()"
             )

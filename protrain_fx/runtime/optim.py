@@ -9,12 +9,17 @@ whose gradients are views of the chunk's fp32 gradient, grouped like the outer p
   chunk's gradient is on the host, overlapping the rest of the backward. `step()` does not wait for them:
   each chunk's next gather waits for its own update, so the next forward overlaps the tail of the CPU work.
   Everything that reads the weights or states (`full_state_dict`, `state_dict()`) waits for all of them.
-- Persistent chunks: `step()` runs their update on the GPU.
+- Persistent chunks: the manager runs each chunk's update on the GPU as soon as its gradient is final, on a
+  stream beside the rest of the backward; the compute-dtype parameters take the new fp32 master in `step()`.
+  A float32 model's parameters are its master, which the backward may still read: they update in `step()`.
+- Updates wait for `step()` when the step must see every gradient first: with clipping, float16 loss
+  scaling (or `nonfinite="skip"`), and in the first step.
 - Parameters no manager owns (the model was not compiled with protrain) are updated like
   `torch.optim.AdamW` would, from `param.grad`.
 Hyperparameters are read from the param groups when a chunk's gradient is complete (during the
-backward), so a scheduler's change applies from the next backward on, as with torch's AdamW. `state_dict()` / `load_state_dict()` use torch's AdamW format (per parameter `step`,
-`exp_avg`, `exp_avg_sq`); loaded states are placed when the inner optimizers are built.
+backward), so a scheduler's change applies from the next backward on, as with torch's AdamW.
+`state_dict()` / `load_state_dict()` use torch's AdamW format (per parameter `step`, `exp_avg`,
+`exp_avg_sq`); loaded states are placed when the inner optimizers are built.
 """
 
 from __future__ import annotations
@@ -214,11 +219,9 @@ class AdamW(torch.optim.Optimizer):
         for manager in managers:
             if manager.optimizer is not self:
                 manager.optimizer = self
-            for chunk in manager.unstepped():  # offloaded chunks not started during the backward
-                manager.submit_update(chunk, self.chunk_update(manager, chunk, grad_scale))
-            for chunk in range(manager.n_persist):
-                if chunk in manager.has_grad:
-                    self.chunk_update(manager, chunk, grad_scale)()
+            for chunk in manager.unstepped():  # chunks not started during the backward
+                update = self.chunk_update(manager, chunk, grad_scale)
+                update() if chunk < manager.n_persist else manager.submit_update(chunk, update)
             manager.end_step()
         self._step_plain(grad_scale)
         return loss
