@@ -31,6 +31,9 @@ class ProTrainConfig:
         directly (for debugging and for exact parity checks).
     plan: plan fields to force instead of searching them, as a dict or the path of a plan JSON file.
     gpu_memory_bytes: the GPU capacity the planner may assume (default: the device's free memory).
+    host_memory_bytes: the host memory the planner may assume for this rank's offloaded chunks and swap space
+        (default on CUDA: the host's available memory shared among this machine's ranks; on the CPU, where the
+        "device" is the host, not budgeted).
     dump_dir: where graphs, profiles, maps and plans are written (default: $PROTRAIN_DUMP_DIR, else nothing).
     on_oom: what a CUDA out-of-memory error in a step does (runtime/oom.py): "raise" an error that names the plan
         and what to do, or "replan" under a lower capacity and go on.
@@ -39,6 +42,7 @@ class ProTrainConfig:
     executor: str = "inductor"
     plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     gpu_memory_bytes: int | None = None
+    host_memory_bytes: int | None = None
     dump_dir: str | None = None
     on_oom: str = "raise"
 
@@ -65,14 +69,12 @@ class ProTrainConfig:
             raise ValueError(f"option 'executor' must be one of {list(EXECUTORS)}, got {self.executor!r}")
         if self.on_oom not in ON_OOM:
             raise ValueError(f"option 'on_oom' must be one of {list(ON_OOM)}, got {self.on_oom!r}")
-        if self.gpu_memory_bytes is not None and (
-            isinstance(self.gpu_memory_bytes, bool) or not isinstance(self.gpu_memory_bytes, int)
-        ):
-            raise ValueError(
-                f"option 'gpu_memory_bytes' must be an int number of bytes, got {type(self.gpu_memory_bytes).__name__}"
-            )
-        if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
-            raise ValueError(f"option 'gpu_memory_bytes' must be positive, got {self.gpu_memory_bytes}")
+        for name in ("gpu_memory_bytes", "host_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"option {name!r} must be an int number of bytes, got {type(value).__name__}")
+            if value is not None and value <= 0:
+                raise ValueError(f"option {name!r} must be positive, got {value}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ValueError(f"option 'dump_dir' must be a path, got {type(self.dump_dir).__name__}")
 

@@ -80,3 +80,21 @@ def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
     searched = ("n_persist", "n_buffer", "n_swap", "n_checkpoint", "block_modes", "n_chunk", "chunk_bytes")
     assert all(getattr(plan, f) == (tuple(dumped[f]) if f == "block_modes" else dumped[f]) for f in searched)
     assert plan.runners_up == ()  # every field given: nothing searched
+
+
+def test_the_plan_budgets_host_memory():
+    """Offloaded chunks take host memory (fp32 master, gradient and AdamW states, 16 bytes an element): under a
+    GPU budget that offloads chunks and a host budget (`host_memory_bytes`) too small for them, the error says
+    how much host memory the plans need; with that much, the plan is found."""
+    model, batch = models.build("llama"), models.batch("llama")
+    full = protrain_fx.explain(model, batch, {"executor": "eager"})
+    tight = {"executor": "eager", "gpu_memory_bytes": int(full.predicted_peak_bytes * 0.9)}
+    offloaded = protrain_fx.explain(model, batch, tight)
+    assert offloaded.n_persist < offloaded.n_chunk
+    with pytest.raises(Exception, match=r"no plan fits the host memory: .* need at least .* GiB") as err:
+        protrain_fx.explain(model, batch, {**tight, "host_memory_bytes": 1000})
+    needed = err.value.inner_exception.host_needed  # (torch.compile wraps the backend's NoPlanFits)
+    plan = protrain_fx.explain(model, batch, {**tight, "host_memory_bytes": needed})
+    assert plan.n_persist < plan.n_chunk
+    with pytest.raises(ValueError, match=r"option 'host_memory_bytes' must be positive"):
+        protrain_fx.explain(model, batch, {"host_memory_bytes": 0})

@@ -30,6 +30,7 @@ def test_defaults():
         ({"executor": "tvm"}, r"option 'executor' must be one of \['inductor', 'eager'\]"),
         ({"gpu_memory_bytes": "8GB"}, r"option 'gpu_memory_bytes' must be an int"),
         ({"gpu_memory_bytes": -1}, r"must be positive"),
+        ({"host_memory_bytes": 2.5e9}, r"option 'host_memory_bytes' must be an int"),
         ({"plan": 3}, r"option 'plan' must be a dict"),
         ({"plan": "/nonexistent/plan.json"}, r"not a file"),
     ],

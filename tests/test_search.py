@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import protrain_fx
-from protrain_fx.planner.cost import Config, CostModel, _HostRates, _Segment
+from protrain_fx.planner.cost import HOST_BYTES_PER_ELEMENT, Config, CostModel, _HostRates, _Segment
 from protrain_fx.planner.search import SAFE_HEADROOM, TIE_REL, NoPlanFits, brute_force, plan_graph, rank, search
 from protrain_fx.profiler.hardware import HardwareProfile
 
@@ -129,6 +129,50 @@ def test_nothing_fits_says_what_is_needed():
     with pytest.raises(NoPlanFits, match=r"needs .* GiB.*smaller batch.*more GPUs") as err:
         search(model, least - 1)
     assert err.value.peak_bytes == least
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_search_under_host_memory_finds_the_brute_force_optimum(seed):
+    """With the host budgeted too, the search agrees with brute force, and every plan it returns fits both; the
+    less host memory, the more chunks stay on the GPU (all it can hold, with the least)."""
+    model = synthetic(seed=seed, n_block=6 + seed, n_chunk=4 + seed)
+    capacity = _capacities(model)[3]
+    needs = sorted({model.host_bytes(c) for c, _, _ in brute_force(model, capacity)})  # of plans fitting the GPU
+    persisted = []
+    for host in (None, needs[-1], needs[len(needs) // 2], needs[0]):
+        best, runners_up = search(model, capacity, host_bytes=host)
+        expected, _ = rank(brute_force(model, capacity, host_bytes=host), capacity, alpha=model.alpha)
+        assert best == expected, host
+        assert host is None or all(model.host_bytes(f[0]) <= host for f in (best, *runners_up))
+        persisted.append(best[0].n_persist)
+    assert persisted == sorted(persisted), persisted
+    assert persisted[-1] == max(c.n_persist for c, _, _ in brute_force(model, capacity))
+
+
+def test_nothing_fits_the_host_says_what_is_needed():
+    """Plans that fit the GPU but whose offloaded chunks do not fit the host: an error with the host bytes the
+    least of them needs and what to do, not the GPU's."""
+    model = synthetic()
+    capacity = _capacities(model)[1]  # little GPU memory: most chunks must be offloaded
+    fits_gpu = [c for c, _, _ in brute_force(model, capacity)]
+    least = min(model.host_bytes(c) for c in fits_gpu)
+    with pytest.raises(NoPlanFits, match=r"no plan fits the host memory: .* need at least .* GiB.*more GPUs") as err:
+        search(model, capacity, host_bytes=least - 1)
+    assert err.value.host_needed == least and err.value.host_bytes == least - 1
+    assert search(model, capacity, host_bytes=least)[0][0] in fits_gpu
+
+
+def test_host_memory_of_a_configuration():
+    """Per offloaded chunk its shard's master, gradient and AdamW states (16 bytes an element); a swapped block
+    its saved activations."""
+    model = synthetic(n_chunk=4)
+    shard = model.shard_elems * HOST_BYTES_PER_ELEMENT
+    assert HOST_BYTES_PER_ELEMENT == 16
+    assert model.host_bytes(Config(4, 0, 0, 0)) == 0 and model.host_bytes(Config(1, 2, 0, 0)) == 3 * shard
+    swapped = Config(4, 0, 1, 0)
+    assert model.host_bytes(swapped) == sum(
+        model.block_saved[b] for b, m in enumerate(model.modes(swapped)) if m == "swap"
+    )
 
 
 def test_memory_model_terms():

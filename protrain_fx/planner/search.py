@@ -1,4 +1,5 @@
-"""The search (paper §4.3): the fastest configuration whose predicted peak fits the GPU.
+"""The search (paper §4.3): the fastest configuration whose predicted peak fits the GPU (and whose offloaded
+chunks and swap space fit the host memory).
 
     best, runners_up = search(model, capacity_bytes, forced={"n_swap": 0})
 
@@ -7,7 +8,8 @@ Exhaustive over n_swap, n_checkpoint, n_buffer and n_persist with the paper's pr
   copy behind, so n_swap <= n_block // swap_interval;
 - for fixed activation modes and buffers, memory grows with n_persist, so n_persist is visited upwards and
   the first configuration over capacity ends that row (every later one is larger);
-- configurations over capacity are never timed.
+- configurations over capacity are never timed; nor are those whose host memory (`CostModel.host_bytes`: shrinks
+  as n_persist grows) is over what this rank has.
 Among those that fit, the lowest predicted step time wins. Ties (within TIE_REL) go to the one that rewrites the
 model least (fewest blocks checkpointed or swapped, then most chunks persistent) among those leaving at least
 SAFE_HEADROOM of the capacity free, else to the one with the most headroom. (A swap hidden behind compute is
@@ -36,16 +38,38 @@ N_RUNNERS_UP = 3
 
 
 class NoPlanFits(ValueError):
-    """Even the configuration needing the least memory does not fit the GPU (`peak_bytes`: its reserved bytes)."""
+    """No configuration fits. Either even the one needing the least GPU memory does not fit the GPU (`peak_bytes`:
+    its reserved bytes), or every one that fits the GPU needs more host memory than this rank has (`host_needed`:
+    the least of them, `config`; `host_bytes`: what there is)."""
 
-    def __init__(self, peak_bytes: int, config: Config, capacity_bytes: int):
+    def __init__(
+        self,
+        peak_bytes: int,
+        config: Config,
+        capacity_bytes: int | None,
+        host_needed: int | None = None,
+        host_bytes: int | None = None,
+    ):
         self.peak_bytes, self.config, self.capacity_bytes = peak_bytes, config, capacity_bytes
-        super().__init__(
-            f"no plan fits the GPU: the smallest ({config}) needs {peak_bytes / 2**30:.2f} GiB, the GPU has "
-            f"{capacity_bytes / 2**30:.2f} GiB for it. To make it fit: use a smaller batch or sequence length, "
-            "spread the model over more GPUs (chunks are sharded across ranks), or free GPU memory; a larger "
-            "host memory lets more chunks be offloaded. If the capacity is wrong, set options={'gpu_memory_bytes': ...}."
-        )
+        self.host_needed, self.host_bytes = host_needed, host_bytes
+        if host_needed is None:
+            message = (
+                f"no plan fits the GPU: the smallest ({config}) needs {peak_bytes / 2**30:.2f} GiB, the GPU has "
+                f"{capacity_bytes / 2**30:.2f} GiB for it. To make it fit: use a smaller batch or sequence length, "
+                "spread the model over more GPUs (chunks are sharded across ranks), or free GPU memory; a larger "
+                "host memory lets more chunks be offloaded. If the capacity is wrong, set "
+                "options={'gpu_memory_bytes': ...}."
+            )
+        else:
+            message = (
+                f"no plan fits the host memory: the plans that fit the GPU need at least {host_needed / 2**30:.2f} "
+                f"GiB of it for this rank (the least, {config}, for its offloaded chunks' fp32 master, gradient and "
+                f"AdamW states and its swap space), and there are {host_bytes / 2**30:.2f} GiB. To make it fit: "
+                "spread the model over more GPUs (each rank holds its shard of the offloaded chunks), free host "
+                "memory or use a machine with more, or use a smaller model. If the host capacity is wrong, set "
+                "options={'host_memory_bytes': ...}."
+            )
+        super().__init__(message)
 
 
 def _values(forced: Mapping[str, Any], key: str, values) -> list[int]:
@@ -75,26 +99,39 @@ def candidates(model: CostModel, forced: Mapping[str, Any]):
                 yield row
 
 
-def search(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, Any] | None = None):
-    """The best configuration as (Config, step seconds, peak bytes), and the runners-up likewise.
-    Raises NoPlanFits."""
+def search(
+    model: CostModel,
+    capacity_bytes: int | None,
+    forced: Mapping[str, Any] | None = None,
+    host_bytes: int | None = None,
+):
+    """The best configuration as (Config, step seconds, peak bytes), and the runners-up likewise. `host_bytes`:
+    the host memory this rank has for offloaded chunks and swap space (None: not budgeted). Raises NoPlanFits."""
     forced = dict(forced or {})
     fits: list[tuple[Config, float, int]] = []
     smallest: tuple[int, Config] | None = None
+    least_host: tuple[int, Config] | None = None  # of the configurations that fit the GPU but not the host
     seen: set[Config] = set()
     for row in candidates(model, forced):
-        for config in row:  # n_persist upwards: memory only grows along a row
+        for config in row:  # n_persist upwards: GPU memory only grows along a row, host memory only shrinks
             peak = model.peak_bytes(config)
             reserved = model.reserved_bytes(config, peak)
             if smallest is None or reserved < smallest[0]:
                 smallest = (reserved, config)
             if capacity_bytes is not None and reserved > capacity_bytes:
                 break
+            host = model.host_bytes(config) if host_bytes is not None else 0
+            if host_bytes is not None and host > host_bytes:
+                if least_host is None or host < least_host[0]:
+                    least_host = (host, config)
+                continue
             if config not in seen:
                 seen.add(config)
                 fits.append((config, model.step_s(config), peak))
     if not fits:
         assert smallest is not None, "no configuration to search"
+        if least_host is not None:
+            raise NoPlanFits(smallest[0], least_host[1], capacity_bytes, least_host[0], host_bytes)
         raise NoPlanFits(smallest[0], smallest[1], capacity_bytes)
     return rank(fits, capacity_bytes, alpha=model.alpha)
 
@@ -121,10 +158,16 @@ def rank(fits: list[tuple[Config, float, int]], capacity_bytes: int | None, *, a
     return best, rest[:N_RUNNERS_UP]
 
 
-def brute_force(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, Any] | None = None):
+def brute_force(
+    model: CostModel,
+    capacity_bytes: int | None,
+    forced: Mapping[str, Any] | None = None,
+    host_bytes: int | None = None,
+):
     """Every configuration, no pruning: what `search` must agree with (tests)."""
     forced = dict(forced or {})
     configs = set(itertools.chain.from_iterable(candidates(model, forced)))
+    configs = {c for c in configs if host_bytes is None or model.host_bytes(c) <= host_bytes}
     fits = [(c, model.step_s(c), model.peak_bytes(c)) for c in configs]
     return [f for f in fits if capacity_bytes is None or model.reserved_bytes(f[0], f[2]) <= capacity_bytes]
 
@@ -133,11 +176,16 @@ SEARCHED = tuple(f.name for f in dataclasses.fields(Config))
 
 
 def plan_graph(
-    costs: CostModel, forced: Mapping[str, Any], layout: ChunkLayout | None, capacity_bytes: int | None
+    costs: CostModel,
+    forced: Mapping[str, Any],
+    layout: ChunkLayout | None,
+    capacity_bytes: int | None,
+    host_bytes: int | None = None,
 ) -> Plan:
     """The plan of one graph: the forced fields as given (checked by make_plan), the rest searched, with the
     predictions and the runners-up. Fully forced plans are not searched; one predicted over capacity is kept,
-    with a warning."""
+    with a warning. The host memory (`host_bytes`) is budgeted only where `n_persist` is searched: a forced one
+    is the user's or that of the model's chunks, already built (their host memory is in use, not available)."""
     forced = dict(forced)
     make_plan(costs.n_block, forced, layout, swap_interval=costs.swap_interval)  # the user's fields, checked
     held = {k: forced[k] for k in SEARCHED if k in forced}
@@ -160,7 +208,7 @@ def plan_graph(
                 capacity_bytes / 2**30,
             )
     else:
-        best, runners_up = search(costs, capacity_bytes, held)
+        best, runners_up = search(costs, capacity_bytes, held, host_bytes if "n_persist" not in held else None)
 
     def to_plan(found: tuple[Config, float, int]) -> Plan:
         config, step_s, peak = found

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from protrain_fx.config import default_cache_dir
 from protrain_fx.progress import progress
-from protrain_fx.runtime.chunks import rank_and_world_size
+from protrain_fx.runtime.chunks import across_ranks, rank_and_world_size
 from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.host import available_host_bytes, meminfo_bytes
 from protrain_fx.runtime.host_queue import HostQueue
@@ -382,3 +382,29 @@ def device_capacity(device: torch.device) -> int | None:
     share = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # (newer torch)
     fraction = share(device) if share is not None else 1.0
     return min(capacity, int(fraction * total)) if fraction < 1 else capacity
+
+
+def host_capacity(device: torch.device) -> int | None:
+    """What this rank may take of the host for offloaded chunks and swap space: the host's available memory,
+    shared among this machine's ranks (torchrun's LOCAL_WORLD_SIZE; ranks started otherwise each count all of
+    it). None on the CPU, where the "device" is the host and the planner does not budget it unless told with
+    `host_memory_bytes`."""
+    available = available_host_bytes()
+    if device.type != "cuda" or available is None:
+        return None
+    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def least_on_every_rank(values: list[int | None], device: torch.device) -> list[int | None]:
+    """Each of `values` (capacities in bytes; None: not budgeted) as the least any rank has, so that every rank
+    plans under the same limits."""
+    _, world_size = rank_and_world_size()
+    if world_size == 1:
+        return values
+    unset = torch.iinfo(torch.int64).max
+    with eager():
+        where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        mine = torch.tensor([unset if v is None else v for v in values], dtype=torch.int64, device=where)
+        with across_ranks("the all-reduce of the GPU and host capacities the plan is searched under"):
+            dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+    return [None if v == unset else v for v in mine.tolist()]
