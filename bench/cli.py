@@ -195,6 +195,12 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=sweep)
     p = sub.add_parser("maxsize", parents=[sizes], help="the largest model each system trains (bisection)")
     p.add_argument("--systems", default="protrain-chunks,fsdp2-offload", help=f"from {list(SYSTEMS)}")
+    p.add_argument(
+        "--ladder",
+        default="",
+        help="the sizes to bisect over, as comma-separated HIDDENxBLOCKS entries of the default ladder, e.g. "
+        "4096x32,4096x40 (default: all of it, 1.9B to 78B)",
+    )
     p.add_argument("--out", default="out/maxsize.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=maxsize, steps=3, warmup=0)
     p = sub.add_parser("scaling", parents=[sizes], help="tokens/s on 1, 2, 4 GPUs (torchrun) and the efficiency")

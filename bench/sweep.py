@@ -83,7 +83,7 @@ def scaling(args: argparse.Namespace) -> int:
 def maxsize(args: argparse.Namespace) -> int:
     from bench.cli import _git_commit, parse_systems
 
-    ladder = [_spec(args, *sizes) for sizes in LADDER]
+    ladder = [_spec(args, *sizes) for sizes in ladder_of(args.ladder)]
     report, rows = {"commit": _git_commit(), "systems": {}}, [("system", "largest trained", "params B", "tried")]
     for system in parse_systems(args.systems):
         largest, tried = bisect_largest(ladder, lambda spec, system=system: _trains(system, spec, args))
@@ -97,6 +97,18 @@ def maxsize(args: argparse.Namespace) -> int:
     print(table(rows))
     _write(args, report)
     return 0
+
+
+def ladder_of(entries: str) -> list[tuple[int, int, int, int]]:
+    """The `LADDER` entries named by `--ladder` ("HIDDENxBLOCKS,..."), in ladder order; all of it if empty."""
+    if not entries:
+        return list(LADDER)
+    by_name = {f"{h}x{blocks}": (h, i, heads, blocks) for h, i, heads, blocks in LADDER}
+    unknown = [e for e in entries.split(",") if e not in by_name]
+    if unknown:
+        raise SystemExit(f"--ladder entries {unknown} are not in the ladder; pick from {', '.join(by_name)}")
+    named = set(entries.split(","))
+    return [sizes for name, sizes in by_name.items() if name in named]
 
 
 def bisect_largest(ladder: list, trains) -> tuple[object | None, list[tuple[object, bool]]]:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from bench.sweep import LADDER, _params, _spec, bisect_largest
+from bench.sweep import LADDER, _params, _spec, bisect_largest, ladder_of
 
 
 def test_bisection_finds_the_largest_trainable_size_in_few_tries():
@@ -23,6 +23,13 @@ def test_ladder_grows():
 
     sizes = [_params(_spec(Args, *entry)) for entry in LADDER]
     assert sizes == sorted(sizes) and 1.5e9 < sizes[0] < 2.5e9 and sizes[-1] > 70e9
+
+
+def test_ladder_option_picks_entries_in_ladder_order():
+    assert ladder_of("") == LADDER
+    assert ladder_of("4096x40,4096x32") == [(4096, 11008, 32, 32), (4096, 11008, 32, 40)]
+    with pytest.raises(SystemExit, match=r"\['4096x33'\] are not in the ladder"):
+        ladder_of("4096x32,4096x33")
 
 
 def test_sweep_on_cpu(tmp_path):
