@@ -259,9 +259,14 @@ def updates_during_the_backward_equal_updates_in_step(device: str = "cpu") -> No
             started.append(model_manager(model).updates_started())
             if clip:
                 protrain_fx.clip_grad_norm_(model, 1e9)
+            read_before_step = protrain_fx.full_state_dict(model)
             opt.step()
             opt.zero_grad()
-        return protrain_fx.full_state_dict(model), opt.state_dict(), started
+        weights = protrain_fx.full_state_dict(model)
+        if not clip and rank_and_world_size()[1] == 1:  # every update started in the backward: weights read
+            # between backward and step are the updated ones already, persistent as offloaded
+            assert all(torch.equal(read_before_step[k], v) for k, v in weights.items())
+        return weights, opt.state_dict(), started
 
     weights, states, started = run(clip=False)
     weights_deferred, states_deferred, started_deferred = run(clip=True)

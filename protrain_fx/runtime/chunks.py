@@ -723,8 +723,12 @@ class ChunkManager:
                     yield p, flat[slot.offset : slot.offset + slot.numel].view(p.shape).clone()
 
     def full_values(self, chunk: int) -> torch.Tensor:
-        """The chunk's current parameters, whole, on the host (a collective when sharded)."""
+        """The chunk's current parameters, whole, on the host (a collective when sharded). A persistent chunk
+        updated during this step's backward gives its new master, as an offloaded chunk does."""
         if chunk < self.n_persist:
+            if chunk in self._early:
+                self._join_early_updates()
+                return self.master[chunk].to("cpu", self.dtype)
             return self.flat[chunk].to("cpu")
         if self.world_size == 1:
             return self.master[chunk].to(self.dtype, copy=True)
