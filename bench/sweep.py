@@ -86,11 +86,22 @@ def maxsize(args: argparse.Namespace) -> int:
     ladder = [_spec(args, *sizes) for sizes in ladder_of(args.ladder)]
     report, rows = {"commit": _git_commit(), "systems": {}}, [("system", "largest trained", "params B", "tried")]
     for system in parse_systems(args.systems):
-        largest, tried = bisect_largest(ladder, lambda spec, system=system: _trains(system, spec, args))
+        results: dict[int, dict] = {}  # id(spec) -> its worker's result
+        largest, tried = bisect_largest(
+            ladder, lambda spec, system=system, results=results: _trains(system, spec, args, results)
+        )
         report["systems"][system] = {
             "largest": dataclasses.asdict(largest) if largest else None,
             "params": _params(largest) if largest else None,
-            "tried": [{"spec": dataclasses.asdict(spec), "trains": ok} for spec, ok in tried],
+            "tried": [
+                {
+                    "spec": dataclasses.asdict(spec),
+                    "params": _params(spec),
+                    "trains": ok,
+                    **{k: results[id(spec)].get(k) for k in ("error", "peak_gpu_bytes", "peak_rss_bytes", "plan")},
+                }
+                for spec, ok in tried
+            ],
         }
         size = f"{_params(largest) / 1e9:.1f}" if largest else "-"
         rows.append((system, _describe(largest), size, ", ".join(f"{_describe(s)}: {ok}" for s, ok in tried)))
@@ -127,13 +138,17 @@ def bisect_largest(ladder: list, trains) -> tuple[object | None, list[tuple[obje
     return best, tried
 
 
-def _trains(system: str, spec: ModelSpec, args: argparse.Namespace) -> bool:
+def _trains(system: str, spec: ModelSpec, args: argparse.Namespace, results: dict[int, dict]) -> bool:
+    """Whether `system` trains `spec`; its worker's result goes into `results[id(spec)]`, with the reason as
+    "error" where it did not train (the report keeps both)."""
     from bench.cli import _run_worker
 
     run = argparse.Namespace(**{**vars(args), **dataclasses.asdict(spec), "warmup": 0})
-    result = _run_worker(system, run)
+    result = results[id(spec)] = dict(_run_worker(system, run))
     ok = "error" not in result and all(math.isfinite(x) for x in result.get("losses", [math.nan]))
-    log.info("%s at %s: %s", system, _describe(spec), "trains" if ok else result.get("error", "non-finite loss"))
+    if not ok:
+        result.setdefault("error", "non-finite loss")
+    log.info("%s at %s: %s", system, _describe(spec), "trains" if ok else result["error"])
     return ok
 
 

@@ -32,6 +32,26 @@ def test_ladder_option_picks_entries_in_ladder_order():
         ladder_of("4096x32,4096x33")
 
 
+def test_maxsize_report_keeps_why_a_size_failed(tmp_path, monkeypatch):
+    """The bisection over the named ladder entries, with each worker's outcome faked: the report holds the
+    largest that trained and, for each size tried, whether it trained, why not, and its memory peaks."""
+    import bench.cli
+
+    def fake_worker(system, args, nproc=1):
+        if args.layers > 32:
+            return {"error": "worker exited with code -9"}
+        return {"losses": [10.0, 9.5, 9.0], "peak_gpu_bytes": 1, "peak_rss_bytes": 2, "plan": None}
+
+    monkeypatch.setattr(bench.cli, "_run_worker", fake_worker)
+    out = tmp_path / "maxsize.json"
+    argv = ["maxsize", "--systems", "eager", "--ladder", "4096x26,4096x32,4096x40", "--out", str(out)]
+    assert bench.cli.main(argv) == 0
+    report = json.loads(out.read_text())["systems"]["eager"]
+    assert report["largest"]["layers"] == 32 and report["params"] > 6e9
+    tried = {t["spec"]["layers"]: (t["trains"], t["error"], t["peak_rss_bytes"]) for t in report["tried"]}
+    assert tried == {32: (True, None, 2), 40: (False, "worker exited with code -9", None)}
+
+
 def test_sweep_on_cpu(tmp_path):
     out = tmp_path / "sweep.json"
     tiny = "--hidden 32 --layers 2 --intermediate 64 --heads 4 --vocab 96 --seq 16 --steps 1 --warmup 0 --dtype float32"
