@@ -263,8 +263,8 @@ def updates_during_the_backward_equal_updates_in_step(device: str = "cpu") -> No
             opt.step()
             opt.zero_grad()
         weights = protrain_fx.full_state_dict(model)
-        if not clip and rank_and_world_size()[1] == 1:  # every update started in the backward: weights read
-            # between backward and step are the updated ones already, persistent as offloaded
+        if not clip and rank_and_world_size()[1] == 1:
+            # every update started in the backward, so weights read before step() are the updated ones already
             assert all(torch.equal(read_before_step[k], v) for k, v in weights.items())
         return weights, opt.state_dict(), started
 
