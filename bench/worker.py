@@ -63,6 +63,9 @@ class Result:
     breakdown_s: dict[str, float]  # median forward, backward, optimizer seconds of synchronized steps
     world_size: int  # ranks training together (torchrun); tokens/s and TFLOP/s are their total
     plan: dict | None = None  # protrain: the plan in force (`protrain_fx.plan_of(...).to_json()`, no runners-up)
+    # protrain: the hardware profile its plan was searched with (HardwareProfile.to_json(), from the cache), so a
+    # prediction that misses on one machine can be traced to the figures it read there
+    hardware: dict | None = None
 
 
 def wrap(
@@ -159,6 +162,7 @@ def train(
         breakdown_s=breakdown,
         world_size=world,
         plan=plan_in_force,
+        hardware=_hardware_profile(system, device),
     )
 
 
@@ -198,6 +202,15 @@ def _plan_in_force(system: str, step_model: nn.Module) -> dict | None:
     except ValueError:  # no plan (no graph was planned)
         return None
     return {k: v for k, v in plan.to_json().items() if k != "runners_up"}
+
+
+def _hardware_profile(system: str, device: torch.device) -> dict | None:
+    """The hardware profile protrain planned with (read from its cache: measured by then), None for others."""
+    if not system.startswith("protrain"):
+        return None
+    from protrain_fx.profiler.hardware import hardware_profile
+
+    return hardware_profile(device).to_json()
 
 
 def _recomputed_blocks(system: str, plan: dict | None, model: nn.Module) -> int:

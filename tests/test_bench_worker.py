@@ -25,3 +25,4 @@ def test_recomputed_blocks_count_in_tflops():
     # one of two blocks recomputed: its forward (2 N_block per token) on top of 6 N
     assert result.tflops < result.tflops_recompute < result.tflops * (1 + 1 / 3)
     assert result.plan["n_checkpoint"] == 1 and result.plan["predicted_step_s"] > 0  # the plan is in the report
+    assert result.hardware["device_adam_s_per_param"] > 0  # and the hardware profile it was searched with
