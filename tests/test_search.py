@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import protrain_fx
-from protrain_fx.planner.cost import HOST_BYTES_PER_ELEMENT, Config, CostModel, _HostRates, _Segment
+from protrain_fx.planner.cost import Config, CostModel, _HostRates, _Segment
 from protrain_fx.planner.search import SAFE_HEADROOM, TIE_REL, NoPlanFits, brute_force, plan_graph, rank, search
 from protrain_fx.profiler.hardware import HardwareProfile
+from protrain_fx.runtime.chunks import HOST_BYTES_PER_ELEMENT
 
 GiB = 2**30
 H100_LIKE = HardwareProfile(

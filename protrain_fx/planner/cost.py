@@ -62,13 +62,11 @@ from protrain_fx.planner.plan import interleaved_modes
 from protrain_fx.profiler.fusion import EXTERN
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile
-from protrain_fx.runtime.chunks import REDUCE_BUFFERS
+from protrain_fx.runtime.chunks import HOST_BYTES_PER_ELEMENT, REDUCE_BUFFERS
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per parameter element
 GRAD_BYTES = 4  # fp32 gradient per element
 MASTER_BYTES = 4  # fp32 master per element (none when the parameters are fp32 themselves)
-# an offloaded chunk's shard on the host, per element: fp32 master (kept even for fp32 models), gradient, AdamW states
-HOST_BYTES_PER_ELEMENT = 4 + GRAD_BYTES + ADAM_STATE_BYTES
 
 
 class _HostRates:
@@ -331,9 +329,9 @@ class CostModel:
         return persistent + buffers + landing + reduce
 
     def host_bytes(self, config: Config) -> int:
-        """Host bytes of this rank the configuration needs: per offloaded chunk its shard's fp32 master and
-        gradient (runtime/chunks.py's arena) and the host AdamW's two fp32 states, and the swap space of the
-        swapped blocks' activations (runtime/swap.py)."""
+        """Host bytes of this rank the configuration needs: per offloaded chunk its shard's fp32 master, gradient
+        and host AdamW states (runtime/chunks.py: HOST_BYTES_PER_ELEMENT, what its host check asks for), and the
+        swap space of the swapped blocks' activations (runtime/swap.py)."""
         offloaded = (self.n_chunk - config.n_persist) * self.shard_elems * HOST_BYTES_PER_ELEMENT
         return offloaded + sum(self.saving(b, m) for b, m in enumerate(self.modes(config)) if m == "swap")
 

@@ -120,8 +120,7 @@ def search(
                 smallest = (reserved, config)
             if capacity_bytes is not None and reserved > capacity_bytes:
                 break
-            host = model.host_bytes(config) if host_bytes is not None else 0
-            if host_bytes is not None and host > host_bytes:
+            if host_bytes is not None and (host := model.host_bytes(config)) > host_bytes:
                 if least_host is None or host < least_host[0]:
                     least_host = (host, config)
                 continue

@@ -211,12 +211,7 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
 
 def _everyone(flag: bool, device: torch.device) -> bool:
     """True on every rank when `flag` is true on every rank."""
-    _, world_size = rank_and_world_size()
-    if world_size == 1:
-        return flag
-    value = torch.tensor([0 if flag else 1], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value) == 0
+    return least_on_every_rank([int(flag)], device)[0] == 1
 
 
 def _sync(device: torch.device) -> None:

@@ -52,6 +52,9 @@ LOADED_MASTER_ATTR = "_protrain_loaded_master"
 
 
 REDUCE_BUFFERS = 2  # fp32 chunk buffers gradients are reduced in: one copied to the host while the next fills
+ARENA_BYTES_PER_ELEMENT = 4 + 4  # an offloaded shard's fp32 master (the parameters' only host copy) and gradient
+# all an offloaded shard takes of the host: its arena part and the host AdamW's two fp32 states
+HOST_BYTES_PER_ELEMENT = ARENA_BYTES_PER_ELEMENT + 8
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -201,10 +204,9 @@ class ChunkManager:
             self.master[c] = self.flat[c] if fp32 else torch.zeros(elems, dtype=torch.float32, device=self.device)
             self.grad[c] = torch.zeros(elems, dtype=torch.float32, device=self.device)
         offloaded = list(range(self.n_persist, n))
-        # per offloaded chunk: fp32 master (the parameters' only host copy) and fp32 gradient
-        per_chunk = shard * (4 + 4)
+        per_chunk = shard * ARENA_BYTES_PER_ELEMENT
         check_host_memory(
-            (per_chunk + 8 * shard) * len(offloaded),  # + CPU AdamW's two states
+            shard * HOST_BYTES_PER_ELEMENT * len(offloaded),
             "the offloaded chunks",
             "fp32 master and gradient shards, AdamW states",
             "keep more chunks on the GPU (options={'plan': {'n_persist': ...}}), use more ranks",
@@ -646,9 +648,9 @@ class ChunkManager:
         """After the optimizer step: the next backward starts a new step (gradients still add up until
         zero_grad, as in torch)."""
         self._join_early_updates()
-        for chunk in sorted(self._early):  # the parameters take the masters updated during the backward
-            self.flat[chunk].copy_(self.master[chunk])
-        self._early.clear()
+        early, self._early = sorted(self._early), set()
+        for chunk in early:  # the parameters take the masters updated during the backward
+            self.publish(chunk)
         self._arrivals.clear()
         self._stepped.clear()
         if self.has_grad:  # (zero_grad before the first backward does not end the first step)
