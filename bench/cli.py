@@ -79,7 +79,8 @@ def parse_systems(text: str) -> list[str]:
 def worker(args: argparse.Namespace) -> int:
     spec = ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
     try:
-        run = {name: getattr(args, name) for name in ("batch", "steps", "warmup", "dtype", "seed", "data", "executor")}
+        names = ("batch", "steps", "warmup", "dtype", "seed", "data", "executor", "clip")
+        run = {name: getattr(args, name) for name in names}
         result = train(args.system, spec, plan=json.loads(args.plan), dump_dir=args.dump_dir or None, **run)
     except Exception as e:
         emit({"system": args.system, "error": f"{type(e).__name__}: {e}"})
@@ -124,7 +125,7 @@ def _run_worker(system: str, args: argparse.Namespace, nproc: int = 1) -> dict:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
     cmd = [*(launch if nproc > 1 else [sys.executable, "-m"]), "bench", "worker", "--system", system]
     cmd += ["--dtype", args.dtype, "--plan", args.plan, "--data", args.data, "--executor", args.executor]
-    cmd += ["--dump-dir", args.dump_dir]
+    cmd += ["--dump-dir", args.dump_dir, "--clip", str(args.clip)]
     cmd += [arg for name in flags for arg in (f"--{name}", str(getattr(args, name)))]
     log.info("running %s", shlex.join(cmd))
     proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)  # stderr (tqdm, logs) passes through
@@ -171,6 +172,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     sizes.add_argument(
         "--executor", choices=["inductor", "eager"], default="inductor", help="protrain's executor (default inductor)"
+    )
+    sizes.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="clip the gradient norm to this before each optimizer step (protrain_fx.clip_grad_norm_ or torch's); "
+        "0: no clipping (default)",
     )
     sizes.add_argument("--dump-dir", default="", help="protrain's dump directory (protrain systems; '' for none)")
     sizes.add_argument(

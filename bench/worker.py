@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -66,6 +67,7 @@ class Result:
     # protrain: the hardware profile its plan was searched with (HardwareProfile.to_json(), from the cache), so a
     # prediction that misses on one machine can be traced to the figures it read there
     hardware: dict | None = None
+    clip: float = 0.0  # the gradient norm clipped to before each step (0: none)
 
 
 def wrap(
@@ -98,9 +100,11 @@ def train(
     plan: dict | None = None,
     dump_dir: str | None = None,
     executor: str = "inductor",
+    clip: float = 0.0,
 ) -> Result:
     """Train `warmup + steps` AdamW steps of the model under `system` and measure them. `data`: "random"
-    tokens or byte tokens of real "text" (bench/text.py)."""
+    tokens or byte tokens of real "text" (bench/text.py). `clip` > 0: clip the gradient norm to it between
+    backward and step."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     distributed = system in FSDP2_SYSTEMS or int(os.environ.get("WORLD_SIZE", 1)) > 1  # (torchrun sets it)
@@ -110,6 +114,7 @@ def train(
         params = sum(p.numel() for p in model.parameters())
         log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
         step_model = wrap(model, system, plan, dump_dir, executor)
+        backward = _backward(system, model, clip)
         if data == "text":
             batches = text_batches(spec.seq, batch, warmup + steps, device, seed)
         else:
@@ -123,7 +128,7 @@ def train(
             _sync(device)
             start = time.perf_counter()
             loss = step_model(input_ids=ids, labels=ids).loss
-            loss.backward()
+            backward(loss)
             opt.step()
             opt.zero_grad(set_to_none=True)
             _sync(device)
@@ -131,7 +136,7 @@ def train(
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.4f}", step_s=f"{times[-1]:.3f}")
 
-        breakdown = _breakdown(step_model, opt, batches[-BREAKDOWN_STEPS:], device)
+        breakdown = _breakdown(step_model, opt, batches[-BREAKDOWN_STEPS:], device, backward)
         plan_in_force = _plan_in_force(system, step_model)
         recomputed = _recomputed_blocks(system, plan_in_force, model)
         flops, flops_recompute = step_flops(model, batch * spec.seq, recomputed)
@@ -163,20 +168,40 @@ def train(
         world_size=world,
         plan=plan_in_force,
         hardware=_hardware_profile(system, device),
+        clip=clip,
     )
 
 
 BREAKDOWN_STEPS = 3
 
 
-def _breakdown(step_model: nn.Module, opt, batches: list[torch.Tensor], device: torch.device) -> dict[str, float]:
-    """Median seconds of forward, backward and optimizer over steps synchronized between the phases."""
+def _backward(system: str, model: nn.Module, clip: float):
+    """`backward(loss)`: the backward pass, then, with `clip` > 0, the system's gradient-norm clipping."""
+    if clip <= 0:
+        return lambda loss: loss.backward()
+    if system.startswith("protrain"):
+        import protrain_fx
+
+        clip_grad_norm_ = functools.partial(protrain_fx.clip_grad_norm_, model)
+    else:
+        clip_grad_norm_ = functools.partial(torch.nn.utils.clip_grad_norm_, list(model.parameters()))
+
+    def backward(loss: torch.Tensor) -> None:
+        loss.backward()
+        clip_grad_norm_(clip)
+
+    return backward
+
+
+def _breakdown(step_model: nn.Module, opt, batches: list[torch.Tensor], device: torch.device, backward) -> dict:
+    """Median seconds of forward, backward (with clipping) and optimizer over steps synchronized between the
+    phases."""
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     for ids in batches:
         marks = [_now(device)]
         loss = step_model(input_ids=ids, labels=ids).loss
         marks.append(_now(device))
-        loss.backward()
+        backward(loss)
         marks.append(_now(device))
         opt.step()
         opt.zero_grad(set_to_none=True)

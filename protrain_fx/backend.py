@@ -61,7 +61,7 @@ from protrain_fx.runtime.adopt import (
     plan_fields_of,
     wants_chunks,
 )
-from protrain_fx.runtime.chunks import MANAGER_ATTR, rank_and_world_size
+from protrain_fx.runtime.chunks import MANAGER_ATTR
 from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.monitor import StepMonitor
 from protrain_fx.runtime.oom import Replanning, device_state, first_line
@@ -216,7 +216,7 @@ class _Guarded:
 
     def _replan(self) -> bool:
         """Lower the capacity for a re-plan before the next forward; False when that is not possible."""
-        if rank_and_world_size()[1] > 1 or not self.replanning.lower(self.record.capacity):
+        if not self.replanning.lower(self.record.capacity):
             return False
         self.replanning.due = True
         return True
@@ -450,6 +450,8 @@ class _Partitioner(CustomPartitionerFn):
         )
         record.model = weakref.ref(roots.model) if roots.model is not None else None
         record.manager = weakref.ref(manager) if manager is not None else None
+        if manager is not None and params:  # (the latest plan of the model's graphs decides)
+            manager.n_clip_overlap = record.plan.n_clip_overlap
         if roots.model is not None and params and not self.explain:
             _warn_if_reshaped(roots.model, record, self.example_inputs)
             roots.model.__dict__.setdefault(PLANS_ATTR, []).append((len(params), record.plan))
@@ -529,7 +531,7 @@ class _Partitioner(CustomPartitionerFn):
                 state, cause = device_state(device), first_line(error)
             if device.type == "cuda":  # what the partly built chunks had cached
                 torch.cuda.empty_cache()
-            if rank_and_world_size()[1] > 1 or not replanning.lower(self.record.capacity):
+            if not replanning.lower(self.record.capacity):
                 record = self.record
                 raise replanning.error("chunk building", record.index, record.plan, record.capacity, state, cause)
             self.config = replanning.config

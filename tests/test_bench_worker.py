@@ -26,3 +26,24 @@ def test_recomputed_blocks_count_in_tflops():
     assert result.tflops < result.tflops_recompute < result.tflops * (1 + 1 / 3)
     assert result.plan["n_checkpoint"] == 1 and result.plan["predicted_step_s"] > 0  # the plan is in the report
     assert result.hardware["device_adam_s_per_param"] > 0  # and the hardware profile it was searched with
+
+
+@pytest.mark.filterwarnings("error:.*empty generator")  # (torch warns where it is handed no parameter)
+def test_clipped_runs_train_alike(monkeypatch):
+    """`clip`: each system clips every step with its own function (protrain_fx.clip_grad_norm_ on protrain,
+    torch's on the others), and the losses agree."""
+    import torch
+
+    import protrain_fx
+
+    calls = []
+    for module, name in ((protrain_fx, "clip_grad_norm_"), (torch.nn.utils, "clip_grad_norm_")):
+        clip = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _clip=clip, _name=module.__name__, **k: calls.append(_name) or _clip(*a, **k)
+        )
+    run = {**RUN, "steps": 3}
+    eager, chunks = (train(system, ModelSpec(**TINY), clip=1e-3, **run) for system in ("eager", "protrain-chunks"))
+    steps = len(eager.losses) + 3  # (and the 3 steps of the breakdown)
+    assert calls == ["torch.nn.utils"] * steps + ["protrain_fx"] * steps, calls
+    assert chunks.clip == 1e-3 and chunks.losses == pytest.approx(eager.losses, rel=1e-4)

@@ -210,3 +210,33 @@ def _dying_rank(rank: int, world: int) -> None:
 
 def test_a_dead_rank_stops_the_others_with_a_clear_error():
     spawn_gloo(_dying_rank, 2)
+
+
+def _out_of_memory_on_one_rank(rank: int, world: int) -> None:
+    """Rank 1 runs out of memory in a forward under on_oom="replan": it cannot re-plan alone (rank 0 is inside the
+    step's collectives), so it raises, saying so; rank 0 stops at its next collective with the dead-rank error."""
+    import models
+    from test_oom import FAIL_AT, Inject
+
+    import protrain_fx
+
+    inject = Inject(pytest.MonkeyPatch(), "gather")
+    model = models.build("toy")
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    options = {"executor": "eager", "plan": OFFLOADED, "on_oom": "replan"}
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options))
+    for step in range(FAIL_AT + 2):
+        inject.armed = step == FAIL_AT and rank == 1
+        try:
+            compiled(**models.batch("toy", seed=step)).backward()
+            opt.step()
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            expected = "re-plans a single process only (this is rank 1 of 2" if rank == 1 else "most likely died"
+            assert step == FAIL_AT and expected in str(e), (rank, step, e)
+            return
+        opt.zero_grad()
+    raise AssertionError(f"rank {rank} trained on")
+
+
+def test_out_of_memory_on_one_of_several_ranks_stops_them_all():
+    spawn_gloo(_out_of_memory_on_one_rank, 2)

@@ -20,8 +20,8 @@ PLANS = {"persistent": {}, "offloaded": {"n_persist": 1, "n_buffer": 3}}
 STEPS = 3
 
 
-def _pair(plan):
-    ref = models.build("toy")
+def _pair(plan, device="cpu"):
+    ref = models.build("toy").to(device)
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
@@ -66,7 +66,8 @@ def test_clipping_equals_torch(plan, norm_type, max_norm):
 
 def test_host_updates_overlap_the_backward_unless_clipped():
     """The first step defers the offloaded chunks' host updates to optimizer.step() (a clip_grad_norm_ may come);
-    from the second on, a model never clipped starts them during the backward again, a clipped one defers."""
+    from the second on, a model never clipped starts them during the backward again, one whose last clip
+    scaled its gradients defers."""
     for clip in (False, True):
         _, _, compiled, opt = _pair(PLANS["offloaded"])
         for step in range(3):
@@ -74,10 +75,86 @@ def test_host_updates_overlap_the_backward_unless_clipped():
             started = bool(manager_of(compiled).updates_started())
             assert started == (step > 0 and not clip), (clip, step)
             if clip:
-                protrain_fx.clip_grad_norm_(compiled, 1.0)
+                assert protrain_fx.clip_grad_norm_(compiled, 1.0) > 1.0
             opt.step()
             opt.zero_grad()
         torch._dynamo.reset()
+
+
+# per step, the max_norm of a run whose clip does not apply (1e6) or applies (0.05) in turn; with the first step
+# deferred, the second and third start their host updates during the backward (the third clips, so they are
+# undone and done again in step()), the fourth defers, the fifth starts them during the backward and undoes them
+SPECULATION = [1e6, 1e6, 0.05, 1e6, 0.05]
+SPECULATED = [False, True, True, False, True]
+
+
+def speculative_clipping_equals_deferred(plan: dict, set_undo_reserve, device: str = "cpu") -> None:
+    """Updates started during the backward of a clipped model (the last `n_clip_overlap` offloaded chunks, forced:
+    all of them, and 3), kept, and undone where the clip applies: bitwise the weights, AdamW states and norms of
+    deferring every update to `step()`, and the norms and losses of eager training. Without host room to keep
+    them (`set_undo_reserve(share)` sets the share of the host's memory that must stay available:
+    runtime/chunks.py UNDO_HOST_RESERVE), updates defer."""
+
+    def run(n_clip_overlap: int):
+        ref, ref_opt, compiled, opt = _pair({**plan, "n_clip_overlap": n_clip_overlap}, device)
+        norms, started = [], []
+        for step, max_norm in enumerate(SPECULATION):
+            batch = {k: v.to(device) for k, v in models.batch("toy", seed=step).items()}
+            ref(**batch).backward()
+            loss = compiled(**batch)
+            loss.backward()
+            started.append(manager_of(compiled).updates_started())
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            norm = protrain_fx.clip_grad_norm_(compiled, max_norm)
+            assert (norm > max_norm) == (max_norm < 1), (step, norm)  # the schedule clips where it should
+            assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-5), step
+            norms.append(norm.item())
+            for o in (ref_opt, opt):
+                o.step()
+                o.zero_grad()
+        for step in range(2):  # the losses after: eager training's
+            batch = {k: v.to(device) for k, v in models.batch("toy", seed=10 + step).items()}
+            assert compiled(**batch).item() == pytest.approx(ref(**batch).item(), rel=1e-5)
+        weights, states = protrain_fx.full_state_dict(compiled), opt.state_dict()
+        n_chunk = manager_of(compiled).layout.n_chunk
+        torch._dynamo.reset()
+        return norms, started, weights, states, n_chunk
+
+    set_undo_reserve(0.0)
+    norms, started, weights, states, n_chunk = run(0)
+    assert not any(started), started
+    for n_clip_overlap in (n_chunk - plan["n_persist"], 3):
+        norms_now, started_now, weights_now, states_now, _ = run(n_clip_overlap)
+        last = list(range(n_chunk - n_clip_overlap, n_chunk))  # their gradients arrive first
+        assert started_now == [last if s else [] for s in SPECULATED], (n_clip_overlap, started_now)
+        assert norms_now == norms
+        for name, value in weights.items():
+            assert torch.equal(weights_now[name], value), (n_clip_overlap, name)
+        for i, st in states["state"].items():
+            for k, v in st.items():
+                assert torch.equal(states_now["state"][i][k], v), (n_clip_overlap, i, k)
+    set_undo_reserve(1.0)
+    assert not any(run(3)[1])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_speculative_host_updates_are_undone_where_clipping_applies(monkeypatch, device):
+    speculative_clipping_equals_deferred(
+        PLANS["offloaded"],
+        lambda share: monkeypatch.setattr(protrain_fx.runtime.chunks, "UNDO_HOST_RESERVE", share),
+        device,
+    )
+
+
+def _ranks_speculate(rank: int, world: int) -> None:
+    speculative_clipping_equals_deferred(
+        PLANS["offloaded"], lambda share: setattr(protrain_fx.runtime.chunks, "UNDO_HOST_RESERVE", share)
+    )
+
+
+def test_speculative_host_updates_across_ranks():
+    """The same on two gloo ranks: each rank undoes its own shards' updates, by a coefficient all agree on."""
+    spawn_gloo(_ranks_speculate, 2)
 
 
 def test_clip_errors():

@@ -72,7 +72,7 @@ def test_collective_time_interpolates():
         key={}, h2d_bytes_per_s=1.0, d2h_bytes_per_s=1.0, h2d_concurrent_bytes_per_s=1.0,
         d2h_concurrent_bytes_per_s=1.0, device_bytes_per_s=1.0, kernel_s=0.0,
         device_adam_s_per_param=0.0, host_adam_s_per_param=0.0, host_adam_h2d_s_per_param=0.0,
-        host_adam_d2h_s_per_param=0.0, host_adam_both_s_per_param=0.0,
+        host_adam_d2h_s_per_param=0.0, host_adam_both_s_per_param=0.0, host_undo_s_per_param=0.0,
         device_memory_bytes=0, host_memory_bytes=0,
         collectives={"all_gather": [(100, 1.0), (300, 2.0)]},
     )  # fmt: skip

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import protrain_fx
+from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Config, CostModel, _HostRates, _Segment
 from protrain_fx.planner.search import SAFE_HEADROOM, TIE_REL, NoPlanFits, brute_force, plan_graph, rank, search
 from protrain_fx.profiler.hardware import HardwareProfile
@@ -30,6 +31,7 @@ H100_LIKE = HardwareProfile(
     host_adam_h2d_s_per_param=2e-10,
     host_adam_d2h_s_per_param=2e-10,
     host_adam_both_s_per_param=2e-10,
+    host_undo_s_per_param=1e-10,
     device_memory_bytes=80 * GiB,
     host_memory_bytes=128 * GiB,
     collectives={},
@@ -277,3 +279,36 @@ def test_the_next_forward_waits_for_the_host_optimizer():
     slow, slower = with_host(1e-9), with_host(2e-9)
     assert slow.phases(config)["cpu_optim_wait_s"] > 0
     assert slower.step_s(config) - slow.step_s(config) == pytest.approx(offloaded * 1e-9)
+
+
+def test_clipped_steps_overlap_the_host_updates_where_undoing_them_pays():
+    """With clipping, each offloaded chunk's host update either waits for the backward's end or runs beside it,
+    copying aside what it changes (the last `clipped` chunks, whose gradients arrive first). The copy is host work
+    like the AdamW: while the host nearly keeps up with the backward, overlapping costs little and waiting costs
+    the host's work; where the copy makes the host the bottleneck, fewer chunks overlap. The plan takes the fastest
+    count, and says what a clipped step costs."""
+    model = synthetic()
+    config = Config(n_persist=2, n_buffer=2)
+    offloaded = model.n_chunk - 2
+    chunk = model.chunk_params[2]
+
+    def host(adam, undo):
+        profile = dataclasses.replace(_host_adam(adam, adam, adam, adam), host_undo_s_per_param=undo)
+        return dataclasses.replace(model, hardware=profile)
+
+    backward = model.phases(config)["backward_s"]
+    cheap = host(0.2 * backward / chunk, 0.02 * backward / chunk)
+    costly = host(0.2 * backward / chunk, 0.6 * backward / chunk)
+    assert cheap.step_s(config) <= cheap.step_s(config, clipped=offloaded) < cheap.step_s(config, clipped=0)
+    assert costly.step_s(config, clipped=offloaded) > costly.step_s(config, clipped=0)
+    layout = ChunkLayout(chunk_elems=model.chunk_elems, element_size=2, world_size=1, slots=(), n_chunk=model.n_chunk)
+    forced = {"n_persist": 2, "n_buffer": 2, "n_swap": 0, "n_checkpoint": 0}
+    for costs in (cheap, costly):
+        plan = plan_graph(costs, forced, layout, None)
+        times = [costs.step_s(config, clipped=k) for k in range(offloaded + 1)]
+        assert plan.predicted_clipped_step_s == min(times) == times[plan.n_clip_overlap]
+    chosen = [plan_graph(costs, forced, layout, None).n_clip_overlap for costs in (cheap, costly)]
+    assert chosen[0] > chosen[1] and chosen[0] > 0, chosen
+    assert plan_graph(cheap, {**forced, "n_clip_overlap": 1}, layout, None).n_clip_overlap == 1
+    with pytest.raises(ValueError, match="n_clip_overlap.*exceeds the 4 offloaded chunks"):
+        plan_graph(cheap, {**forced, "n_clip_overlap": 5}, layout, None)

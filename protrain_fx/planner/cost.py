@@ -13,8 +13,9 @@ host's AdamW can run: T_iter = T_fwd + T_bwd + T_gpu_optim + the next forward's 
 steps each offloaded chunk once its gradient has been reduced and copied down (one at a time, the lowest landed
 chunk first, as runtime/host_queue.py does) and the next forward waits where it would load a chunk the host has
 not stepped yet. The host's AdamW is slower while copies run over the link (they share the host's memory
-bandwidth): its rate at each moment is the one measured beside copies running the same ways (`_HostRates`). The
-forward and
+bandwidth): its rate at each moment is the one measured beside copies running the same ways (`_HostRates`).
+With gradient clipping each host update either waits for the end of the backward, or runs as usual while also
+copying aside what it changes (to undo it if the clip applies): `phases(config, clipped=...)`. The forward and
 backward are summed per chunk window as max(compute, communication):
   forward  window i: max(compute of chunk i-1, upload + all-gather of chunk i if not persistent, swap-outs);
   (a swapped block's copies are spread over the swap_interval blocks after it, which they run beside)
@@ -362,9 +363,10 @@ class CostModel:
         rate = hw.d2h_concurrent_bytes_per_s if concurrent else hw.d2h_bytes_per_s
         return reduce, (self.shard_elems * 4 / rate if chunk >= n_persist else 0.0)
 
-    def step_s(self, config: Config) -> float:
-        """Predicted seconds per training step (forward, backward and optimizer) of `config`."""
-        t = self.phases(config)
+    def step_s(self, config: Config, clipped: int | None = None) -> float:
+        """Predicted seconds per training step (forward, backward and optimizer) of `config`; `clipped`: a step
+        with gradient clipping (`phases`)."""
+        t = self.phases(config, clipped)
         if not self.overlap:
             return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_s"]
         return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_wait_s"]
@@ -440,10 +442,13 @@ class CostModel:
             d2h.append((copy_end[i] - copy, copy_end[i]))
         return {"copy_end": copy_end, "end": t, "h2d": h2d, "d2h": d2h}
 
-    def phases(self, config: Config) -> dict[str, float]:
+    def phases(self, config: Config, clipped: int | None = None) -> dict[str, float]:
         """The terms of `step_s`: forward and backward seconds (copies they do not hide included), the optimizer's
         on the device and on the host, and how long the next forward waits for the host's (no optimizer without
-        chunks: it is the user's then)."""
+        chunks: it is the user's then). The offloaded chunks' host updates start as their gradient lands; with
+        `clipped` (a step with gradient clipping, whose last clip did not apply), only the last `clipped` chunks'
+        do, each also copying aside what it changes (to undo it if the clip applies: runtime/chunks.py), and the
+        others' wait for the end of the backward."""
         hw = self.hardware
         if self.n_chunk == 0:
             recompute, swap_out, swap_in = self._block_extras(config)
@@ -473,6 +478,15 @@ class CostModel:
         backward = self._backward_timeline(config, per)
         t_bwd, arrival = backward["end"], backward["copy_end"]  # a chunk's gradient is on the host
         gpu_optim = sum(self.chunk_params[: config.n_persist]) * hw.device_adam_s_per_param
+        # the host work per parameter updated, in units of its AdamW (sharing the memory bandwidth alike)
+        work = [1.0] * n
+        if clipped is not None:
+            undo = hw.host_undo_s_per_param / hw.host_adam_s_per_param if hw.host_adam_s_per_param > 0 else 0.0
+            for c in range(config.n_persist, n):
+                if c < n - clipped:  # (after the persistent chunks' device updates, in step())
+                    arrival[c] = max(arrival[c], t_bwd + gpu_optim)
+                else:
+                    work[c] += undo
         # the host steps offloaded chunks one at a time, each once its gradient is there, the lowest landed one
         # first (runtime/host_queue.py: the next forward needs it first), beside the backward's copies and the
         # next forward's (clock: from the backward's start); the next forward loads a chunk only once it is
@@ -492,7 +506,7 @@ class CostModel:
                 continue
             chunk = min(landed)
             pending.remove(chunk)
-            start, clock = clock, rates.end(clock, self.chunk_params[chunk] / self.world_size)
+            start, clock = clock, rates.end(clock, work[chunk] * self.chunk_params[chunk] / self.world_size)
             busy += clock - start
             wait = max(wait, clock - (nxt + window_start[chunk]))
         return {

@@ -29,7 +29,13 @@ class Plan:
     n_block: int = 0  # transformer blocks found in the graph
     chunk_bytes: int = 0
     block_modes: tuple[str, ...] = ()
+    # with gradient clipping: the offloaded chunks (the last ones, whose gradients arrive first) that still
+    # update during the backward, keeping what they change to undo it where the clip applies (runtime/chunks.py:
+    # ChunkManager.speculates); the others update in optimizer.step(). Searched with the cost model (the copy
+    # costs host memory bandwidth)
+    n_clip_overlap: int = 0
     predicted_step_s: float | None = None
+    predicted_clipped_step_s: float | None = None  # a step with clipping (that does not apply)
     predicted_peak_bytes: int | None = None  # allocated, as torch.cuda.max_memory_allocated counts
     predicted_reserved_bytes: int | None = None  # the peak times the fragmentation α: what must fit the GPU
     runners_up: tuple[Plan, ...] = ()
@@ -58,7 +64,7 @@ def _cell(name: str, value: Any) -> str:
         return "-"
     if name == "block_modes":  # one letter a block: n(one), c(heckpoint), s(wap)
         return "".join(m[0] for m in value) or "-"
-    if name == "predicted_step_s":
+    if name in ("predicted_step_s", "predicted_clipped_step_s"):
         return f"{value * 1e3:.1f} ms"
     if name in ("predicted_peak_bytes", "predicted_reserved_bytes", "chunk_bytes"):
         return f"{value / 2**20:.1f} MiB"
@@ -66,7 +72,7 @@ def _cell(name: str, value: Any) -> str:
 
 
 PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
-CHUNK_FIELDS = ("n_persist", "n_buffer", "n_chunk", "chunk_bytes")
+CHUNK_FIELDS = ("n_persist", "n_buffer", "n_chunk", "chunk_bytes", "n_clip_overlap")
 ACTIVATION_FIELDS = ("n_swap", "n_checkpoint", "block_modes", "swap_interval")
 
 
@@ -102,7 +108,9 @@ def make_plan(
         raise ValueError("options['plan']['swap_interval'] must be at least 1 (blocks)")
     activations = {"block_modes": modes, "n_checkpoint": n_checkpoint, "n_swap": n_swap, "swap_interval": interval}
     if layout is None:
-        chunked = {k: forced[k] for k in ("n_buffer", "n_chunk", "chunk_bytes") if _int_field(forced, k, 0)}
+        chunked = {
+            k: forced[k] for k in ("n_buffer", "n_chunk", "chunk_bytes", "n_clip_overlap") if _int_field(forced, k, 0)
+        }
         if "n_persist" in forced and forced.get("n_chunk", 1) != 0:  # (a replayed unchunked plan has n_chunk 0)
             chunked["n_persist"] = _int_field(forced, "n_persist", 0)
         if chunked:
@@ -117,12 +125,19 @@ def make_plan(
     n_buffer = _int_field(forced, "n_buffer", 0 if n_persist == layout.n_chunk else min(2, layout.n_chunk - n_persist))
     if n_persist < layout.n_chunk and n_buffer < 1:
         raise ValueError("options['plan']['n_buffer'] must be at least 1 when some chunks are not persistent")
+    n_clip_overlap = _int_field(forced, "n_clip_overlap", 0)
+    if n_clip_overlap > layout.n_chunk - n_persist:
+        raise ValueError(
+            f"options['plan']['n_clip_overlap']={n_clip_overlap} exceeds the {layout.n_chunk - n_persist} offloaded "
+            "chunks (n_chunk - n_persist)"
+        )
     return Plan(
         n_persist=n_persist,
         n_buffer=n_buffer,
         n_chunk=layout.n_chunk,
         n_block=n_block,
         chunk_bytes=layout.chunk_bytes,
+        n_clip_overlap=n_clip_overlap,
         **activations,
     )
 

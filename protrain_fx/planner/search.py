@@ -214,10 +214,23 @@ def plan_graph(
         fields = dataclasses.asdict(config)
         if layout is None:
             fields = {k: v for k, v in fields.items() if k not in ("n_persist", "n_buffer")}
+        if layout is not None:  # how many offloaded chunks update during the backward of a clipped step
+            options = (
+                [forced["n_clip_overlap"]]
+                if "n_clip_overlap" in forced
+                else range(layout.n_chunk - config.n_persist + 1)
+            )
+            clipped_s, fields["n_clip_overlap"] = min((costs.step_s(config, clipped=k), k) for k in options)
+        else:
+            clipped_s = step_s
         plan = make_plan(costs.n_block, {**forced, **fields}, layout, swap_interval=costs.swap_interval)
         reserved = costs.reserved_bytes(config, peak)
         return dataclasses.replace(
-            plan, predicted_step_s=step_s, predicted_peak_bytes=peak, predicted_reserved_bytes=reserved
+            plan,
+            predicted_step_s=step_s,
+            predicted_clipped_step_s=clipped_s,
+            predicted_peak_bytes=peak,
+            predicted_reserved_bytes=reserved,
         )
 
     return dataclasses.replace(to_plan(best), runners_up=tuple(to_plan(r) for r in runners_up))

@@ -10,7 +10,8 @@ device's own memory bandwidth and the least time a kernel takes; the
 all-gather, reduce-scatter and all-reduce time by message size for the current world size (none with one
 rank); the fused AdamW time per parameter on the device, and on the host as the chunk runtime runs it (on its
 worker thread, with the link idle and beside copies each way, which share the host's memory bandwidth with
-it); the device's memory (nvidia-ml-py
+it), and copying an offloaded chunk's master and AdamW states aside there (to undo a clipped update); the
+device's memory (nvidia-ml-py
 where available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU
 copies, the CPU AdamW and gloo. With several ranks the measurements are reduced across ranks (slowest rank
 wins), so every rank plans from the same numbers.
@@ -48,7 +49,7 @@ ADAM_PARAMS = 64 * 2**20  # 1 GiB of fp32 state: past the caches, as a model chu
 ADAM_TENSORS = 16  # the host AdamW's parameters, as views of one chunk (per-tensor overhead counted)
 ADAM_STEPS = 3
 HOST_ADAM_STEPS = 5
-METHOD = 2  # how the profile is measured, in the cache key: a profile measured by older code is measured again
+METHOD = 3  # how the profile is measured, in the cache key: a profile measured by older code is measured again
 KERNELS = 1000  # back-to-back tiny kernels timed for the launch floor
 COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
 CPU_COLLECTIVE_BYTES = (2**20, 16 * 2**20)  # gloo on a few cores: larger messages only take long (extrapolated)
@@ -71,6 +72,8 @@ class HardwareProfile:
     host_adam_h2d_s_per_param: float
     host_adam_d2h_s_per_param: float
     host_adam_both_s_per_param: float
+    # keeping what an offloaded chunk's update changes, to undo it (12 bytes copied aside: ChunkManager.speculates)
+    host_undo_s_per_param: float
     device_memory_bytes: int  # total
     host_memory_bytes: int  # available when measured
     collectives: dict[str, list[tuple[int, float]]]  # op -> (message bytes, seconds), ascending; empty for 1 rank
@@ -196,6 +199,7 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
         "kernel_s": kernel,
         "device_adam_s_per_param": device_adam,
         **_host_adam(copies, device),
+        "host_undo_s_per_param": _host_undo_s_per_param(device),
     }
     bar.update()
     measured["device_memory_bytes"] = memory
@@ -301,6 +305,29 @@ def _host_adam_s_per_param(copies: Callable[[], object] | None, device: torch.de
             copies()
             _sync(device)
         done.result()
+    finally:
+        queue.close()
+    return statistics.median(times) / ADAM_PARAMS
+
+
+def _host_undo_s_per_param(device: torch.device) -> float:
+    """Keeping what an offloaded chunk's update changes (its fp32 master and two AdamW states: 12 bytes copied
+    aside, `protrain_fx.optim.AdamW._snapshot`) per parameter, on a HostQueue worker thread as the runtime does it,
+    with the link idle: the median of a few copies of ADAM_PARAMS parameters' worth."""
+    source = torch.ones(3 * ADAM_PARAMS)
+    kept = torch.empty_like(source)
+    times: list[float] = []
+
+    def copies() -> None:
+        kept.copy_(source)  # (the first touches the pages)
+        for _ in range(HOST_ADAM_STEPS):
+            start = time.perf_counter()
+            kept.copy_(source)
+            times.append(time.perf_counter() - start)
+
+    queue = HostQueue("protrain-hardware-undo", spare_core=device.type == "cuda")
+    try:
+        queue.submit(0, None, copies).result()
     finally:
         queue.close()
     return statistics.median(times) / ADAM_PARAMS

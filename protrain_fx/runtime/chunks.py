@@ -40,7 +40,7 @@ from torch import nn
 from protrain_fx.planner.chunking import ChunkLayout, Slot
 from protrain_fx.progress import progress
 from protrain_fx.runtime import ops
-from protrain_fx.runtime.host import check_host_memory, pinned_arena
+from protrain_fx.runtime.host import available_host_bytes, check_host_memory, meminfo_bytes, pinned_arena
 from protrain_fx.runtime.host_queue import HostQueue
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,10 @@ REDUCE_BUFFERS = 2  # fp32 chunk buffers gradients are reduced in: one copied to
 ARENA_BYTES_PER_ELEMENT = 4 + 4  # an offloaded shard's fp32 master (the parameters' only host copy) and gradient
 # all an offloaded shard takes of the host: its arena part and the host AdamW's two fp32 states
 HOST_BYTES_PER_ELEMENT = ARENA_BYTES_PER_ELEMENT + 8
+# a clipped model's host updates during the backward keep each shard's fp32 master and AdamW states as they were
+# (`ChunkManager.speculates`), where that leaves UNDO_HOST_RESERVE of the host's memory available
+UNDO_BYTES_PER_ELEMENT = 4 + 8
+UNDO_HOST_RESERVE = 0.1
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -174,10 +178,20 @@ class ChunkManager:
         # float16 needs loss scaling, whose overflow check must see every gradient of the step before any update:
         # offloaded updates then start in AdamW.step() instead of during the backward (`skips_nonfinite`)
         self.loss_scaled = self.dtype == torch.float16
-        # so does gradient clipping (runtime/clip.py), whose coefficient needs every gradient: a model clipped
-        # once defers from then on, and its first step always defers, before any clip_grad_norm_ call is seen
-        self.clipping = False
+        # gradient clipping (runtime/clip.py), whose coefficient needs every gradient: the norm type of the last
+        # clip_grad_norm_ call (None: never clipped) and whether that call scaled the gradients. A clipped model's
+        # last `n_clip_overlap` offloaded chunks update during the backward while the last clip did not apply,
+        # keeping what the update changes (`speculates`); the others defer to `AdamW.step()`, and all of them while
+        # it did. The first step always defers
+        self.clip_norm_type: float | None = None
+        self.clip_applied = True
+        self.n_clip_overlap = 0  # the plan's (planner/plan.py): the last chunks that may update before a clip
         self._first_step = True
+        self._speculative: set[int] = set()  # offloaded chunks updated this step with what they changed kept
+        self._room_for_undo: bool | None = None  # whether the host can keep that (decided once)
+        # offloaded chunk -> the norm (clip_norm_type) of its gradient shard as it arrived, when the arrival is the
+        # whole gradient of the step: clipping reads these instead of waiting for the copies to the host
+        self._arrival_norms: dict[int, tuple[float, torch.Tensor | None]] = {}  # (None: it arrived in parts)
         # a backward ran out of memory under on_oom="replan" (runtime/oom.py): the step's gradients are ignored
         # until the optimizer step, which skips
         self.step_lost = False
@@ -416,8 +430,38 @@ class ChunkManager:
 
     @property
     def defer_updates(self) -> bool:
-        """Offloaded chunks start their host update in `AdamW.step()`, not as their gradient completes."""
-        return self.skips_nonfinite or self.clipping or self._first_step
+        """Updates start in `AdamW.step()`, not as each chunk's gradient completes (but `speculates`)."""
+        return self.skips_nonfinite or self._first_step or self.clip_norm_type is not None
+
+    def _update_now(self, chunk: int) -> bool:
+        """Whether an offloaded chunk whose gradient is complete starts its host update now."""
+        if self.optimizer is None or self.skips_nonfinite or self._first_step:
+            return False
+        return self.clip_norm_type is None or (chunk >= self.layout.n_chunk - self.n_clip_overlap and self.speculates)
+
+    @property
+    def speculates(self) -> bool:
+        """A clipped model whose last clip did not apply updates its offloaded chunks during the backward as if
+        this one will not either, keeping each chunk's master and AdamW states as they were (`snapshot` of
+        `AdamW.chunk_update`); if it does, `undo_speculative_updates` puts them back and `AdamW.step()` updates
+        again from the clipped gradients. Only the last `n_clip_overlap` chunks, as the plan chose (the copy costs
+        host memory bandwidth: the cost model weighs it against waiting for the clip), where the host has room."""
+        if self.clip_norm_type is None or self.clip_applied or not self.n_clip_overlap:
+            return False
+        if self._room_for_undo is None:
+            needed = UNDO_BYTES_PER_ELEMENT * self.layout.shard_elems * self.n_clip_overlap
+            available, total = available_host_bytes(), meminfo_bytes("MemTotal")
+            self._room_for_undo = available is None or needed <= available - UNDO_HOST_RESERVE * (total or 0)
+            log.info(
+                "clipping: %s (keeping the updated chunks' masters and AdamW states takes %.2f GiB of host memory, "
+                "%s GiB available)",
+                "host updates start during the backward while clipping does not apply"
+                if self._room_for_undo
+                else "host updates wait for optimizer.step()",
+                needed / 2**30,
+                "-" if available is None else f"{available / 2**30:.2f}",
+            )
+        return self._room_for_undo
 
     def _check_finite(self, grads: Sequence[torch.Tensor]) -> None:
         """Set `found_inf` if a gradient (fp32, as reduced across ranks) is inf or NaN: torch's fused check (CUDA
@@ -494,6 +538,9 @@ class ChunkManager:
         else:
             shard = flat
         self._check_finite([shard])  # (a rank's shard holds every rank's contribution to its elements)
+        if self.clip_norm_type is not None:  # (zeros where a parameter got no gradient: the flat buffer was zeroed)
+            norm = None if accumulate else torch.linalg.vector_norm(shard, self.clip_norm_type)
+            self._arrival_norms[chunk] = (self.clip_norm_type, norm)
         self.wait_for_update(chunk)  # the previous gradient copy of this chunk is taken in
         if accumulate:
             self.wait_for_update()  # the one staging shard is free once every pending copy is taken in
@@ -514,12 +561,15 @@ class ChunkManager:
             found.copy_(self.found_inf[0], non_blocking=True)
             if stream is not None:
                 copied = stream.record_event()
-        last = self._complete(chunk) and self.optimizer is not None and not self.defer_updates
+        last = self._complete(chunk) and self._update_now(chunk)
         update = None
         if last:
             self._stepped.add(chunk)
+            speculative = self.clip_norm_type is not None
+            if speculative:
+                self._speculative.add(chunk)
             # hyperparameters and gradients as of now; skipped if a gradient of the step so far is not finite
-            update = self.optimizer.chunk_update(self, chunk, found_inf=found)
+            update = self.optimizer.chunk_update(self, chunk, found_inf=found, snapshot=speculative)
 
         self._drop_copied()
         if shard is flat:
@@ -551,7 +601,7 @@ class ChunkManager:
         step so far is inf or NaN."""
         if (
             self.optimizer is None
-            or self.defer_updates
+            or self.defer_updates  # (clipped: GPU memory is not spent on undoing them, they update in step())
             or self.flat[chunk] is self.master[chunk]
             or not self._complete(chunk)
         ):
@@ -609,9 +659,29 @@ class ChunkManager:
         them."""
         return sorted(self.has_grad - self._stepped)
 
-    def updates_started(self) -> list[int]:
-        """Chunks whose update has started this step, during the backward (reading this step's gradients)."""
-        return sorted(self._stepped)
+    def updates_started(self, *, undoable: bool = True) -> list[int]:
+        """Chunks whose update has started this step, during the backward (reading this step's gradients).
+        `undoable=False` leaves out those `undo_speculative_updates` can put back."""
+        return sorted(self._stepped if undoable else self._stepped - self._speculative)
+
+    def arrival_norms(self, norm_type: float) -> dict[int, torch.Tensor]:
+        """Offloaded chunk -> the `norm_type` norm of this rank's shard of its gradient (a 0-dim tensor on the
+        device), for the chunks whose gradient of this step arrived whole."""
+        return {
+            chunk: norm
+            for chunk, (kind, norm) in self._arrival_norms.items()
+            if kind == norm_type and norm is not None and chunk in self.has_grad
+        }
+
+    def undo_speculative_updates(self) -> None:
+        """Clipping applies after all: the chunks updated during the backward (`speculates`) take back the
+        master and AdamW states they had, and `AdamW.step()` updates them again from the clipped gradients."""
+        self.wait_for_update()
+        for chunk in sorted(self._speculative):
+            self.optimizer.restore(self, chunk)
+            self.publish(chunk)  # (the master changed again: a buffered copy is stale)
+            self._stepped.discard(chunk)
+        self._speculative.clear()
 
     def _land_reductions(self, *, discard: bool = False) -> None:
         """Put the persistent chunks' all-reduces in flight into their gradients: the compute stream waits for
@@ -653,6 +723,8 @@ class ChunkManager:
             self.publish(chunk)
         self._arrivals.clear()
         self._stepped.clear()
+        self._speculative.clear()
+        self._arrival_norms.clear()
         if self.has_grad:  # (zero_grad before the first backward does not end the first step)
             self._first_step = False
         self.found_inf.zero_()

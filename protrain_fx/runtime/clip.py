@@ -6,10 +6,16 @@ after their all-reduce: counted once), offloaded chunks' fp32 shards on the host
 summed over ranks) and the `.grad` of parameters no chunk holds. Only the pieces of parameters that got a
 gradient this step count (a chunk's other slots hold stale values the optimizer never reads).
 
-Clipping scales gradients the optimizer has not read yet, so offloaded chunks cannot start their host update as
-their gradient completes during the backward. A model's first step always defers those updates to
-`AdamW.step()` (`ChunkManager.defer_updates`); a call here marks the model as clipped, and its later steps defer
-too. A model never clipped goes back to overlapping them with the backward after its first step.
+Clipping scales gradients the optimizer has not read yet, while offloaded chunks start their host update as
+their gradient completes during the backward. A model's first step defers those updates to `AdamW.step()`
+(`ChunkManager.defer_updates`), as a clip call may follow. Once the model is clipped, its later steps go by
+the last clip: where it did not apply (the norm was under `max_norm`), the last `n_clip_overlap` offloaded
+chunks (the plan's, searched with the cost model: planner/search.py) start their updates during the backward as
+usual, each keeping the master and AdamW states it changes (`ChunkManager.speculates`); if this clip then
+applies, those chunks take their kept values back and `AdamW.step()` updates them from the clipped gradients.
+The other chunks, and all of them where the last clip applied, wait for `AdamW.step()`. The norms of offloaded
+gradients are taken on the device as they arrive, so a clip that does not apply waits for no host work.
+Persistent chunks of a clipped model update in `AdamW.step()`.
 """
 
 from __future__ import annotations
@@ -45,15 +51,17 @@ def clip_grad_norm_(
                     "float16 gradients carry the loss scale: call scaler.unscale_(optimizer) before "
                     "clip_grad_norm_, as with torch.amp.GradScaler"
                 )
-        started = manager.updates_started()
+        started = manager.updates_started(undoable=False)
         if started:
             raise RuntimeError(
                 "clip_grad_norm_ came after chunks had started their optimizer step with unclipped "
                 f"gradients (chunks {started}): call it in every step, from the first, between backward() and "
-                "optimizer.step(); a model clipped once defers those steps until optimizer.step()"
+                "optimizer.step()"
             )
-        manager.clipping = True
-    pieces = _gradient_pieces(model, manager)
+        manager.clip_norm_type = norm_type
+    known = manager.arrival_norms(norm_type) if manager is not None else {}
+    pieces = _gradient_pieces(model, manager, without=set(known))
+    pieces.local_norms = list(known.values())
     total = _total_norm(pieces, norm_type, manager) / scale  # a norm scales with its vector
     if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(
@@ -61,7 +69,13 @@ def clip_grad_norm_(
             "error_if_nonfinite=False to clip anyway"
         )
     coef = max_norm / (total + 1e-6)
-    if coef < 1:
+    clips = coef < 1
+    if manager is not None:
+        manager.clip_applied = clips
+        if clips:
+            manager.undo_speculative_updates()
+    if clips:
+        pieces = _gradient_pieces(model, manager) if known else pieces
         for tensors in _by_device(pieces.local + pieces.once):
             torch._foreach_mul_(tensors, coef)
     return torch.tensor(total, dtype=torch.float32)
@@ -79,15 +93,18 @@ def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 class _Pieces:
     local: list[torch.Tensor] = dataclasses.field(default_factory=list)  # this rank's part (summed over ranks)
     once: list[torch.Tensor] = dataclasses.field(default_factory=list)  # the same on every rank (counted once)
+    local_norms: list[torch.Tensor] = dataclasses.field(default_factory=list)  # norms of more `local` ones
 
 
-def _gradient_pieces(model: nn.Module, manager) -> _Pieces:
+def _gradient_pieces(model: nn.Module, manager, without: set[int] = frozenset()) -> _Pieces:
+    """Every gradient of the step, but those of the chunks in `without`."""
     pieces = _Pieces()
     managed = set()
     if manager is not None:
         manager.finish_reduction()  # every gradient reduced across ranks
-        manager.wait_for_update()  # every gradient copy to the host has landed
-        for chunk in sorted(manager.has_grad):
+        for chunk in sorted(manager.has_grad - without):
+            if chunk >= manager.n_persist:
+                manager.wait_for_update(chunk)  # its gradient copy to the host has landed
             target = pieces.once if chunk < manager.n_persist else pieces.local
             for i, start, end, _ in manager.param_pieces(chunk):
                 if i in manager.params_with_grad:
@@ -104,16 +121,15 @@ def _gradient_pieces(model: nn.Module, manager) -> _Pieces:
 def _total_norm(pieces: _Pieces, norm_type: float, manager) -> float:
     """The norm over both lists: each rank's `local` pieces combined over ranks, the `once` ones as they are."""
 
-    def partial(tensors: list[torch.Tensor]) -> float:
-        norms = [
-            n.to("cpu", torch.float64) for group in _by_device(tensors) for n in torch._foreach_norm(group, norm_type)
-        ]
+    def partial(tensors: list[torch.Tensor], more: list[torch.Tensor] = ()) -> float:
+        norms = [n for group in _by_device(tensors) for n in torch._foreach_norm(group, norm_type)]
+        norms = [n.to("cpu", torch.float64) for n in [*norms, *more]]
         if not norms:
             return 0.0
         stacked = torch.stack(norms)
         return stacked.max().item() if norm_type == math.inf else stacked.pow(norm_type).sum().item()
 
-    local, once = partial(pieces.local), partial(pieces.once)
+    local, once = partial(pieces.local, pieces.local_norms), partial(pieces.once)
     if manager is not None and manager.world_size > 1:
         t = torch.tensor([local], dtype=torch.float64, device=manager.device)
         with across_ranks("the all-reduce of the gradient norm"):

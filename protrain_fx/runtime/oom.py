@@ -19,7 +19,10 @@ capacity it was planned for, what the device held when it failed, and how to con
 capacity the planner assumes to `SHRINK` of the smaller of the last one and the device's own
 (`device_capacity`); after `MAX_REPLANS` re-plans of one graph the error is raised. A backward cannot be lost
 once an offloaded chunk's host update of that step has started (it changed the weights): that raises too.
-Re-planning is for one process; with several ranks an out-of-memory error on one of them is raised.
+Re-planning is for one process: with several ranks, the others are inside the step's collectives when one runs
+out of memory, and cannot re-plan with it (that would take aborting and rebuilding the process group). There the
+error is raised on that rank, says so, and the others stop at their next collective with the error of a rank
+that died (runtime/chunks.py: `across_ranks`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.profiler.hardware import device_capacity
+from protrain_fx.runtime.chunks import rank_and_world_size
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +99,7 @@ class Replanning:
         """Lower the capacity for the next plan; False when re-planning is off, spent, or has no capacity to
         lower."""
         capacity = self._next_capacity(assumed)
-        if not self.enabled or self.replans >= MAX_REPLANS or capacity is None:
+        if not self.enabled or self.replans >= MAX_REPLANS or capacity is None or rank_and_world_size()[1] > 1:
             return False
         self.replans += 1
         self.config = dataclasses.replace(self.config, gpu_memory_bytes=capacity)
@@ -107,7 +111,15 @@ class Replanning:
         lower = self._next_capacity(assumed)
         advice = "a smaller gpu_memory_bytes" if lower is None else f"options={{'gpu_memory_bytes': {lower}}}"
         advice += " plans for less memory from the start"
-        if self.enabled:
+        rank, world = rank_and_world_size()
+        if self.enabled and world > 1:
+            todo = (
+                f"on_oom='replan' re-plans a single process only (this is rank {rank} of {world}; the others are "
+                f"inside this step's collectives and stop at their next one): restart every rank from the last "
+                f"checkpoint; {advice}, or force more headroom (options={{'plan': {{'n_checkpoint': ..., "
+                "'n_persist': ...}})"
+            )
+        elif self.enabled:
             what = why or f"re-planned {self.replans} times down to {_gib(self.config.gpu_memory_bytes)}"
             todo = (
                 f"{what}; {advice}, or force more headroom (options={{'plan': {{'n_checkpoint': ..., 'n_persist': "

@@ -12,8 +12,11 @@ whose gradients are views of the chunk's fp32 gradient, grouped like the outer p
 - Persistent chunks: the manager runs each chunk's update on the GPU as soon as its gradient is final, on a
   stream beside the rest of the backward; the compute-dtype parameters take the new fp32 master in `step()`.
   A float32 model's parameters are its master, which the backward may still read: they update in `step()`.
-- Updates wait for `step()` when the step must see every gradient first: with clipping, float16 loss
-  scaling (or `nonfinite="skip"`), and in the first step.
+- Updates wait for `step()` when the step must see every gradient first: float16 loss scaling (or
+  `nonfinite="skip"`), and the first step. With clipping, persistent chunks wait, and the plan's last
+  `n_clip_overlap` offloaded chunks update during the backward while the last clip did not apply, keeping a
+  copy of what they change to restore and update again if this one does (`ChunkManager.speculates`); the
+  others wait.
 - Parameters no manager owns (the model was not compiled with protrain) are updated like
   `torch.optim.AdamW` would, from `param.grad`.
 Hyperparameters are read from the param groups when a chunk's gradient is complete (during the
@@ -73,6 +76,9 @@ class AdamW(torch.optim.Optimizer):
         self._inner: dict[tuple[int, int], torch.optim.AdamW | None] = {}
         self._plain: torch.optim.AdamW | None = None
         self._loaded: dict[int, dict] = {}  # id(param) -> state from load_state_dict, not yet placed
+        # (id(manager), chunk) -> what its last update changed, as it was (`_snapshot`): a buffer of its fp32 master
+        # and AdamW states, and each view's `step` (None: it had no state)
+        self._snapshots: dict[tuple[int, int], tuple[torch.Tensor, dict]] = {}
         self._lock = threading.Lock()
         me = weakref.ref(self)
         for group in self.param_groups:
@@ -147,13 +153,20 @@ class AdamW(torch.optim.Optimizer):
             group.update({k: self.param_groups[g][k] for k in _HYPER})
 
     def chunk_update(
-        self, manager, chunk: int, grad_scale: float | None = None, found_inf: torch.Tensor | None = None
+        self,
+        manager,
+        chunk: int,
+        grad_scale: float | None = None,
+        found_inf: torch.Tensor | None = None,
+        *,
+        snapshot: bool = False,
     ) -> Callable[[], None]:
         """The update of one chunk piece as a function to run later (the manager runs it on its worker thread
         for offloaded chunks), with the hyperparameters and the set of parameters with a gradient as of now:
         a scheduler step or zero_grad() before it runs does not change it. `grad_scale`: the loss scale the
         gradients carry, divided out by the fused kernel. `found_inf`: a flag on the piece's device; the fused
-        kernel skips the update (and keeps `step`) when it is set by the time the update runs."""
+        kernel skips the update (and keeps `step`) when it is set by the time the update runs. `snapshot`: keep
+        the master and states as they were, for `restore`."""
         hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
         with_grad = {i for i, _, _, _ in manager.param_pieces(chunk) if i in manager.params_with_grad}
 
@@ -168,10 +181,53 @@ class AdamW(torch.optim.Optimizer):
                         got_grad = manager.index[id(inner.param_of[id(view)])] in with_grad
                         view.grad = inner.grad_of[id(view)] if got_grad else None
                 _set_grad_scale(inner, grad_scale, manager.master[chunk].device, found_inf)
+                if snapshot:
+                    self._snapshot(manager, chunk, inner)
                 inner.step()
             manager.publish(chunk)
 
         return update
+
+    def _snapshot(self, manager, chunk: int, inner: torch.optim.AdamW) -> None:
+        """Copy what an update of the chunk's piece changes (its fp32 master, each view's AdamW states) into a
+        buffer kept for the chunk (12 bytes per element, allocated once)."""
+        master = manager.master[chunk]
+        n = master.numel()
+        key = (id(manager), chunk)
+        kept, _ = self._snapshots.get(key, (None, None))
+        if kept is None or kept.numel() != 3 * n:
+            kept = torch.empty(3 * n, dtype=torch.float32, device=master.device)
+        kept[:n].copy_(master)
+        steps: dict[torch.Tensor, torch.Tensor | None] = {}
+        for view in (v for group in inner.param_groups for v in group["params"]):
+            st = inner.state.get(view)
+            if not st:
+                steps[view] = None  # (never updated: restored by forgetting its state)
+                continue
+            at = view.storage_offset() - master.storage_offset()
+            kept[n + at : n + at + view.numel()].copy_(st["exp_avg"].reshape(-1))
+            kept[2 * n + at : 2 * n + at + view.numel()].copy_(st["exp_avg_sq"].reshape(-1))
+            steps[view] = st["step"].clone()
+        self._snapshots[key] = (kept, steps)
+
+    def restore(self, manager, chunk: int) -> None:
+        """Put back the master and AdamW states `_snapshot` kept before the chunk's last update."""
+        if self._inner.get((id(manager), chunk)) is None:  # (this rank's piece is all padding: nothing changed)
+            return
+        kept, steps = self._snapshots[(id(manager), chunk)]
+        master = manager.master[chunk]
+        n = master.numel()
+        master.copy_(kept[:n])
+        inner = self._inner[(id(manager), chunk)]
+        for view, step in steps.items():
+            if step is None:
+                inner.state.pop(view, None)
+                continue
+            st = inner.state[view]
+            at = view.storage_offset() - master.storage_offset()
+            st["exp_avg"].reshape(-1).copy_(kept[n + at : n + at + view.numel()])
+            st["exp_avg_sq"].reshape(-1).copy_(kept[2 * n + at : 2 * n + at + view.numel()])
+            st["step"].copy_(step)
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float | None = None):
