@@ -5,6 +5,7 @@ Tolerance: the norm sums the same squares in another grouping (per chunk piece i
 norms and clipped gradients agree to fp32 rounding (rtol 1e-5), and so do the losses of the steps after.
 """
 
+import contextlib
 import copy
 import math
 
@@ -88,21 +89,23 @@ SPECULATION = [1e6, 1e6, 0.05, 1e6, 0.05]
 SPECULATED = [False, True, True, False, True]
 
 
-def speculative_clipping_equals_deferred(plan: dict, set_undo_reserve, device: str = "cpu") -> None:
+def speculative_clipping_equals_deferred(plan: dict, set_undo_reserve, device: str = "cpu", micro: int = 1) -> None:
     """Updates started during the backward of a clipped model (the last `n_clip_overlap` offloaded chunks, forced:
     all of them, and 3), kept, and undone where the clip applies: bitwise the weights, AdamW states and norms of
     deferring every update to `step()`, and the norms and losses of eager training. Without host room to keep
     them (`set_undo_reserve(share)` sets the share of the host's memory that must stay available:
-    runtime/chunks.py UNDO_HOST_RESERVE), updates defer."""
+    runtime/chunks.py UNDO_HOST_RESERVE), updates defer. `micro` > 1: each step accumulates that many
+    micro-batches (all but the last inside `protrain_fx.no_sync`), so the chunks' gradients arrive in parts."""
 
     def run(n_clip_overlap: int):
         ref, ref_opt, compiled, opt = _pair({**plan, "n_clip_overlap": n_clip_overlap}, device)
         norms, started = [], []
         for step, max_norm in enumerate(SPECULATION):
-            batch = {k: v.to(device) for k, v in models.batch("toy", seed=step).items()}
-            ref(**batch).backward()
-            loss = compiled(**batch)
-            loss.backward()
+            for i in range(micro):
+                batch = {k: v.to(device) for k, v in models.batch("toy", seed=step * micro + i).items()}
+                ref(**batch).backward()
+                with protrain_fx.no_sync(compiled) if i < micro - 1 else contextlib.nullcontext():
+                    compiled(**batch).backward()
             started.append(manager_of(compiled).updates_started())
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
             norm = protrain_fx.clip_grad_norm_(compiled, max_norm)
@@ -137,12 +140,15 @@ def speculative_clipping_equals_deferred(plan: dict, set_undo_reserve, device: s
     assert not any(run(3)[1])
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_speculative_host_updates_are_undone_where_clipping_applies(monkeypatch, device):
+@pytest.mark.parametrize(
+    "device, micro", [("cpu", 1), ("cpu", 2), pytest.param("cuda", 1, marks=pytest.mark.gpu)], ids=str
+)
+def test_speculative_host_updates_are_undone_where_clipping_applies(monkeypatch, device, micro):
     speculative_clipping_equals_deferred(
         PLANS["offloaded"],
         lambda share: monkeypatch.setattr(protrain_fx.runtime.chunks, "UNDO_HOST_RESERVE", share),
         device,
+        micro,
     )
 
 
