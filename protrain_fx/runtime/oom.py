@@ -115,7 +115,7 @@ class Replanning:
         if self.enabled and world > 1:
             todo = (
                 f"on_oom='replan' re-plans a single process only (this is rank {rank} of {world}; the others are "
-                f"inside this step's collectives and stop at their next one): restart every rank from the last "
+                "inside this step's collectives and stop at their next one): restart every rank from the last "
                 f"checkpoint; {advice}, or force more headroom (options={{'plan': {{'n_checkpoint': ..., "
                 "'n_persist': ...}})"
             )
