@@ -209,19 +209,21 @@ def plan_graph(
     else:
         best, runners_up = search(costs, capacity_bytes, held, host_bytes if "n_persist" not in held else None)
 
-    def to_plan(found: tuple[Config, float, int]) -> Plan:
+    def to_plan(found: tuple[Config, float, int], chosen: bool) -> Plan:
+        """`chosen`: the plan in force, which also gets how a clipped step runs (runners-up are shown, not run)."""
         config, step_s, peak = found
         fields = dataclasses.asdict(config)
         if layout is None:
             fields = {k: v for k, v in fields.items() if k not in ("n_persist", "n_buffer")}
-        if layout is not None:  # how many offloaded chunks update during the backward of a clipped step
+        clipped_s, fields["n_clip_overlap"] = None, 0
+        if chosen and layout is not None:  # how many offloaded chunks update during the backward of a clipped step
             options = (
                 [forced["n_clip_overlap"]]
                 if "n_clip_overlap" in forced
                 else range(layout.n_chunk - config.n_persist + 1)
             )
             clipped_s, fields["n_clip_overlap"] = min((costs.step_s(config, clipped=k), k) for k in options)
-        else:
+        elif chosen:
             clipped_s = step_s
         plan = make_plan(costs.n_block, {**forced, **fields}, layout, swap_interval=costs.swap_interval)
         reserved = costs.reserved_bytes(config, peak)
@@ -233,4 +235,4 @@ def plan_graph(
             predicted_reserved_bytes=reserved,
         )
 
-    return dataclasses.replace(to_plan(best), runners_up=tuple(to_plan(r) for r in runners_up))
+    return dataclasses.replace(to_plan(best, True), runners_up=tuple(to_plan(r, False) for r in runners_up))

@@ -289,48 +289,41 @@ def _host_adam_s_per_param(copies: Callable[[], object] | None, device: torch.de
     for view, grad in zip(views, grads.chunk(ADAM_TENSORS)):
         view.grad = grad
     opt = torch.optim.AdamW(views, lr=1e-3, fused=True)
+    return _on_host_worker(opt.step, device, copies) / ADAM_PARAMS  # (the first step allocates the states)
+
+
+def _host_undo_s_per_param(device: torch.device) -> float:
+    """Keeping what an offloaded chunk's update changes (its fp32 master and two AdamW states: 12 bytes copied
+    aside, `protrain_fx.optim.AdamW._snapshot`) per parameter, on a HostQueue worker thread as the runtime does it,
+    with the link idle."""
+    source = torch.ones(3 * ADAM_PARAMS)
+    kept = torch.empty_like(source)
+    return _on_host_worker(lambda: kept.copy_(source), device) / ADAM_PARAMS  # (the first touches the pages)
+
+
+def _on_host_worker(work: Callable[[], object], device: torch.device, copies: Callable[[], object] | None = None):
+    """The median seconds of HOST_ADAM_STEPS runs of `work` after an untimed first, on a HostQueue worker thread
+    (one core fewer beside a GPU) as the chunk runtime runs host work, while this thread repeats `copies` (pinned
+    copies over the link, waited for) or waits."""
     times: list[float] = []
 
-    def steps() -> None:
-        opt.step()  # the states are allocated in the first step
+    def runs() -> None:
+        work()
         for _ in range(HOST_ADAM_STEPS):
             start = time.perf_counter()
-            opt.step()
+            work()
             times.append(time.perf_counter() - start)
 
-    queue = HostQueue("protrain-hardware-adam", spare_core=gpu)
+    queue = HostQueue("protrain-hardware", spare_core=device.type == "cuda")
     try:
-        done = queue.submit(0, None, steps)
+        done = queue.submit(0, None, runs)
         while copies is not None and not done.done():
             copies()
             _sync(device)
         done.result()
     finally:
         queue.close()
-    return statistics.median(times) / ADAM_PARAMS
-
-
-def _host_undo_s_per_param(device: torch.device) -> float:
-    """Keeping what an offloaded chunk's update changes (its fp32 master and two AdamW states: 12 bytes copied
-    aside, `protrain_fx.optim.AdamW._snapshot`) per parameter, on a HostQueue worker thread as the runtime does it,
-    with the link idle: the median of a few copies of ADAM_PARAMS parameters' worth."""
-    source = torch.ones(3 * ADAM_PARAMS)
-    kept = torch.empty_like(source)
-    times: list[float] = []
-
-    def copies() -> None:
-        kept.copy_(source)  # (the first touches the pages)
-        for _ in range(HOST_ADAM_STEPS):
-            start = time.perf_counter()
-            kept.copy_(source)
-            times.append(time.perf_counter() - start)
-
-    queue = HostQueue("protrain-hardware-undo", spare_core=device.type == "cuda")
-    try:
-        queue.submit(0, None, copies).result()
-    finally:
-        queue.close()
-    return statistics.median(times) / ADAM_PARAMS
+    return statistics.median(times)
 
 
 def _collectives(device: torch.device) -> dict[str, list[tuple[int, float]]]:

@@ -204,9 +204,8 @@ class AdamW(torch.optim.Optimizer):
             if not st:
                 steps[view] = None  # (never updated: restored by forgetting its state)
                 continue
-            at = view.storage_offset() - master.storage_offset()
-            kept[n + at : n + at + view.numel()].copy_(st["exp_avg"].reshape(-1))
-            kept[2 * n + at : 2 * n + at + view.numel()].copy_(st["exp_avg_sq"].reshape(-1))
+            for k, slot in _kept_states(kept, master, view).items():
+                slot.copy_(st[k].reshape(-1))
             steps[view] = st["step"].clone()
         self._snapshots[key] = (kept, steps)
 
@@ -224,9 +223,8 @@ class AdamW(torch.optim.Optimizer):
                 inner.state.pop(view, None)
                 continue
             st = inner.state[view]
-            at = view.storage_offset() - master.storage_offset()
-            st["exp_avg"].reshape(-1).copy_(kept[n + at : n + at + view.numel()])
-            st["exp_avg_sq"].reshape(-1).copy_(kept[2 * n + at : 2 * n + at + view.numel()])
+            for k, slot in _kept_states(kept, master, view).items():
+                st[k].reshape(-1).copy_(slot)
             st["step"].copy_(step)
 
     @torch.no_grad()
@@ -462,6 +460,15 @@ class AdamW(torch.optim.Optimizer):
                         for k in ("exp_avg", "exp_avg_sq")
                     },
                 }
+
+
+def _kept_states(kept: torch.Tensor, master: torch.Tensor, view: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Where `AdamW._snapshot` keeps a view's AdamW states: `kept` holds the master, then each state laid out
+    like the master (12 bytes per element)."""
+    n, at = master.numel(), view.storage_offset() - master.storage_offset()
+    return {
+        k: kept[(i + 1) * n + at : (i + 1) * n + at + view.numel()] for i, k in enumerate(("exp_avg", "exp_avg_sq"))
+    }
 
 
 def _set_grad_scale(
