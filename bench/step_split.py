@@ -5,7 +5,8 @@
 The model is `bench.model`'s LLaMA-style model (`--preset`: 1b, the default, or 5.5b; bf16, batch 8, sequence
 1024), trained with `protrain_fx.optim.AdamW`. Each phase is timed between device synchronizations; `--profile`
 adds a `torch.profiler` table of two more steps, sorted by CPU time; `--trace` profiles two more steps into a
-chrome trace at PATH and prints how much of the copies and of the host AdamW overlaps GPU kernels (`bench.trace`).
+chrome trace at PATH and prints how much of the copies and of the host AdamW overlaps GPU kernels, and per phase
+how long the GPU idled and the rates the copies reached beside each other and the host AdamW (`bench.trace`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import time
 
 import torch
 from torch._C._profiler import _ExperimentalConfig
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import protrain_fx
 from bench.model import PRESETS, build_model
-from bench.trace import format_report, load_events, overlap_report
+from bench.trace import format_phases, format_report, load_events, overlap_report, phase_report
+
+PHASES = ("bench.forward", "bench.backward", "bench.opt_step", "bench.zero_grad")  # annotated for --trace
 
 
 def _synced_clock() -> float:
@@ -48,15 +51,16 @@ def main() -> None:
 
     def step() -> list[float]:
         """Milliseconds of forward, backward, opt.step() and zero_grad(), each between synchronizations."""
-        marks = [_synced_clock()]
-        loss = compiled(input_ids=ids, labels=ids).loss
-        marks.append(_synced_clock())
-        loss.backward()
-        marks.append(_synced_clock())
-        opt.step()
-        marks.append(_synced_clock())
-        opt.zero_grad()
-        marks.append(_synced_clock())
+        marks, loss = [_synced_clock()], None
+
+        def forward() -> None:
+            nonlocal loss
+            loss = compiled(input_ids=ids, labels=ids).loss
+
+        for name, phase in zip(PHASES, (forward, lambda: loss.backward(), opt.step, opt.zero_grad)):
+            with record_function(name):
+                phase()
+                marks.append(_synced_clock())
         return [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
 
     for i in range(args.steps):
@@ -79,7 +83,9 @@ def main() -> None:
             step()
         prof.export_chrome_trace(args.trace)
         print(f"trace of two steps: {args.trace}")
-        print(format_report(overlap_report(load_events(args.trace), args.trace_match)))
+        events = load_events(args.trace)
+        print(format_report(overlap_report(events, args.trace_match)))
+        print(format_phases(phase_report(events, list(PHASES), args.trace_match)))
 
 
 if __name__ == "__main__":

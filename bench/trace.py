@@ -2,6 +2,11 @@
 
 Kineto puts CPU and GPU events on one clock, `ts` and `dur` in microseconds. Events of every GPU in the trace are
 pooled: the analysis assumes a trace of one device.
+
+    overlap_report(events)            # how much of the copies and of the host AdamW runs beside kernels
+    phase_report(events, phases)      # per phase (CPU annotations, e.g. bench.step_split's): how long the GPU
+                                      # idled, and the rate each copy direction reached alone and beside the
+                                      # other direction or the host AdamW
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ def overlap_report(trace_events: list[dict], cpu_name: str = "protrain::cpu_adam
     complete = [e for e in trace_events if e.get("ph") == "X" and "dur" in e]
     kernels = _union(_span(e) for e in complete if e.get("cat") == "kernel")
     report = {"kernel_us": _length(kernels)}
-    for key, direction in (("h2d", "HtoD"), ("d2h", "DtoH")):
+    for key, direction in COPY_DIRECTIONS:
         copies = _union(_span(e) for e in complete if e.get("cat") == "gpu_memcpy" and direction in e.get("name", ""))
         report[f"{key}_us"] = _length(copies)
         report[f"{key}_overlap"] = _fraction(_length(_intersect(copies, kernels)), report[f"{key}_us"])
@@ -48,6 +53,66 @@ def overlap_report(trace_events: list[dict], cpu_name: str = "protrain::cpu_adam
         cpu_name=cpu_name, cpu_events=len(matching), cpu_us=cpu_us, cpu_overlap=_fraction(overlapped_us, cpu_us)
     )
     return report
+
+
+COPY_DIRECTIONS = (("h2d", "HtoD"), ("d2h", "DtoH"))
+
+
+def phase_report(trace_events: list[dict], phases: list[str], cpu_name: str = "protrain::cpu_adamw") -> dict:
+    """Per phase (the spans of the CPU annotations named in `phases`): its length, the time no kernel ran in it,
+    and per copy direction the bytes copied, the time they took and their rate, also split by what ran beside
+    each copy for most of its time: nothing else (`alone`), a copy the other way (`both`), the host work named
+    `cpu_name` (`host`) or both of those (`both+host`). A copy counts in the phase it starts in. Times in
+    microseconds, rates in bytes per second (None where nothing was copied)."""
+    complete = [e for e in trace_events if e.get("ph") == "X" and "dur" in e]
+    kernels = _union(_span(e) for e in complete if e.get("cat") == "kernel")
+    host = _union(_span(e) for e in complete if e.get("cat") in CPU_CATEGORIES and cpu_name in e.get("name", ""))
+    copies = {
+        key: [e for e in complete if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "")]
+        for key, direction in COPY_DIRECTIONS
+    }
+    busy = {key: _union(_span(e) for e in events) for key, events in copies.items()}
+    report = {}
+    for phase in phases:
+        spans = _union(_span(e) for e in complete if e.get("cat") in CPU_CATEGORIES and e.get("name") == phase)
+        row = {"span_us": _length(spans), "idle_us": _length(spans) - _length(_intersect(spans, kernels))}
+        for key, other in (("h2d", "d2h"), ("d2h", "h2d")):
+            mine = [e for e in copies[key] if any(a <= float(e["ts"]) < b for a, b in spans)]
+            split: dict[str, list[float]] = {}
+            for e in mine:
+                span, dur = [_span(e)], float(e["dur"])
+                beside_other = _length(_intersect(span, busy[other])) > dur / 2
+                beside_host = _length(_intersect(span, host)) > dur / 2
+                where = {(False, False): "alone", (True, False): "both", (False, True): "host"}.get(
+                    (beside_other, beside_host), "both+host"
+                )
+                totals = split.setdefault(where, [0.0, 0.0])
+                totals[0] += float(e.get("args", {}).get("bytes", 0))
+                totals[1] += dur
+            nbytes, us = sum(b for b, _ in split.values()), sum(t for _, t in split.values())
+            row[key] = {
+                "bytes": nbytes,
+                "us": us,
+                "bytes_per_s": nbytes / us * 1e6 if us else None,
+                "by_company": {
+                    w: {"bytes": b, "us": t, "bytes_per_s": b / t * 1e6 if t else None} for w, (b, t) in split.items()
+                },
+            }
+        report[phase] = row
+    return report
+
+
+def format_phases(report: dict) -> str:
+    """`phase_report`'s result as a table: ms, GPU idle ms, and GB/s per copy direction and company."""
+    lines = ["phase | ms | GPU idle ms | copies: direction, company, GB copied, ms, GB/s"]
+    for phase, row in report.items():
+        parts = []
+        for key in ("h2d", "d2h"):
+            for where, c in sorted(row[key]["by_company"].items()):
+                rate = "-" if c["bytes_per_s"] is None else f"{c['bytes_per_s'] / 1e9:.1f}"
+                parts.append(f"{key} {where} {c['bytes'] / 1e9:.2f} GB {c['us'] / 1e3:.1f} ms {rate}")
+        lines.append(f"{phase} | {row['span_us'] / 1e3:.1f} | {row['idle_us'] / 1e3:.1f} | {'; '.join(parts) or '-'}")
+    return "\n".join(lines)
 
 
 def format_report(report: dict) -> str:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bench.trace import format_report, load_events, overlap_report
+from bench.trace import format_phases, format_report, load_events, overlap_report, phase_report
 
 
 def _event(cat, name, ts, dur, tid=1):
@@ -60,3 +60,35 @@ def test_load_events_and_format(tmp_path):
     path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": EVENTS}))
     table = format_report(overlap_report(load_events(path)))
     assert "33.3%" in table and "100.0%" in table and "45.5%" in table
+
+
+def _copy(direction, ts, dur, nbytes):
+    event = _event("gpu_memcpy", f"Memcpy {direction} (Pinned -> Device)", ts, dur, tid=9)
+    return {**event, "args": {"bytes": nbytes}}
+
+
+def test_phase_report():
+    events = [
+        _event("user_annotation", "fwd", 0, 100),
+        _event("user_annotation", "bwd", 100, 100),
+        _event("kernel", "gemm", 0, 60, tid=7),  # forward: 40 idle
+        _event("kernel", "gemm", 100, 100, tid=7),  # backward: none idle
+        _copy("DtoH", 10, 20, 2_000),  # alone: 100 bytes/us
+        _copy("DtoH", 40, 20, 1_000),  # beside the H2D copy below for 15 of 20 us: "both"
+        _copy("HtoD", 45, 30, 3_000),  # beside the D2H copy for 15 of 30 us only: alone
+        _copy("DtoH", 150, 10, 500),  # beside the host AdamW: "host"
+        _copy("HtoD", 195, 40, 4_000),  # starts in the backward, ends after it: the backward's
+        _event("user_annotation", "protrain::cpu_adamw", 140, 50, tid=2),
+    ]
+    report = phase_report(events, ["fwd", "bwd", "absent"])
+    fwd, bwd = report["fwd"], report["bwd"]
+    assert (fwd["span_us"], fwd["idle_us"], bwd["idle_us"]) == (100, 40, 0)
+    assert fwd["d2h"]["bytes"] == 3_000 and fwd["d2h"]["us"] == 40
+    assert fwd["d2h"]["by_company"]["alone"]["bytes_per_s"] == pytest.approx(100e6)
+    assert fwd["d2h"]["by_company"]["both"]["bytes_per_s"] == pytest.approx(50e6)
+    assert set(fwd["h2d"]["by_company"]) == {"alone"}
+    assert bwd["d2h"]["by_company"] == {"host": {"bytes": 500, "us": 10, "bytes_per_s": pytest.approx(50e6)}}
+    assert bwd["h2d"]["bytes"] == 4_000
+    assert report["absent"]["span_us"] == 0 and report["absent"]["h2d"]["bytes_per_s"] is None
+    table = format_phases(report)
+    assert table.splitlines()[1].startswith("fwd | 0.1 | 0.0 | h2d alone") and "d2h host" in table

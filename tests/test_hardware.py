@@ -31,6 +31,9 @@ def test_measured_on_cpu_and_cached(small, tmp_path, monkeypatch):
     assert {profile.host_adam_s(up, down) for up in (False, True) for down in (False, True)} == {
         profile.host_adam_s_per_param
     }
+    # nor does the host AdamW slow a copy there
+    assert profile.link_bytes_per_s("h2d", False, True) == profile.h2d_bytes_per_s
+    assert profile.link_bytes_per_s("d2h", True, True) == profile.d2h_concurrent_bytes_per_s
     assert profile.device_memory_bytes > 0 and profile.collectives == {}
     assert profile.key == hardware.cache_key(torch.device("cpu"))
     (written,) = (tmp_path / "hardware").iterdir()
@@ -70,7 +73,8 @@ def test_measured_with_real_tensors_under_a_fake_mode(small, tmp_path, monkeypat
 def test_collective_time_interpolates():
     profile = HardwareProfile(
         key={}, h2d_bytes_per_s=1.0, d2h_bytes_per_s=1.0, h2d_concurrent_bytes_per_s=1.0,
-        d2h_concurrent_bytes_per_s=1.0, device_bytes_per_s=1.0, kernel_s=0.0,
+        d2h_concurrent_bytes_per_s=1.0, h2d_beside_host_bytes_per_s=1.0, d2h_beside_host_bytes_per_s=1.0,
+        both_beside_host_bytes_per_s=1.0, device_bytes_per_s=1.0, kernel_s=0.0,
         device_adam_s_per_param=0.0, host_adam_s_per_param=0.0, host_adam_h2d_s_per_param=0.0,
         host_adam_d2h_s_per_param=0.0, host_adam_both_s_per_param=0.0, host_undo_s_per_param=0.0,
         device_memory_bytes=0, host_memory_bytes=0,

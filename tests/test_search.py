@@ -24,6 +24,9 @@ H100_LIKE = HardwareProfile(
     d2h_bytes_per_s=50e9,
     h2d_concurrent_bytes_per_s=40e9,
     d2h_concurrent_bytes_per_s=40e9,
+    h2d_beside_host_bytes_per_s=40e9,
+    d2h_beside_host_bytes_per_s=50e9,
+    both_beside_host_bytes_per_s=35e9,
     device_bytes_per_s=3e12,
     kernel_s=3e-6,
     device_adam_s_per_param=2e-11,
@@ -212,6 +215,41 @@ def test_gradient_copies_slower_than_the_backward_hold_it_up():
     # three offloaded chunks: the third reduce waits for the first copy; the last copy ends after the compute
     assert slow.phases(config)["backward_s"] > fast.phases(config)["backward_s"] + copy_s / 2
     assert slow.step_s(config) > fast.step_s(config)
+
+
+def _link(model: CostModel, **rates) -> CostModel:
+    """`model` with every link rate the same (`rate`) but those named."""
+    same = dict.fromkeys(
+        ("h2d", "d2h", "h2d_concurrent", "d2h_concurrent", "h2d_beside_host", "d2h_beside_host", "both_beside_host"),
+        rates.pop("rate", 50e9),
+    )
+    fields = {f"{k}_bytes_per_s": v for k, v in {**same, **rates}.items()}
+    return dataclasses.replace(model, hardware=dataclasses.replace(model.hardware, **fields))
+
+
+def test_uploads_run_ahead_as_far_as_the_buffers_allow():
+    """The runtime reaches a chunk's gather ahead of the device, so a chunk uploads as soon as the link and a
+    buffer are free: with a buffer per offloaded chunk every upload runs beside the persistent chunks' compute;
+    with one buffer only the first does, and each later one waits for the chunk before it to be computed."""
+    model = _link(synthetic(n_chunk=6), rate=1e9)
+    load = model.shard_elems * 4 / 1e9  # > any chunk's compute
+    per = model._per_chunk(Config(n_persist=3, n_buffer=3))
+    persistent, offloaded = sum(per["forward"][:3]), per["forward"][3:]
+    many = model.phases(Config(n_persist=3, n_buffer=3))["forward_s"]
+    one = model.phases(Config(n_persist=3, n_buffer=1))["forward_s"]
+    assert many == pytest.approx(max(persistent, 3 * load) + offloaded[-1])
+    assert one == pytest.approx(max(persistent, load) + sum(offloaded) + 2 * load)
+
+
+def test_copies_beside_the_host_optimizer_run_slower():
+    """The host's AdamW shares the host's memory bandwidth with the link: an offloaded plan whose uploads run
+    while the host steps earlier chunks takes longer where the profile measured the link slower beside it. A
+    plan with nothing offloaded has no host work and does not change."""
+    model = synthetic(n_chunk=6)
+    offloaded, persistent = Config(n_persist=2, n_buffer=2), Config(n_persist=6, n_buffer=0)
+    fast, slow = _link(model), _link(model, h2d_beside_host=1e9, both_beside_host=1e9)
+    assert slow.phases(offloaded)["backward_s"] > fast.phases(offloaded)["backward_s"] + model.shard_elems * 4 / 2e9
+    assert slow.step_s(persistent) == fast.step_s(persistent)
 
 
 def test_tiny_model_keeps_everything_on_the_device():

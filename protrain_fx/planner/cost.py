@@ -15,17 +15,25 @@ chunk first, as runtime/host_queue.py does) and the next forward waits where it 
 not stepped yet. The host's AdamW is slower while copies run over the link (they share the host's memory
 bandwidth): its rate at each moment is the one measured beside copies running the same ways (`_HostRates`).
 With gradient clipping each host update either waits for the end of the backward, or runs as usual while also
-copying aside what it changes (to undo it if the clip applies): `phases(config, clipped=...)`. The forward and
-backward are summed per chunk window as max(compute, communication):
-  forward  window i: max(compute of chunk i-1, upload + all-gather of chunk i if not persistent, swap-outs);
-  (a swapped block's copies are spread over the swap_interval blocks after it, which they run beside)
-  backward window i: max(compute + recompute of chunk i, upload + gather of the chunk the backward needs next
-                         unless persistent or still buffered from the forward, swap prefetches);
-  at the end of a chunk's backward window its gradient is reduced, and an offloaded chunk's shard copied to the
-  host: these copies run one at a time on their own stream beside the compute, and the host's AdamW of a chunk
-  starts when its copy ends; an offloaded chunk reduces in one of REDUCE_BUFFERS buffers (runtime/chunks.py),
-  so its reduce waits for the copy of the chunk that used that buffer before;
+copying aside what it changes (to undo it if the clip applies): `phases(config, clipped=...)`. The paper sums the
+forward and backward per chunk as max(compute, communication); the runtime's copies do not keep to chunk windows
+(its graphs reach a chunk's gather ahead of the device, so an upload starts as soon as a buffer frees), so here
+each is laid out chunk by chunk on three lanes, the compute and the link's two ways:
+  forward: a non-persistent chunk's upload (shard up, then the all-gather) starts once the link to the device is
+    free and a buffer is (the chunk loaded n_buffer before it has been computed), and once the host has stepped
+    it; a chunk computes once it is loaded and the chunk before is done, and is done no sooner than the swap-out
+    copies beside it (a swapped block's are spread over the swap_interval blocks after it, its settle point);
+  backward (last chunk first): the last n_buffer non-persistent chunks are still in their buffers; the others
+    upload as in the forward; a chunk computes and recomputes its checkpointed blocks, and is done no sooner than
+    the swap-in copies beside it (prefetched swap_interval blocks ahead, behind the uploads queued so far); then
+    its gradient is reduced, and an offloaded chunk's shard copied to the host: these copies run one at a time
+    on their own stream beside the compute, and the host's AdamW of a chunk starts when its copy ends; an
+    offloaded chunk reduces in one of REDUCE_BUFFERS buffers (runtime/chunks.py), so its reduce waits for the
+    copy of the chunk that used that buffer before;
   with one buffer a chunk's load cannot overlap the compute of the chunk before it (one buffer, in use).
+Each copy runs at the rate measured beside what runs where it starts: copies the other way, the host's AdamW
+(which slows copies to the device by about a fifth), both or neither (`_Link`, from an earlier pass of the
+timelines). On the CPU (no overlap) everything runs in line.
 A node's compute belongs to the chunk of its block (pre-block nodes to the first chunk, post-block ones to the
 last). Without a chunk layout the step is the profiled compute plus recompute.
 
@@ -101,6 +109,61 @@ class _HostRates:
                 return t + params * self.rates[k]
             params -= (until - t) / self.rates[k]
             t, k = until, k + 1
+
+
+def _step_clock(forward: dict, backward: dict, next_forward: float) -> dict[str, list[tuple[float, float]]]:
+    """The (start, end) spans of the copies of the timelines `forward` and `backward` (`CostModel`), per way,
+    on the step's clock: from the backward's start, where the next forward starts at `next_forward`."""
+    return {
+        way: backward[way] + [(next_forward + a, next_forward + b) for a, b in forward[way]] for way in ("h2d", "d2h")
+    }
+
+
+class _Busy:
+    """When something runs: the union of (start, end) spans, asked whether it runs at a moment."""
+
+    def __init__(self, spans: Sequence[tuple[float, float]]):
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        for a, b in sorted(s for s in spans if s[1] > s[0]):
+            if self.ends and a <= self.ends[-1]:
+                self.ends[-1] = max(self.ends[-1], b)
+            else:
+                self.starts.append(a)
+                self.ends.append(b)
+
+    def __contains__(self, t: float) -> bool:
+        i = bisect.bisect_right(self.starts, t) - 1
+        return i >= 0 and t < self.ends[i]
+
+
+class _Link:
+    """Copy times over the host link: each copy runs at the rate measured beside what runs where it starts
+    (HardwareProfile.link_bytes_per_s), as an earlier pass of the step's timelines found it: copies the other
+    way (`forward`, `backward`: those timelines), the host's AdamW (`host`: its busy spans), both or neither;
+    on the step's clock (`_step_clock`). Without an earlier pass every copy runs at the idle rate."""
+
+    def __init__(
+        self,
+        hardware: HardwareProfile,
+        forward: dict | None = None,
+        backward: dict | None = None,
+        host: Sequence[tuple[float, float]] = (),
+        next_forward: float = 0.0,
+    ):
+        self.hardware, self.host, self.next_forward = hardware, _Busy(host), next_forward
+        no_copies = {"h2d": [], "d2h": []}
+        spans = _step_clock(forward or no_copies, backward or no_copies, next_forward)
+        self.busy = {way: _Busy(spans[way]) for way in spans}
+
+    def seconds(self, way: str, nbytes: float, start: float, *, forward: bool = False) -> float:
+        """Seconds to copy `nbytes` to the device (`way` "h2d") or to the host ("d2h"), starting at `start` of the
+        backward, or of the next `forward`."""
+        if not nbytes:
+            return 0.0
+        at = start + self.next_forward if forward else start
+        other = self.busy["d2h" if way == "h2d" else "h2d"]
+        return nbytes / self.hardware.link_bytes_per_s(way, at in other, at in self.host)
 
 
 def swap_interval(
@@ -347,21 +410,19 @@ class CostModel:
 
     # ----- time --------------------------------------------------------------------------------------
 
-    def _load_s(self) -> float:
-        """Bring one non-persistent chunk to the device: its fp32 master shard up, then the all-gather."""
-        hw = self.hardware
-        gather = hw.collective_s("all_gather", self.chunk_elems * self.element_size) if self.world_size > 1 else 0.0
-        return self.shard_elems * 4 / hw.h2d_bytes_per_s + gather
+    def _gather_s(self) -> float:
+        """The all-gather of one non-persistent chunk's parameters (after its shard's upload, on the same stream)."""
+        if self.world_size == 1:
+            return 0.0
+        return self.hardware.collective_s("all_gather", self.chunk_elems * self.element_size)
 
-    def _reduce_s(self, chunk: int, n_persist: int, concurrent: bool) -> tuple[float, float]:
-        """Seconds to reduce a chunk's fp32 gradient across ranks (an all-reduce where it is persistent, every rank
-        keeping all of it; a reduce-scatter to the shards otherwise) and, offloaded, to copy its shard to the host
-        (`concurrent`: while chunk uploads use the link the other way)."""
-        hw = self.hardware
+    def _reduce_s(self, chunk: int, n_persist: int) -> float:
+        """Seconds to reduce a chunk's fp32 gradient across ranks: an all-reduce where it is persistent (every
+        rank keeps all of it), a reduce-scatter to the shards otherwise."""
+        if self.world_size == 1:
+            return 0.0
         op = "all_reduce" if chunk < n_persist else "reduce_scatter"
-        reduce = hw.collective_s(op, self.chunk_elems * 4) if self.world_size > 1 else 0.0
-        rate = hw.d2h_concurrent_bytes_per_s if concurrent else hw.d2h_bytes_per_s
-        return reduce, (self.shard_elems * 4 / rate if chunk >= n_persist else 0.0)
+        return self.hardware.collective_s(op, self.chunk_elems * 4)
 
     def step_s(self, config: Config, clipped: int | None = None) -> float:
         """Predicted seconds per training step (forward, backward and optimizer) of `config`; `clipped`: a step
@@ -371,19 +432,18 @@ class CostModel:
             return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_s"]
         return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_wait_s"]
 
-    def _block_extras(self, config: Config) -> tuple[list[float], list[float], list[float]]:
-        """Per block, seconds of: its recompute (checkpointed), its swap-out and its swap-in copies (swapped)."""
-        modes, hw = self.modes(config), self.hardware
+    def _block_extras(self, config: Config) -> tuple[list[float], list[int]]:
+        """Per block, the seconds of its recompute (checkpointed) and the bytes it swaps (swapped)."""
+        modes = self.modes(config)
         recompute = [self.block_fwd_s[b] if m == "checkpoint" else 0.0 for b, m in enumerate(modes)]
-        swap_out = [self.block_saved[b] / hw.d2h_bytes_per_s if m == "swap" else 0.0 for b, m in enumerate(modes)]
-        swap_in = [self.block_saved[b] / hw.h2d_bytes_per_s if m == "swap" else 0.0 for b, m in enumerate(modes)]
-        return recompute, swap_out, swap_in
+        swapped = [self.block_saved[b] if m == "swap" else 0 for b, m in enumerate(modes)]
+        return recompute, swapped
 
     def _per_chunk(self, config: Config) -> dict[str, list[float]]:
-        """Seconds of each chunk's share of the work: forward and backward compute, recompute, swap-out copies
-        (forward) and swap-in copies (backward)."""
+        """Each chunk's share of the work: seconds of forward and backward compute and of recompute, and bytes of
+        the swap-out copies (forward) and swap-in copies (backward) that run beside it."""
         n = self.n_chunk
-        recompute, swap_out, swap_in = self._block_extras(config)
+        recompute, swapped = self._block_extras(config)
         fwd_c, bwd_c, rec_c, out_c, in_c = ([0.0] * n for _ in range(5))
         fwd_c[0] += self.other_fwd_s[0]
         fwd_c[n - 1] += self.other_fwd_s[1]
@@ -397,108 +457,119 @@ class CostModel:
             # a swapped block's copies run beside the next swap_interval blocks: out after it in the forward (its
             # settle point is k blocks on), in before it in the backward (prefetched k blocks ahead)
             for j in range(1, k + 1):
-                out_c[self.block_chunk[min(b + j, last)]] += swap_out[b] / k
-                in_c[self.block_chunk[min(b + j, last)]] += swap_in[b] / k
+                out_c[self.block_chunk[min(b + j, last)]] += swapped[b] / k
+                in_c[self.block_chunk[min(b + j, last)]] += swapped[b] / k
         return {"forward": fwd_c, "backward": bwd_c, "recompute": rec_c, "swap_out": out_c, "swap_in": in_c}
 
-    def _serial(self, config: Config) -> bool:
-        """One buffer: a chunk loads only once the previous one is released; on the CPU nothing overlaps."""
-        return config.n_buffer == 1 or not self.overlap
+    def _forward_timeline(
+        self, config: Config, per: dict[str, list[float]], link: _Link, ready: Sequence[float] | None = None
+    ) -> dict:
+        """The forward, chunk by chunk, on three lanes: the compute, the copies to the device and those to the
+        host. A non-persistent chunk's upload (its shard up, then the all-gather, on one stream) starts once the
+        link is free, a buffer is (the chunk loaded n_buffer before it has been computed: the graph reaches its
+        gather ahead of the device, so runtime/chunks.py loads as soon as a buffer frees) and, given `ready`
+        (per chunk, seconds from the forward's start), once the host has stepped it. A chunk computes once it is
+        loaded and the chunk before it is done, and is done no sooner than the swap-out copies beside it (their
+        settle waits for them). On the CPU everything runs in line. `per`: `_per_chunk(config)`. Returns the end
+        and the copies' (start, end) each way."""
+        n, persist, gather, shard = self.n_chunk, config.n_persist, self._gather_s(), self.shard_elems * 4
+        t, up, down, h2d, d2h = 0.0, 0.0, 0.0, [], []
+        if not self.overlap:
+            for c in range(n):
+                load = link.seconds("h2d", shard, t, forward=True) + gather if c >= persist else 0.0
+                t += load + per["forward"][c] + link.seconds("d2h", per["swap_out"][c], t, forward=True)
+            return {"end": t, "h2d": h2d, "d2h": d2h}
+        buffers, end, loaded, following = max(1, config.n_buffer), [0.0] * n, {}, persist
+        for c in range(n):
+            while following < n and following - buffers < max(c, persist):  # a buffer is free for it
+                freed = end[following - buffers] if following - buffers >= persist else 0.0
+                start = max(up, freed, ready[following] if ready is not None else 0.0)
+                up = start + link.seconds("h2d", shard, start, forward=True)
+                h2d.append((start, up))
+                up = loaded[following] = up + gather
+                following += 1
+            start = max(t, loaded.get(c, 0.0))
+            t = start + per["forward"][c]
+            if per["swap_out"][c]:
+                begin = max(down, start)
+                down = begin + link.seconds("d2h", per["swap_out"][c], begin, forward=True)
+                d2h.append((begin, down))
+                t = max(t, down)
+            end[c] = t
+        return {"end": t, "h2d": h2d, "d2h": d2h}
 
-    def _backward_timeline(self, config: Config, per: dict[str, list[float]]) -> dict[str, list[float] | float]:
-        """The backward, chunk by chunk (last to first): each chunk's window computes it (and recomputes its
-        checkpointed blocks) beside the load of the chunk needed next, unless that is persistent or still in a
-        buffer from the forward, and its swap-in prefetches. When a chunk's window ends its gradients are
-        reduced; the copies of offloaded shards to the host then run one at a time on their own stream, beside
-        the compute (on the CPU, in line); an offloaded chunk's reduce first waits for the copy out of the
-        buffer it reuses. Returns the end of each chunk's reduce and copy, the backward's compute end, and when
-        copies run to the device and to the host ((start, end) each)."""
-        n, serial = self.n_chunk, self._serial(config)  # `per`: `_per_chunk(config)`
-        load = self._load_s()
-        loads = [
-            0 <= c - 1 and c - 1 >= config.n_persist and c - 1 < n - config.n_buffer for c in range(n)
-        ]  # window c loads chunk c-1
-        concurrent = any(loads)
-        t, copy_end, link_free = 0.0, [0.0] * n, 0.0
+    def _backward_timeline(self, config: Config, per: dict[str, list[float]], link: _Link) -> dict:
+        """The backward, chunk by chunk (last to first), on the same three lanes. The last n_buffer non-persistent
+        chunks are still in their buffers from the forward; each one before them is uploaded once the link is
+        free and a buffer is (the chunk n_buffer before it in this order has been computed). A chunk computes
+        (and recomputes its checkpointed blocks) once it is there and the chunk after it is done, and is done no
+        sooner than the swap-in copies beside it, which queue behind the uploads (runtime/swap.py). When a
+        chunk is done its gradients are reduced; the copies of offloaded shards to the host then run one at a
+        time on their own stream, beside the compute (on the CPU, in line); an offloaded chunk's reduce first
+        waits for the copy out of the buffer it reuses. Returns the end of each chunk's reduce and copy, the
+        backward's compute end, and the copies' (start, end) each way."""
+        n, persist, gather, shard = self.n_chunk, config.n_persist, self._gather_s(), self.shard_elems * 4
+        order = list(reversed(range(persist, n)))  # the non-persistent chunks, in the order the backward needs them
+        buffers = max(1, config.n_buffer)
+        t, up, copy_end, link_free, end, loaded, following = 0.0, 0.0, [0.0] * n, 0.0, [0.0] * n, {}, buffers
         reduced: list[int] = []  # offloaded chunks in the order they took a reduce buffer
         h2d, d2h = [], []
-        for i in reversed(range(-1, n)):
-            comp = per["backward"][i] + per["recompute"][i] if i >= 0 else 0.0
-            comm = (load if i >= 0 and loads[i] else 0.0) + (per["swap_in"][i] if i >= 0 else 0.0)
-            h2d.append((t, t + comm))
-            t += comp + comm if serial else max(comp, comm)
-            if i < 0:
-                continue
-            if i >= config.n_persist:
+        for c in reversed(range(n)):
+            done = n - 1 - c  # chunks done so far; of them non-persistent, all
+            if self.overlap:
+                while following < len(order) and following - buffers < done:  # a buffer is free for it
+                    start = max(up, end[order[following - buffers]])
+                    up = start + link.seconds("h2d", shard, start)
+                    h2d.append((start, up))
+                    up = loaded[order[following]] = up + gather
+                    following += 1
+                start = max(t, loaded.get(c, 0.0))
+                t = start + per["backward"][c] + per["recompute"][c]
+                if per["swap_in"][c]:
+                    begin = max(up, start)
+                    up = begin + link.seconds("h2d", per["swap_in"][c], begin)
+                    h2d.append((begin, up))
+                    t = max(t, up)
+            else:
+                load = link.seconds("h2d", shard, t) + gather if c in order[buffers:] else 0.0
+                t += load + per["backward"][c] + per["recompute"][c] + link.seconds("h2d", per["swap_in"][c], t)
+            end[c] = t
+            if c >= persist:
                 if len(reduced) >= REDUCE_BUFFERS:  # its buffer's last copy must have ended
                     t = max(t, copy_end[reduced[-REDUCE_BUFFERS]])
-                reduced.append(i)
-            reduce, copy = self._reduce_s(i, config.n_persist, concurrent)
+                reduced.append(c)
+            begin = (max(t, link_free) if self.overlap else t) + self._reduce_s(c, persist)
+            copy = link.seconds("d2h", shard, begin) if c >= persist else 0.0
+            copy_end[c] = begin + copy
             if self.overlap:
-                copy_end[i] = link_free = max(t, link_free) + reduce + copy
+                link_free = copy_end[c]
             else:
-                t += reduce + copy
-                copy_end[i] = t
-            d2h.append((copy_end[i] - copy, copy_end[i]))
+                t = copy_end[c]
+            d2h.append((begin, copy_end[c]))
         return {"copy_end": copy_end, "end": t, "h2d": h2d, "d2h": d2h}
 
-    def phases(self, config: Config, clipped: int | None = None) -> dict[str, float]:
-        """The terms of `step_s`: forward and backward seconds (copies they do not hide included), the optimizer's
-        on the device and on the host, and how long the next forward waits for the host's (no optimizer without
-        chunks: it is the user's then). The offloaded chunks' host updates start as their gradient lands; with
-        `clipped` (a step with gradient clipping, whose last clip did not apply), only the last `clipped` chunks'
-        do, each also copying aside what it changes (to undo it if the clip applies: runtime/chunks.py), and the
-        others' wait for the end of the backward."""
-        hw = self.hardware
-        if self.n_chunk == 0:
-            recompute, swap_out, swap_in = self._block_extras(config)
-            hidden = (sum(self.block_fwd_s), sum(self.block_bwd_s)) if self.overlap else (0.0, 0.0)
-            return {
-                "forward_s": sum(self.other_fwd_s) + sum(self.block_fwd_s) + max(0.0, sum(swap_out) - hidden[0]),
-                "backward_s": sum(self.other_bwd_s)
-                + sum(self.block_bwd_s)
-                + sum(recompute)
-                + max(0.0, sum(swap_in) - hidden[1]),
-                "gpu_optim_s": 0.0,
-                "cpu_optim_s": 0.0,
-                "cpu_optim_wait_s": 0.0,
-            }
-        n, per = self.n_chunk, self._per_chunk(config)
-        load, serial = self._load_s(), self._serial(config)
-        t_fwd, window_start = 0.0, [0.0] * (n + 1)
-        fwd_h2d, fwd_d2h = [], []  # copies of the forward, from its start
-        for i in range(n + 1):
-            window_start[i] = t_fwd  # window i loads chunk i beside chunk i-1's compute
-            comp = per["forward"][i - 1] if i > 0 else 0.0
-            comm = load if config.n_persist <= i < n else 0.0
-            out = per["swap_out"][i - 1] if i > 0 else 0.0
-            fwd_h2d.append((t_fwd, t_fwd + comm))
-            fwd_d2h.append((t_fwd, t_fwd + out))
-            t_fwd += comp + comm + out if serial else max(comp, comm, out)
-        backward = self._backward_timeline(config, per)
-        t_bwd, arrival = backward["end"], backward["copy_end"]  # a chunk's gradient is on the host
-        gpu_optim = sum(self.chunk_params[: config.n_persist]) * hw.device_adam_s_per_param
-        # the host work per parameter updated, in units of its AdamW (sharing the memory bandwidth alike)
-        work = [1.0] * n
+    def _host_timeline(
+        self, config: Config, forward: dict, backward: dict, next_forward: float, clipped: int | None
+    ) -> dict:
+        """The host steps offloaded chunks one at a time, each once its gradient is there, the lowest landed one
+        first (runtime/host_queue.py: the next forward needs it first), beside the backward's copies and the next
+        forward's (which starts at `next_forward`); its AdamW's rate at each moment is the one measured beside
+        the copies then (`_HostRates`). With `clipped` only the last `clipped` chunks' updates start as their
+        gradient lands, each also copying aside what it changes; the others' wait for the end of the backward
+        and the device's updates. Returns when each chunk is stepped (None: not offloaded), the host's busy
+        (start, end) spans and their total. Times from the backward's start."""
+        hw, n = self.hardware, self.n_chunk
+        arrival, work = list(backward["copy_end"]), [1.0] * n  # host work per parameter, in units of its AdamW
         if clipped is not None:
             undo = hw.host_undo_s_per_param / hw.host_adam_s_per_param if hw.host_adam_s_per_param > 0 else 0.0
             for c in range(config.n_persist, n):
-                if c < n - clipped:  # (after the persistent chunks' device updates, in step())
-                    arrival[c] = max(arrival[c], t_bwd + gpu_optim)
+                if c < n - clipped:
+                    arrival[c] = max(arrival[c], next_forward)
                 else:
                     work[c] += undo
-        # the host steps offloaded chunks one at a time, each once its gradient is there, the lowest landed one
-        # first (runtime/host_queue.py: the next forward needs it first), beside the backward's copies and the
-        # next forward's (clock: from the backward's start); the next forward loads a chunk only once it is
-        # stepped, so it waits where the host has not caught up
-        nxt = t_bwd + gpu_optim
-        pending, clock, wait, busy = set(range(config.n_persist, n)), 0.0, 0.0, 0.0
+        pending, clock, ends, spans = set(range(config.n_persist, n)), 0.0, [None] * n, []
         if pending:  # (built only where the host has work: the search visits many configurations)
-            rates = _HostRates(
-                hw,
-                backward["h2d"] + [(nxt + a, nxt + b) for a, b in fwd_h2d],
-                backward["d2h"] + [(nxt + a, nxt + b) for a, b in fwd_d2h],
-            )
+            rates = _HostRates(hw, **_step_clock(forward, backward, next_forward))
         while pending:
             landed = [c for c in pending if arrival[c] <= clock]
             if not landed:
@@ -507,12 +578,52 @@ class CostModel:
             chunk = min(landed)
             pending.remove(chunk)
             start, clock = clock, rates.end(clock, work[chunk] * self.chunk_params[chunk] / self.world_size)
-            busy += clock - start
-            wait = max(wait, clock - (nxt + window_start[chunk]))
+            ends[chunk] = clock
+            spans.append((start, clock))
+        return {"ends": ends, "spans": spans, "busy": sum(b - a for a, b in spans)}
+
+    def phases(self, config: Config, clipped: int | None = None) -> dict[str, float]:
+        """The terms of `step_s`: forward and backward seconds (copies they do not hide included), the optimizer's
+        on the device and on the host, and how long the next forward waits for the host's (no optimizer without
+        chunks: it is the user's then). The offloaded chunks' host updates start as their gradient lands; with
+        `clipped` (a step with gradient clipping, whose last clip did not apply), only the last `clipped` chunks'
+        do, each also copying aside what it changes (to undo it if the clip applies: runtime/chunks.py), and the
+        others' wait for the end of the backward.
+
+        The timelines are laid out twice: first with every copy at the link's idle rate, then with each at the
+        rate beside what the first found running where it starts (copies the other way, the host's AdamW). The
+        next forward is laid out once more with each chunk's upload waiting for its host update: the time that
+        adds is the wait."""
+        hw = self.hardware
+        if self.n_chunk == 0:
+            recompute, swapped = self._block_extras(config)
+            hidden = (sum(self.block_fwd_s), sum(self.block_bwd_s)) if self.overlap else (0.0, 0.0)
+            return {
+                "forward_s": sum(self.other_fwd_s)
+                + sum(self.block_fwd_s)
+                + max(0.0, sum(swapped) / hw.d2h_bytes_per_s - hidden[0]),
+                "backward_s": sum(self.other_bwd_s)
+                + sum(self.block_bwd_s)
+                + sum(recompute)
+                + max(0.0, sum(swapped) / hw.h2d_bytes_per_s - hidden[1]),
+                "gpu_optim_s": 0.0,
+                "cpu_optim_s": 0.0,
+                "cpu_optim_wait_s": 0.0,
+            }
+        per = self._per_chunk(config)
+        gpu_optim = sum(self.chunk_params[: config.n_persist]) * hw.device_adam_s_per_param
+        link = _Link(hw)
+        for _ in range(2):
+            forward, backward = self._forward_timeline(config, per, link), self._backward_timeline(config, per, link)
+            next_forward = backward["end"] + gpu_optim
+            host = self._host_timeline(config, forward, backward, next_forward, clipped)
+            link = _Link(hw, forward, backward, host["spans"], next_forward)
+        ready = [0.0 if end is None else end - next_forward for end in host["ends"]]
+        waited = self._forward_timeline(config, per, link, ready)
         return {
-            "forward_s": t_fwd,
-            "backward_s": t_bwd,
+            "forward_s": forward["end"],
+            "backward_s": backward["end"],
             "gpu_optim_s": gpu_optim,
-            "cpu_optim_s": busy,
-            "cpu_optim_wait_s": wait,
+            "cpu_optim_s": host["busy"],
+            "cpu_optim_wait_s": max(0.0, waited["end"] - forward["end"]),
         }

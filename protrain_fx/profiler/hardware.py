@@ -10,7 +10,8 @@ device's own memory bandwidth and the least time a kernel takes; the
 all-gather, reduce-scatter and all-reduce time by message size for the current world size (none with one
 rank); the fused AdamW time per parameter on the device, and on the host as the chunk runtime runs it (on its
 worker thread, with the link idle and beside copies each way, which share the host's memory bandwidth with
-it), and copying an offloaded chunk's master and AdamW states aside there (to undo a clipped update); the
+it: the copies' rates then are measured too), and copying an offloaded chunk's master and AdamW states aside
+there (to undo a clipped update); the
 device's memory (nvidia-ml-py
 where available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU
 copies, the CPU AdamW and gloo. With several ranks the measurements are reduced across ranks (slowest rank
@@ -49,7 +50,7 @@ ADAM_PARAMS = 64 * 2**20  # 1 GiB of fp32 state: past the caches, as a model chu
 ADAM_TENSORS = 16  # the host AdamW's parameters, as views of one chunk (per-tensor overhead counted)
 ADAM_STEPS = 3
 HOST_ADAM_STEPS = 5
-METHOD = 3  # how the profile is measured, in the cache key: a profile measured by older code is measured again
+METHOD = 4  # how the profile is measured, in the cache key: a profile measured by older code is measured again
 KERNELS = 1000  # back-to-back tiny kernels timed for the launch floor
 COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
 CPU_COLLECTIVE_BYTES = (2**20, 16 * 2**20)  # gloo on a few cores: larger messages only take long (extrapolated)
@@ -63,6 +64,10 @@ class HardwareProfile:
     d2h_bytes_per_s: float
     h2d_concurrent_bytes_per_s: float  # each direction while both copy at once (one measurement, both fields)
     d2h_concurrent_bytes_per_s: float
+    # the same three while the host's AdamW runs (it shares the host's memory bandwidth with them)
+    h2d_beside_host_bytes_per_s: float
+    d2h_beside_host_bytes_per_s: float
+    both_beside_host_bytes_per_s: float  # each direction, both copying at once
     device_bytes_per_s: float  # device memory bandwidth, read plus write (a device-to-device copy)
     kernel_s: float  # the least time a kernel takes, launched back to back (a one-element add)
     device_adam_s_per_param: float
@@ -90,6 +95,13 @@ class HardwareProfile:
                 return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
         (b0, t0), (b1, t1) = points[-2], points[-1]
         return t1 + (t1 - t0) * (nbytes - b1) / (b1 - b0)
+
+    def link_bytes_per_s(self, way: str, other_way: bool, host: bool) -> float:
+        """The rate of copies to the device (`way` "h2d") or to the host ("d2h"), while copies run the other way
+        (`other_way`) and/or the host's AdamW runs (`host`)."""
+        if other_way:
+            return self.both_beside_host_bytes_per_s if host else getattr(self, f"{way}_concurrent_bytes_per_s")
+        return getattr(self, f"{way}_beside_host_bytes_per_s" if host else f"{way}_bytes_per_s")
 
     def host_adam_s(self, h2d: bool, d2h: bool) -> float:
         """Seconds per parameter of the host's AdamW while copies run to the device (`h2d`) and/or to the host."""
@@ -198,7 +210,7 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
         "device_bytes_per_s": local,
         "kernel_s": kernel,
         "device_adam_s_per_param": device_adam,
-        **_host_adam(copies, device),
+        **_host_adam(copies, device, {"h2d": h2d, "d2h": d2h, "both": both_s}),
         "host_undo_s_per_param": _host_undo_s_per_param(device),
     }
     bar.update()
@@ -268,20 +280,26 @@ def _adam_s_per_param(device: torch.device) -> float:
     return min(times) / ADAM_PARAMS
 
 
-def _host_adam(copies: dict[str, Callable[[], object]], device: torch.device) -> dict[str, float]:
-    """The host AdamW's seconds per parameter with the link idle and beside each of `copies` (on the CPU, where
-    nothing is copied over a link, the same figure for all)."""
-    idle = _host_adam_s_per_param(None, device)
-    beside = {k: idle if device.type != "cuda" else _host_adam_s_per_param(fn, device) for k, fn in copies.items()}
-    return {"host_adam_s_per_param": idle, **{f"host_adam_{k}_s_per_param": v for k, v in beside.items()}}
+def _host_adam(copies: dict[str, Callable[[], object]], device: torch.device, rates: dict[str, float]) -> dict:
+    """The host AdamW's seconds per parameter with the link idle and beside each of `copies`, and the rate of
+    each copy beside it (on the CPU, where nothing is copied over a link, the AdamW's idle figure for all, and
+    the copies' `rates` measured alone)."""
+    idle, _ = _host_adam_s_per_param(None, device)
+    measured = {"host_adam_s_per_param": idle}
+    for k, fn in copies.items():
+        adam, copy_s = (idle, None) if device.type != "cuda" else _host_adam_s_per_param(fn, device)
+        measured[f"host_adam_{k}_s_per_param"] = adam
+        measured[f"{k}_beside_host_bytes_per_s"] = rates[k] if copy_s is None else COPY_BYTES / copy_s
+    return measured
 
 
-def _host_adam_s_per_param(copies: Callable[[], object] | None, device: torch.device) -> float:
+def _host_adam_s_per_param(copies: Callable[[], object] | None, device: torch.device) -> tuple[float, float | None]:
     """torch's fused CPU AdamW per parameter as the chunk runtime runs an offloaded chunk's step: on a HostQueue
     worker thread (one core fewer beside a GPU), over ADAM_TENSORS views of one flat pinned chunk, while this
-    thread repeats `copies` (pinned copies over the link, waited for) or waits. The median of a few steps.
-    Copies slow it: on an H100 machine 2.0-2.1e-10 s/param alone, 2.5-2.7e-10 beside copies to the device and
-    3.3-3.7e-10 beside copies both ways (docs/benchmarks.md, issue 5)."""
+    thread repeats `copies` (pinned copies over the link, waited for) or waits. The median of a few steps, and
+    the median seconds of one run of `copies` meanwhile (None without). Copies slow it: on an H100 machine
+    2.0-2.1e-10 s/param alone, 2.5-2.7e-10 beside copies to the device and 3.3-3.7e-10 beside copies both ways
+    (docs/benchmarks.md, issue 5); it slows copies to the device by a fifth (eleventh session)."""
     gpu = device.type == "cuda"
     master = torch.zeros(ADAM_PARAMS, pin_memory=gpu)
     grads = torch.full((ADAM_PARAMS,), 1e-3, pin_memory=gpu)
@@ -289,7 +307,8 @@ def _host_adam_s_per_param(copies: Callable[[], object] | None, device: torch.de
     for view, grad in zip(views, grads.chunk(ADAM_TENSORS)):
         view.grad = grad
     opt = torch.optim.AdamW(views, lr=1e-3, fused=True)
-    return _on_host_worker(opt.step, device, copies) / ADAM_PARAMS  # (the first step allocates the states)
+    adam_s, copy_s = _on_host_worker(opt.step, device, copies)  # (the first step allocates the states)
+    return adam_s / ADAM_PARAMS, copy_s
 
 
 def _host_undo_s_per_param(device: torch.device) -> float:
@@ -298,14 +317,18 @@ def _host_undo_s_per_param(device: torch.device) -> float:
     with the link idle."""
     source = torch.ones(3 * ADAM_PARAMS)
     kept = torch.empty_like(source)
-    return _on_host_worker(lambda: kept.copy_(source), device) / ADAM_PARAMS  # (the first touches the pages)
+    return _on_host_worker(lambda: kept.copy_(source), device)[0] / ADAM_PARAMS  # (the first touches the pages)
 
 
-def _on_host_worker(work: Callable[[], object], device: torch.device, copies: Callable[[], object] | None = None):
+def _on_host_worker(
+    work: Callable[[], object], device: torch.device, copies: Callable[[], object] | None = None
+) -> tuple[float, float | None]:
     """The median seconds of HOST_ADAM_STEPS runs of `work` after an untimed first, on a HostQueue worker thread
     (one core fewer beside a GPU) as the chunk runtime runs host work, while this thread repeats `copies` (pinned
-    copies over the link, waited for) or waits."""
+    copies over the link, waited for) or waits; and the median seconds of a run of `copies` that ended while
+    `work` still ran (None without copies)."""
     times: list[float] = []
+    copy_times: list[float] = []
 
     def runs() -> None:
         work()
@@ -318,12 +341,15 @@ def _on_host_worker(work: Callable[[], object], device: torch.device, copies: Ca
     try:
         done = queue.submit(0, None, runs)
         while copies is not None and not done.done():
+            start = time.perf_counter()
             copies()
             _sync(device)
+            if not done.done():
+                copy_times.append(time.perf_counter() - start)
         done.result()
     finally:
         queue.close()
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(copy_times) if copy_times else None
 
 
 def _collectives(device: torch.device) -> dict[str, list[tuple[int, float]]]:
