@@ -83,14 +83,32 @@ def _capacities(model):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_search_finds_the_brute_force_optimum(seed):
-    """Pruning (n_persist rows cut at the first plan over capacity, swap count bounded) never drops the optimum."""
+    """Pruning (n_persist rows cut at the first plan over capacity, swap count bounded, configurations timed only
+    while their step time's lower bound can still place them) never changes the optimum nor its runners-up."""
     model = synthetic(seed=seed, n_block=6 + seed, n_chunk=4 + seed)
     for capacity in _capacities(model):
         best, runners_up = search(model, capacity)
-        expected, _ = rank(brute_force(model, capacity), capacity, alpha=model.alpha)
+        expected, expected_runners_up = rank(brute_force(model, capacity), capacity, alpha=model.alpha)
         assert best == expected, capacity
+        assert runners_up == expected_runners_up, capacity
         assert best[2] <= capacity and all(r[2] <= capacity for r in runners_up)
         assert all(r[1] * (1 + TIE_REL) >= best[1] for r in runners_up)  # (ties go to the least rewritten)
+
+
+def test_step_bound_is_a_lower_bound_and_spares_most_timings(monkeypatch):
+    """`step_bound_s` never exceeds `step_s`, also where the profile measured a copy faster beside other work than
+    alone (noise: no copy is faster for company); the search times only the configurations it can still use."""
+    model = _link(synthetic(n_block=10, n_chunk=6), rate=40e9, h2d_concurrent=60e9, both_beside_host=80e9)
+    configs = [c for c, _, _ in brute_force(model, None)]
+    for config in configs:
+        assert model.step_bound_s(config) <= model.step_s(config) * (1 + 1e-12), config
+    timed = []
+    step_s = CostModel.step_s
+    monkeypatch.setattr(
+        CostModel, "step_s", lambda self, config, clipped=None: timed.append(config) or step_s(self, config)
+    )
+    search(model, None)
+    assert len(configs) > 10 * len(timed) > 0
 
 
 def test_search_reacts_to_capacity():

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -356,25 +357,27 @@ class CostModel:
 
     def activation_peak(self, modes: Sequence[str]) -> int:
         """The highest activation memory (model states excluded) over the iteration, with these block modes."""
-        savings = [self.saving(b, m) for b, m in enumerate(modes)]
+        n = self.n_block
+        # bytes gone by each place (-1..n, at index place + 1): in the forward a checkpointed block's from the
+        # block after it, a swapped block's from its settle point; in the backward every optimized block's until
+        # the backward reaches it
+        forward, backward = [0] * (n + 3), [0] * (n + 3)
+        for b, mode in enumerate(modes):
+            saving = self.saving(b, mode)
+            backward[b + 2] += saving
+            if mode == "checkpoint":
+                forward[b + 2] += saving
+            elif mode == "swap":
+                forward[min(b + self.swap_interval, n) + 1] += saving
+        forward, backward = list(itertools.accumulate(forward)), list(itertools.accumulate(backward))
         peak = 0
         for seg in self.segments:
             if seg.graph == "forward":
-                gone = sum(
-                    s
-                    for b, s in enumerate(savings)
-                    if (modes[b] == "checkpoint" and b < seg.place)
-                    or (modes[b] == "swap" and min(b + self.swap_interval, self.n_block) <= seg.place)
-                )
-                extra = 0
+                held = seg.peak - forward[seg.place + 1]
             else:
-                gone = sum(s for b, s in enumerate(savings) if b < seg.place)
-                extra = (
-                    self.block_transient[seg.place]
-                    if 0 <= seg.place < self.n_block and modes[seg.place] == "checkpoint"
-                    else 0
-                )
-            peak = max(peak, seg.peak - gone + extra)
+                recompute = 0 <= seg.place < n and modes[seg.place] == "checkpoint"
+                held = seg.peak - backward[seg.place + 1] + (self.block_transient[seg.place] if recompute else 0)
+            peak = max(peak, held)
         return peak
 
     def state_bytes(self, config: Config) -> int:
@@ -431,6 +434,19 @@ class CostModel:
         if not self.overlap:
             return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_s"]
         return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_wait_s"]
+
+    def step_bound_s(self, config: Config) -> float:
+        """A lower bound of `step_s(config)` at a fraction of its cost: the first pass of the timelines alone
+        (every copy at its idle rate, which no copy beats beside other work), without the host's wait or work."""
+        if self.n_chunk == 0:
+            return self.step_s(config)
+        per, link = self._per_chunk(config), _Link(self.hardware)
+        forward, backward = self._forward_timeline(config, per, link), self._backward_timeline(config, per, link)
+        return forward["end"] + backward["end"] + self._gpu_optim_s(config)
+
+    def _gpu_optim_s(self, config: Config) -> float:
+        """The persistent chunks' AdamW on the device."""
+        return sum(self.chunk_params[: config.n_persist]) * self.hardware.device_adam_s_per_param
 
     def _block_extras(self, config: Config) -> tuple[list[float], list[int]]:
         """Per block, the seconds of its recompute (checkpointed) and the bytes it swaps (swapped)."""
@@ -611,7 +627,7 @@ class CostModel:
                 "cpu_optim_wait_s": 0.0,
             }
         per = self._per_chunk(config)
-        gpu_optim = sum(self.chunk_params[: config.n_persist]) * hw.device_adam_s_per_param
+        gpu_optim = self._gpu_optim_s(config)
         link = _Link(hw)
         for _ in range(2):
             forward, backward = self._forward_timeline(config, per, link), self._backward_timeline(config, per, link)

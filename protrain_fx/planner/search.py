@@ -9,7 +9,9 @@ Exhaustive over n_swap, n_checkpoint, n_buffer and n_persist with the paper's pr
 - for fixed activation modes and buffers, memory grows with n_persist, so n_persist is visited upwards and
   the first configuration over capacity ends that row (every later one is larger);
 - configurations over capacity are never timed; nor are those whose host memory (`CostModel.host_bytes`: shrinks
-  as n_persist grows) is over what this rank has.
+  as n_persist grows) is over what this rank has;
+- those that fit are timed in the order of a lower bound of their step time (`CostModel.step_bound_s`), until
+  the bound passes every step time `rank` can still use (`_timed`): the result is that of timing them all.
 Among those that fit, the lowest predicted step time wins. Ties (within TIE_REL) go to the one that rewrites the
 model least (fewest blocks checkpointed or swapped, then most chunks persistent) among those leaving at least
 SAFE_HEADROOM of the capacity free, else to the one with the most headroom. (A swap hidden behind compute is
@@ -19,6 +21,7 @@ buys nothing.) A field the user forces is held at its value and the rest searche
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import logging
@@ -108,7 +111,7 @@ def search(
     """The best configuration as (Config, step seconds, peak bytes), and the runners-up likewise. `host_bytes`:
     the host memory this rank has for offloaded chunks and swap space (None: not budgeted). Raises NoPlanFits."""
     forced = dict(forced or {})
-    fits: list[tuple[Config, float, int]] = []
+    fitting: list[tuple[Config, int]] = []
     smallest: tuple[int, Config] | None = None
     least_host: tuple[int, Config] | None = None  # of the configurations that fit the GPU but not the host
     seen: set[Config] = set()
@@ -126,13 +129,31 @@ def search(
                 continue
             if config not in seen:
                 seen.add(config)
-                fits.append((config, model.step_s(config), peak))
-    if not fits:
+                fitting.append((config, peak))
+    if not fitting:
         assert smallest is not None, "no configuration to search"
         if least_host is not None:
             raise NoPlanFits(smallest[0], least_host[1], capacity_bytes, least_host[0], host_bytes)
         raise NoPlanFits(smallest[0], smallest[1], capacity_bytes)
+    fits = _timed(model, fitting)
+    log.info("timed %d of the %d configurations that fit", len(fits), len(fitting))
     return rank(fits, capacity_bytes, alpha=model.alpha)
+
+
+def _timed(model: CostModel, fitting: list[tuple[Config, int]]) -> list[tuple[Config, float, int]]:
+    """(config, step seconds, peak) of those of `fitting` ((config, peak) pairs) whose step time `rank` can use:
+    the ties of the fastest (within TIE_REL) and the N_RUNNERS_UP + 1 fastest (the best and its runners-up).
+    They are timed in the order of a lower bound of their step time, until the bound passes both: every one
+    left is slower. In the order of `fitting`."""
+    bounds = [model.step_bound_s(config) for config, _ in fitting]
+    times: list[float] = []  # step times so far, ascending
+    steps: dict[int, float] = {}
+    for i in sorted(range(len(fitting)), key=bounds.__getitem__):
+        if len(times) > N_RUNNERS_UP and bounds[i] > max(times[0] * (1 + TIE_REL), times[N_RUNNERS_UP]):
+            break
+        steps[i] = model.step_s(fitting[i][0])
+        bisect.insort(times, steps[i])
+    return [(fitting[i][0], steps[i], fitting[i][1]) for i in sorted(steps)]
 
 
 def rank(fits: list[tuple[Config, float, int]], capacity_bytes: int | None, *, alpha: float = 1.0):
@@ -148,7 +169,7 @@ def rank(fits: list[tuple[Config, float, int]], capacity_bytes: int | None, *, a
         best = min(ties, key=lambda f: (f[2], f[1]))
     rest = sorted((f for f in fits if f is not best), key=lambda f: (f[1], f[2]))
     log.info(
-        "searched %d configurations that fit; best %s: %.1f ms, %.2f GiB",
+        "best of %d configurations %s: %.1f ms, %.2f GiB",
         len(fits),
         best[0],
         best[1] * 1e3,

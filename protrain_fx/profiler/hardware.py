@@ -98,10 +98,14 @@ class HardwareProfile:
 
     def link_bytes_per_s(self, way: str, other_way: bool, host: bool) -> float:
         """The rate of copies to the device (`way` "h2d") or to the host ("d2h"), while copies run the other way
-        (`other_way`) and/or the host's AdamW runs (`host`)."""
+        (`other_way`) and/or the host's AdamW runs (`host`); never above the rate alone (the cost model's bound
+        on a step, `CostModel.step_bound_s`, relies on it)."""
+        alone = getattr(self, f"{way}_bytes_per_s")
         if other_way:
-            return self.both_beside_host_bytes_per_s if host else getattr(self, f"{way}_concurrent_bytes_per_s")
-        return getattr(self, f"{way}_beside_host_bytes_per_s" if host else f"{way}_bytes_per_s")
+            beside = self.both_beside_host_bytes_per_s if host else getattr(self, f"{way}_concurrent_bytes_per_s")
+        else:
+            beside = getattr(self, f"{way}_beside_host_bytes_per_s") if host else alone
+        return min(beside, alone)
 
     def host_adam_s(self, h2d: bool, d2h: bool) -> float:
         """Seconds per parameter of the host's AdamW while copies run to the device (`h2d`) and/or to the host."""
