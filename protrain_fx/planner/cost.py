@@ -531,7 +531,7 @@ class CostModel:
         reduced: list[int] = []  # offloaded chunks in the order they took a reduce buffer
         h2d, d2h = [], []
         for c in reversed(range(n)):
-            done = n - 1 - c  # chunks done so far; of them non-persistent, all
+            done = n - 1 - c  # chunks the backward has done so far (the first len(order) are `order`)
             if self.overlap:
                 while following < len(order) and following - buffers < done:  # a buffer is free for it
                     start = max(up, end[order[following - buffers]])
