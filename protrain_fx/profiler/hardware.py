@@ -6,16 +6,14 @@ once and cached on disk.
     profile.collective_s("all_gather", 64 * 2**20)              # time of one collective of that many bytes
 
 Measured: host-to-device and device-to-host bandwidth from pinned memory, each alone and both at once; the
-device's own memory bandwidth and the least time a kernel takes; the
-all-gather, reduce-scatter and all-reduce time by message size for the current world size (none with one
-rank); the fused AdamW time per parameter on the device, and on the host as the chunk runtime runs it (on its
-worker thread, with the link idle and beside copies each way, which share the host's memory bandwidth with
-it: the copies' rates then are measured too), and copying an offloaded chunk's master and AdamW states aside
-there (to undo a clipped update); the
-device's memory (nvidia-ml-py
-where available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU
-copies, the CPU AdamW and gloo. With several ranks the measurements are reduced across ranks (slowest rank
-wins), so every rank plans from the same numbers.
+device's own memory bandwidth and the least time a kernel takes; the all-gather, reduce-scatter and all-reduce
+time by message size for the current world size (none with one rank); the fused AdamW time per parameter on
+the device, and on the host as the chunk runtime runs it (on its worker thread, with the link idle and beside
+copies each way, which share the host's memory bandwidth with it: the copies' rates then are measured too),
+and copying an offloaded chunk's master and AdamW states aside there (to undo a clipped update); the device's
+memory (nvidia-ml-py where available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the same code
+measures CPU copies, the CPU AdamW and gloo. With several ranks the measurements are reduced across ranks
+(slowest rank wins), so every rank plans from the same numbers.
 
 The cache key is the device name, its memory, the world size, the torch version and METHOD (how it is
 measured); a file measured under another key is measured again.
@@ -302,7 +300,7 @@ def _host_adam_s_per_param(copies: Callable[[], object] | None, device: torch.de
     worker thread (one core fewer beside a GPU), over ADAM_TENSORS views of one flat pinned chunk, while this
     thread repeats `copies` (pinned copies over the link, waited for) or waits. The median of a few steps, and
     the median seconds of one run of `copies` meanwhile (None without). Copies slow it: on an H100 machine
-    2.0-2.1e-10 s/param alone, 2.5-2.7e-10 beside copies to the device and 3.3-3.7e-10 beside copies both ways
+    2.0-2.3e-10 s/param alone, 2.5-2.8e-10 beside copies to the device and 3.3-3.7e-10 beside copies both ways
     (docs/benchmarks.md, issue 5); it slows copies to the device by a fifth (eleventh session)."""
     gpu = device.type == "cuda"
     master = torch.zeros(ADAM_PARAMS, pin_memory=gpu)
