@@ -42,6 +42,7 @@ def predict(args: argparse.Namespace) -> int:
             result = _run_worker("protrain-chunks", run)
             rows.append({"forced": plan, "result": result, "graphs": _graph_files(dump)})
     print(format_table(rows))
+    print(summary(rows))
     if args.out:
         report = {"commit": _git_commit(), "args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -103,6 +104,31 @@ def format_table(rows: list[dict]) -> str:
                 )
             )
     return table(lines)
+
+
+TIME_TARGET, PEAK_TARGET, PEAK_UNDER = 0.05, 0.05, 0.02  # issue 5: |time error| and |peak error| under 5%,
+# the peak never under-predicted by more than 2%
+
+
+def summary(rows: list[dict]) -> str:
+    """The table against issue 5's targets: how many plans' step time and peak are within them, and how the
+    searched plans (forced `{}`) ran against the fastest of the others (+: slower)."""
+    graphs = [(row["forced"], g) for row in rows if "error" not in row["result"] for g in row["graphs"]]
+    if not graphs:
+        return "no plan reported"
+    errors = [g["predicted_vs_measured"] for _, g in graphs]
+    times = sum(abs(e["step_error"]) < TIME_TARGET for e in errors)
+    peaks = sum(abs(e["peak_error"]) < PEAK_TARGET and e["peak_error"] > -PEAK_UNDER for e in errors)
+    lines = [
+        f"step time within {TIME_TARGET:.0%}: {times} of {len(errors)}; peak within {PEAK_TARGET:.0%} and never "
+        f"under by {PEAK_UNDER:.0%}: {peaks} of {len(errors)}"
+    ]
+    measured = [(forced, g["predicted_vs_measured"]["measured_step_s"]) for forced, g in graphs]
+    searched = [s for forced, s in measured if not forced]
+    others = [s for forced, s in measured if forced]
+    if searched and others:
+        lines.append(f"searched plan against the fastest forced one: {_pct(min(searched) / min(others) - 1)}")
+    return "\n".join(lines)
 
 
 def _pct(x: float | None) -> str:

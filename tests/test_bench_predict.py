@@ -1,22 +1,24 @@
-"""bench predict's table (bench/predict.py): a row per plan, and a diverged run shows as one."""
+"""bench predict's table (bench/predict.py): a row per plan, and a diverged run shows as one; the summary against
+issue 5's targets."""
 
 import math
 
-from bench.predict import format_table
+from bench.predict import format_table, summary
 
 
-def _row(loss_last: float) -> dict:
+def _row(loss_last: float, measured_s: float = 0.11, peak_error: float = 0.0, forced=None) -> dict:
     pvm = dict(
         predicted_step_s=0.1,
-        measured_step_s=0.11,
-        step_error=-0.09,
+        measured_step_s=measured_s,
+        step_error=0.1 / measured_s - 1,
         predicted_peak_bytes=2**30,
         measured_peak_bytes=2**30,
-        peak_error=0.0,
+        peak_error=peak_error,
     )
     plan = dict(n_persist=2, n_buffer=3, n_swap=0, n_checkpoint=4)
     graph = dict(plan=plan, predicted_vs_measured=pvm, seconds=dict(profile=1.0, search=0.1))
-    return dict(forced={"n_checkpoint": 4}, result=dict(step_time_s=0.11, loss_last=loss_last), graphs=[graph])
+    forced = {"n_checkpoint": 4} if forced is None else forced
+    return dict(forced=forced, result=dict(step_time_s=measured_s, loss_last=loss_last), graphs=[graph])
 
 
 def test_table_shows_the_last_loss_and_a_nan():
@@ -24,4 +26,17 @@ def test_table_shows_the_last_loss_and_a_nan():
     lines = table.splitlines()
     assert "last loss" in lines[0]
     assert lines[-2].rstrip().endswith("10.5000") and lines[-1].rstrip().endswith("nan")
-    assert "2/3/0/4" in lines[-1] and "-9.0%" in lines[-1]
+    assert "2/3/0/4" in lines[-1] and "-9.1%" in lines[-1]
+
+
+def test_summary_counts_the_plans_within_the_targets():
+    rows = [
+        _row(10.5, measured_s=0.102, forced={}),  # searched: -2.0%, 2% slower than the fastest forced
+        _row(10.5, measured_s=0.1),  # 0%
+        _row(10.5, measured_s=0.12, peak_error=-0.03),  # -16.7%; peak under by 3%
+        {"forced": {"n_persist": 1}, "result": {"error": "out of memory"}, "graphs": []},
+    ]
+    lines = summary(rows).splitlines()
+    assert lines[0] == "step time within 5%: 2 of 3; peak within 5% and never under by 2%: 2 of 3"
+    assert lines[1] == "searched plan against the fastest forced one: +2.0%"
+    assert summary(rows[1:]).splitlines()[1:] == []  # (no searched plan)
