@@ -18,6 +18,7 @@ from pathlib import Path
 Intervals = list[tuple[float, float]]  # sorted, disjoint (start, end) pairs
 
 CPU_CATEGORIES = ("cpu_op", "user_annotation")
+COPY_DIRECTIONS = (("h2d", "HtoD"), ("d2h", "DtoH"))  # (report key, Kineto memcpy name part)
 
 
 def load_events(path: str | Path) -> list[dict]:
@@ -53,9 +54,6 @@ def overlap_report(trace_events: list[dict], cpu_name: str = "protrain::cpu_adam
         cpu_name=cpu_name, cpu_events=len(matching), cpu_us=cpu_us, cpu_overlap=_fraction(overlapped_us, cpu_us)
     )
     return report
-
-
-COPY_DIRECTIONS = (("h2d", "HtoD"), ("d2h", "DtoH"))
 
 
 def phase_report(trace_events: list[dict], phases: list[str], cpu_name: str = "protrain::cpu_adamw") -> dict:

@@ -172,7 +172,7 @@ def swap_interval(
 ) -> int:
     """The swap interval in blocks (at least 1). `uploads_share_link`: parameter chunks are uploaded during the
     forward, so the copies run at the bandwidth measured with both directions busy."""
-    rate = hardware.d2h_concurrent_bytes_per_s if uploads_share_link else hardware.d2h_bytes_per_s
+    rate = hardware.link_bytes_per_s("d2h", uploads_share_link, False)
     ratios = [saved / rate / seconds for saved, seconds in zip(block_saved, block_fwd_s) if seconds > 0]
     return max(1, math.ceil(max(ratios, default=1.0)))
 
@@ -527,6 +527,7 @@ class CostModel:
         n, persist, gather, shard = self.n_chunk, config.n_persist, self._gather_s(), self.shard_elems * 4
         order = list(reversed(range(persist, n)))  # the non-persistent chunks, in the order the backward needs them
         buffers = max(1, config.n_buffer)
+        uploaded = set(order[buffers:])  # (the others are still in their buffers from the forward)
         t, up, copy_end, link_free, end, loaded, following = 0.0, 0.0, [0.0] * n, 0.0, [0.0] * n, {}, buffers
         reduced: list[int] = []  # offloaded chunks in the order they took a reduce buffer
         h2d, d2h = [], []
@@ -547,7 +548,7 @@ class CostModel:
                     h2d.append((begin, up))
                     t = max(t, up)
             else:
-                load = link.seconds("h2d", shard, t) + gather if c in order[buffers:] else 0.0
+                load = link.seconds("h2d", shard, t) + gather if c in uploaded else 0.0
                 t += load + per["backward"][c] + per["recompute"][c] + link.seconds("h2d", per["swap_in"][c], t)
             end[c] = t
             if c >= persist:
