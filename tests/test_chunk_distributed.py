@@ -7,7 +7,7 @@ lr, so a rounding difference in a near-zero gradient can move a parameter by tha
 """
 
 import os
-import socket
+import tempfile
 
 import pytest
 import torch
@@ -17,19 +17,18 @@ import torch.multiprocessing as mp
 OFFLOADED = {"n_persist": 1, "n_buffer": 3}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _join(backend: str, rank: int, world: int, rendezvous: str) -> None:
+    """Join the process group through a file of the spawning test's own: tests running side by side (pytest -n)
+    never meet, as they could on a port found free and then taken."""
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
 
-def _worker(rank: int, world: int, port: int, kind: str, plan: dict, errors, backend: str = "gloo"):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world: int, rendezvous: str, kind: str, plan: dict, errors, backend: str = "gloo"):
     device = "cpu"
     if backend == "nccl":
         device = f"cuda:{rank}"
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    _join(backend, rank, world, rendezvous)
     try:
         from test_chunk_parity import run
 
@@ -54,15 +53,16 @@ def _worker(rank: int, world: int, port: int, kind: str, plan: dict, errors, bac
 
 
 def _spawn(target, world: int, *args) -> None:
-    """Run `target(rank, world, port, *args, errors)` in `world` spawned processes; fail with their errors."""
+    """Run `target(rank, world, rendezvous, *args, errors)` in `world` spawned processes; fail with their errors."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, errors)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
+    with tempfile.TemporaryDirectory(prefix="protrain-ranks-") as folder:
+        rendezvous = os.path.join(folder, "rendezvous")
+        procs = [ctx.Process(target=target, args=(r, world, rendezvous, *args, errors)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=300)
     messages = []
     while not errors.empty():
         messages.append(errors.get())
@@ -70,9 +70,8 @@ def _spawn(target, world: int, *args) -> None:
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
-def _gloo_worker(rank: int, world: int, port: int, body, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _gloo_worker(rank: int, world: int, rendezvous: str, body, errors) -> None:
+    _join("gloo", rank, world, rendezvous)
     try:
         body(rank, world)
     except BaseException as e:  # report to the parent, which fails the test
@@ -105,14 +104,13 @@ def test_nccl_ranks_train_like_eager(plan):
     _spawn(_nccl_worker, 2, "toy", plan)
 
 
-def _nccl_worker(rank, world, port, kind, plan, errors):
-    _worker(rank, world, port, kind, plan, errors, backend="nccl")
+def _nccl_worker(rank, world, rendezvous, kind, plan, errors):
+    _worker(rank, world, rendezvous, kind, plan, errors, backend="nccl")
 
 
-def _gloo_rank(rank: int, world: int, port: int, errors, body) -> None:
+def _gloo_rank(rank: int, world: int, rendezvous: str, errors, body) -> None:
     """Run `body()` as one gloo rank; an error goes to the parent, which fails the test."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _join("gloo", rank, world, rendezvous)
     try:
         body()
     except BaseException as e:
@@ -122,7 +120,7 @@ def _gloo_rank(rank: int, world: int, port: int, errors, body) -> None:
         dist.destroy_process_group()
 
 
-def _disagreeing_worker(rank: int, world: int, port: int, how: str, errors):
+def _disagreeing_worker(rank: int, world: int, rendezvous: str, how: str, errors):
     def body():
         import models
 
@@ -148,7 +146,7 @@ def _disagreeing_worker(rank: int, world: int, port: int, how: str, errors):
         with pytest.raises(Exception, match=expected):
             compiled(**models.batch("toy"))
 
-    _gloo_rank(rank, world, port, errors, body)
+    _gloo_rank(rank, world, rendezvous, errors, body)
 
 
 @pytest.mark.parametrize("how", ["plan", "model", "profiling"])
@@ -158,10 +156,10 @@ def test_ranks_that_disagree_or_fail_fail_together(how):
     _spawn(_disagreeing_worker, 2, how)
 
 
-def _state_dict_worker(rank: int, world: int, port: int, errors):
+def _state_dict_worker(rank: int, world: int, rendezvous: str, errors):
     from test_chunk_parity import test_optimizer_state_dict_matches_torch_and_resumes
 
-    _gloo_rank(rank, world, port, errors, lambda: test_optimizer_state_dict_matches_torch_and_resumes(OFFLOADED))
+    _gloo_rank(rank, world, rendezvous, errors, lambda: test_optimizer_state_dict_matches_torch_and_resumes(OFFLOADED))
 
 
 def test_optimizer_state_dict_across_ranks():
@@ -170,10 +168,10 @@ def test_optimizer_state_dict_across_ranks():
     _spawn(_state_dict_worker, 2)
 
 
-def _early_updates_worker(rank: int, world: int, port: int, errors):
+def _early_updates_worker(rank: int, world: int, rendezvous: str, errors):
     from test_chunk_parity import updates_during_the_backward_equal_updates_in_step
 
-    _gloo_rank(rank, world, port, errors, updates_during_the_backward_equal_updates_in_step)
+    _gloo_rank(rank, world, rendezvous, errors, updates_during_the_backward_equal_updates_in_step)
 
 
 def test_persistent_updates_during_the_backward_across_ranks():
