@@ -1,6 +1,6 @@
-"""`python -m bench compare` (the table), `predict`, `sweep`, `maxsize`, `scaling`, `plot` (bench/predict.py,
-bench/sweep.py, bench/plot.py) and `python -m bench worker` (one system's run, in its own process, started by
-the others)."""
+"""`python -m bench compare` (the table), `predict`, `from-dump`, `sweep`, `maxsize`, `scaling`, `plot`
+(bench/predict.py, bench/sweep.py, bench/plot.py) and `python -m bench worker` (one system's run, in its own
+process, started by the others)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench.model import DTYPES, FAMILIES, PRESETS, ModelSpec
 from bench.plot import plot
-from bench.predict import predict
+from bench.predict import from_dump, predict
 from bench.sweep import maxsize, scaling, sweep
 from bench.table import table
 from bench.worker import RESULT_PREFIX, SYSTEMS, emit, train
@@ -196,6 +196,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/predict.json", help="where the JSON report goes ('' for none)")
     p.add_argument("--keep-dumps", default="", help="keep each plan's dump directory here, as plan<i>")
     p.set_defaults(func=predict)
+    p = sub.add_parser("from-dump", help="dumped graphs planned again by the current planner, against their steps")
+    p.add_argument("dumps", nargs="+", help="dump directories (every rank<r>/graph<k> below is planned again)")
+    p.add_argument("--plan", default="", help="JSON plan fields to force instead of the dumped ones")
+    p.set_defaults(func=from_dump)
     p = sub.add_parser("sweep", parents=[sizes], help="tokens/s of each system across batch sizes")
     p.add_argument("--systems", default="protrain,compile,eager", help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--batches", default="4,8,16,32", help="comma-separated batch sizes (default 4,8,16,32)")

@@ -12,6 +12,7 @@ side by side; the JSON (`--out`) keeps every file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import tempfile
@@ -86,7 +87,7 @@ def format_table(rows: list[dict]) -> str:
             continue
         for g in row["graphs"]:
             plan, pvm, sec = g["plan"], g["predicted_vs_measured"], g.get("seconds", {})
-            fields = "/".join(str(plan.get(k)) for k in ("n_persist", "n_buffer", "n_swap", "n_checkpoint"))
+            fields = _fields(plan)
             lines.append(
                 (
                     forced,
@@ -153,6 +154,55 @@ def setup_share(row: dict) -> float | None:
     total = sum(steps) + (FIRST_STEPS - len(steps)) * result["step_time_s"]
     setup = sum(sum(g.get("seconds", {}).get(k, 0.0) for k in ("profile", "hardware", "search")) for g in row["graphs"])
     return setup / total
+
+
+def from_dump(args: argparse.Namespace) -> int:
+    """`python -m bench from-dump DUMPS...`: every graph dumped below DUMPS planned again by the current planner
+    (protrain_fx/debug/from_dump.py), beside its dumped prediction and, where the dump has it, its measured steps."""
+    from protrain_fx.debug.from_dump import PLANNING_FILE, plan_from_dump
+
+    forced = json.loads(args.plan) if args.plan else None
+    folders = sorted({f.parent for d in args.dumps for f in Path(d).glob(f"**/{PLANNING_FILE}")})
+    if not folders:
+        raise SystemExit(f"no {PLANNING_FILE} below {args.dumps}: pass dump directories a protrain run wrote")
+    lines = [
+        (
+            "graph",
+            "plan then/now",
+            "pred ms then",
+            "pred ms now",
+            "meas ms",
+            "err now",
+            "pred GiB now",
+            "meas GiB",
+            "err now",
+        )
+    ]
+    for folder in folders:
+        then = json.loads((folder / "plan.json").read_text())
+        now = plan_from_dump(folder, forced)
+        measured = folder / "predicted_vs_measured.json"
+        pvm = json.loads(measured.read_text()) if measured.is_file() else {}
+        step, peak = pvm.get("measured_step_s"), pvm.get("measured_peak_bytes")
+        lines.append(
+            (
+                str(folder),
+                f"{_fields(then)} / {_fields(dataclasses.asdict(now))}",
+                f"{then['predicted_step_s'] * 1e3:.1f}",
+                f"{now.predicted_step_s * 1e3:.1f}",
+                "-" if step is None else f"{step * 1e3:.1f}",
+                _pct(None if step is None else now.predicted_step_s / step - 1),
+                _gib(now.predicted_peak_bytes),
+                _gib(peak),
+                _pct(None if not peak else now.predicted_peak_bytes / peak - 1),
+            )
+        )
+    print(table(lines))
+    return 0
+
+
+def _fields(plan: dict) -> str:
+    return "/".join(str(plan.get(k)) for k in ("n_persist", "n_buffer", "n_swap", "n_checkpoint"))
 
 
 def _pct(x: float | None) -> str:

@@ -45,6 +45,7 @@ from protrain_fx.capture import (
 )
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import Dumper
+from protrain_fx.debug.from_dump import PLANNING_FILE, planning_inputs
 from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, PassContext, run_passes
 from protrain_fx.planner.cost import Config, CostModel, swap_interval
 from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, Plan
@@ -94,6 +95,7 @@ class GraphRecord:
     manager: Any = None  # weak reference to the model's ChunkManager, None when not chunked
     grad_source: Any = None  # the compiled frame its backward reduces gradients for (ChunkManager.expect_gradients)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of profile, hardware, search
+    planning: dict | None = None  # the planner's inputs besides the profile (debug/from_dump.py: planning.json)
 
 
 def check_torch_version(version: str = torch.__version__) -> None:
@@ -460,6 +462,8 @@ class _Partitioner(CustomPartitionerFn):
             dumper.write_json("seconds.json", record.seconds)
             if record.costs is not None:
                 dumper.write_json("costs.json", _cost_terms(record.costs, record.plan))
+            if record.planning is not None:
+                dumper.write_json(PLANNING_FILE, record.planning)
         if self.explain and manager is None:
             record.forward, record.backward = fw, bw
             return fw, bw
@@ -546,16 +550,19 @@ class _Partitioner(CustomPartitionerFn):
         shared = layout is not None and forced.get("n_persist", 0) < layout.n_chunk  # uploads during the forward
         family = record.block_map.family
         output = next(n for n in bw.graph.nodes if n.op == "output")
+        block_of_param = (
+            [block_index(s.name.split("."), family) if family else None for s in layout.slots] if layout else []
+        )
+        grad_outputs = frozenset(a.name for a in output.args[0] if isinstance(a, fx.Node))
+        fused = self.config.executor == "inductor"
         costs = CostModel.build(
             record.profile,
             hardware,
             n_block=n_block,
             layout=layout,
-            block_of_param=[block_index(s.name.split("."), family) if family else None for s in layout.slots]
-            if layout
-            else (),
-            grad_outputs=frozenset(a.name for a in output.args[0] if isinstance(a, fx.Node)),
-            fused=self.config.executor == "inductor",
+            block_of_param=block_of_param,
+            grad_outputs=grad_outputs,
+            fused=fused,
         )
         interval = forced.get("swap_interval") or swap_interval(
             costs.block_saved, costs.block_fwd_s, hardware, uploads_share_link=shared
@@ -592,6 +599,19 @@ class _Partitioner(CustomPartitionerFn):
         )
         plan = plan_graph(costs, forced, layout, record.capacity, host)
         record.seconds["search"] = time.perf_counter() - start
+        record.planning = planning_inputs(
+            forced=forced,
+            n_block=n_block,
+            layout=layout,
+            block_of_param=block_of_param,
+            grad_outputs=grad_outputs,
+            fused=fused,
+            swap_interval=costs.swap_interval,
+            other_bytes=costs.other_bytes,
+            capacity_bytes=record.capacity,
+            host_bytes=host,
+            hardware=hardware,
+        )
         return plan
 
 

@@ -1,9 +1,15 @@
 """bench predict's table (bench/predict.py): a row per plan, and a diverged run shows as one; the summary against
-issue 5's targets."""
+issue 5's targets; `bench from-dump`."""
 
+import argparse
 import math
 
-from bench.predict import format_table, summary
+import models
+import pytest
+import torch
+
+import protrain_fx
+from bench.predict import format_table, from_dump, summary
 
 
 def _row(loss_last: float, measured_s: float = 0.11, peak_error: float = 0.0, forced=None) -> dict:
@@ -51,3 +57,22 @@ def test_summary_counts_the_plans_within_the_targets():
         f"profiling, hardware profile and search: at most {max(shares):.1%} of the first 100 steps (target under "
         "10%); searched plans: -"
     ]
+
+
+def test_from_dump_plans_dumped_graphs_again(tmp_path, capsys):
+    """`python -m bench from-dump`: each dumped graph's plan then and now, beside its measured steps."""
+    model = models.build("toy", layers=3)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    options = {"executor": "eager", "dump_dir": str(tmp_path), "plan": {"n_persist": 1, "n_buffer": 2}}
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
+    for step in range(9):  # the step monitor reports after 8
+        compiled(**models.batch("toy", seed=step)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert from_dump(argparse.Namespace(dumps=[str(tmp_path)], plan="")) == 0
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row.startswith(str(tmp_path / "rank0" / "graph0")) and "1/2/0/0 / 1/2/0/0" in row
+    then, now, measured = (float(x) for x in row.split("|")[2:5])
+    assert then == now and measured > 0
+    with pytest.raises(SystemExit, match="no planning.json below"):
+        from_dump(argparse.Namespace(dumps=[str(tmp_path / "rank0" / "graph0" / "nothing")], plan=""))

@@ -82,6 +82,29 @@ def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
     assert plan.runners_up == ()  # every field given: nothing searched
 
 
+def test_a_dump_is_planned_again_without_the_model(tmp_path):
+    """planning.json and profile.json of a dump are all the planner needs: planned again from them (no model, no
+    profiling), a graph gets the plan it was given, predictions and runners-up included; other forced fields are
+    searched under the dumped capacities."""
+    from protrain_fx.debug.from_dump import plan_from_dump
+
+    model = models.build("llama", layers=3)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    options = {"executor": "eager", "dump_dir": str(tmp_path), "plan": {"n_persist": 1, "n_buffer": 2}}
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
+    compiled(**models.batch("llama")).loss.backward()
+    opt.step()
+    graph_dir = tmp_path / "rank0" / "graph0"
+    dumped = json.loads((graph_dir / "plan.json").read_text())
+    assert dumped["n_chunk"] > 2 and dumped["runners_up"]
+    assert plan_from_dump(graph_dir).to_json() == dumped
+    searched = plan_from_dump(graph_dir, {})
+    assert searched.n_chunk == dumped["n_chunk"] and searched.predicted_step_s > 0
+    assert plan_from_dump(graph_dir, {"n_persist": 2}).n_persist == 2
+    with pytest.raises(ValueError, match="has no profile.json or planning.json: pass a graph folder"):
+        plan_from_dump(tmp_path)
+
+
 def test_the_plan_budgets_host_memory():
     """Offloaded chunks take host memory (fp32 master, gradient and AdamW states, 16 bytes an element): under a
     GPU budget that offloads chunks and a host budget (`host_memory_bytes`) too small for them, the error says

@@ -67,6 +67,10 @@ class ChunkLayout:
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ChunkLayout:
+        return cls(**{**data, "slots": tuple(Slot(**s) for s in data["slots"])})
+
 
 def _units(params: Sequence[ParamInfo]) -> list[list[ParamInfo]]:
     """Runs of consecutive parameters of one block; each parameter outside blocks is a run of its own."""

@@ -1,0 +1,97 @@
+"""The planner run again on a dump: the plan a graph gets from the current cost models and search, from what its
+dump directory holds (profile.json and planning.json), with no model, no device and no profiling.
+
+    plan = plan_from_dump("dumps/rank0/graph0")                    # the dumped graph's forced fields
+    plan = plan_from_dump("dumps/rank0/graph0", {"n_persist": 4})  # other forced fields
+    python -m bench from-dump dumps/                               # every graph below, against its measured steps
+
+So a change to the cost models can be checked against steps measured earlier (predicted_vs_measured.json, beside
+them in the dump) without the machine that measured them: keep the dumps of a `bench predict` run
+(`--keep-dumps`), then plan them again after each change.
+
+planning.json holds what `CostModel.build` and `plan_graph` read besides the profile: the block count, the chunk
+layout and the block of each of its slots, the backward's gradient outputs, whether the graphs run fused
+(inductor), the swap interval and the other bytes the backend settled on, the GPU and host capacities the search
+ran under, the fields forced, and the hardware profile. What the profiler decided about fusion is in the profile
+(each node's kernel class and fused bytes, profiler/fusion.py): a change there needs the graphs profiled again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from protrain_fx.planner.chunking import ChunkLayout
+from protrain_fx.planner.cost import CostModel
+from protrain_fx.planner.plan import Plan
+from protrain_fx.planner.search import plan_graph
+from protrain_fx.profiler.hardware import HardwareProfile
+from protrain_fx.profiler.profile import GraphProfile
+
+PLANNING_FILE = "planning.json"
+
+
+def planning_inputs(
+    *,
+    forced: Mapping[str, Any],
+    n_block: int,
+    layout: ChunkLayout | None,
+    block_of_param: Sequence[int | None],
+    grad_outputs: frozenset[str],
+    fused: bool,
+    swap_interval: int,
+    other_bytes: int,
+    capacity_bytes: int | None,
+    host_bytes: int | None,
+    hardware: HardwareProfile,
+) -> dict[str, Any]:
+    """planning.json: the planner's inputs besides the profile, as the backend searched with them."""
+    return {
+        "forced": dict(forced),
+        "n_block": n_block,
+        "layout": layout.to_json() if layout is not None else None,
+        "block_of_param": list(block_of_param),
+        "grad_outputs": sorted(grad_outputs),
+        "fused": fused,
+        "swap_interval": swap_interval,
+        "other_bytes": other_bytes,
+        "capacity_bytes": capacity_bytes,
+        "host_bytes": host_bytes,
+        "hardware": hardware.to_json(),
+    }
+
+
+def cost_model_from_dump(profile: GraphProfile, planning: Mapping[str, Any]) -> CostModel:
+    """The cost models of the graph, built by the current code from its profile and planning.json."""
+    layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
+    costs = CostModel.build(
+        profile,
+        HardwareProfile.from_json(planning["hardware"]),
+        n_block=planning["n_block"],
+        layout=layout,
+        block_of_param=planning["block_of_param"],
+        grad_outputs=frozenset(planning["grad_outputs"]),
+        fused=planning["fused"],
+    )
+    return dataclasses.replace(costs, swap_interval=planning["swap_interval"], other_bytes=planning["other_bytes"])
+
+
+def plan_from_dump(graph_dir: str | Path, forced: Mapping[str, Any] | None = None) -> Plan:
+    """The plan of the graph dumped in `graph_dir` (a `rank<r>/graph<k>` folder of a dump), searched by the
+    current planner under the dumped capacities; `forced`: plan fields to force instead of the dumped ones."""
+    folder = Path(graph_dir)
+    missing = [f for f in ("profile.json", PLANNING_FILE) if not (folder / f).is_file()]
+    if missing:
+        raise ValueError(
+            f"{folder} has no {' or '.join(missing)}: pass a graph folder (rank<r>/graph<k>) of a dump written "
+            "with options={'dump_dir': ...} by a protrain_fx that writes planning.json"
+        )
+    profile = GraphProfile.from_json(json.loads((folder / "profile.json").read_text()))
+    planning = json.loads((folder / PLANNING_FILE).read_text())
+    costs = cost_model_from_dump(profile, planning)
+    layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
+    fields = planning["forced"] if forced is None else forced
+    return plan_graph(costs, fields, layout, planning["capacity_bytes"], planning["host_bytes"])
