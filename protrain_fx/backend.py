@@ -45,11 +45,12 @@ from protrain_fx.capture import (
 )
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import Dumper
-from protrain_fx.debug.from_dump import PLANNING_FILE, planning_inputs
+from protrain_fx.debug.from_dump import GRAPHS_FILE, PLANNING_FILE, planning_inputs
 from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, PassContext, run_passes
 from protrain_fx.planner.cost import Config, CostModel, swap_interval
 from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, Plan
 from protrain_fx.planner.search import NoPlanFits, plan_graph
+from protrain_fx.profiler.fusion import describe
 from protrain_fx.profiler.hardware import device_capacity, hardware_profile, host_capacity, least_on_every_rank
 from protrain_fx.profiler.interpreter import profile_iteration, profile_on_every_rank
 from protrain_fx.profiler.on_demand import OnDemand, storage_key
@@ -403,6 +404,8 @@ class _Partitioner(CustomPartitionerFn):
             dumper.write_text("joint.py", joint.print_readable(print_output=False))
 
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        if dumper:  # as profiled, before any pass: what profiler/fusion.py classifies (debug/from_dump.py)
+            dumper.write_json(GRAPHS_FILE, {"forward": describe(fw.graph), "backward": describe(bw.graph)})
         params = [self.example_inputs[e.index] for e in record.param_map.values()]
         manager = model_manager(roots.model)
         if manager is not None:
@@ -481,6 +484,8 @@ class _Partitioner(CustomPartitionerFn):
         joint = run_passes(joint, ctx, JOINT_PASSES, stage="joint")
         if any(must_recompute(n) for n in joint.graph.nodes):  # recompute tags change the partition: cut again
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        if dumper:  # as profiled, before any pass: what profiler/fusion.py classifies (debug/from_dump.py)
+            dumper.write_json(GRAPHS_FILE, {"forward": describe(fw.graph), "backward": describe(bw.graph)})
         saved = frozenset(n.name for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents"))
         swap = None
         if "swap" in record.plan.block_modes:

@@ -85,8 +85,9 @@ def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
 def test_a_dump_is_planned_again_without_the_model(tmp_path):
     """planning.json and profile.json of a dump are all the planner needs: planned again from them (no model, no
     profiling), a graph gets the plan it was given, predictions and runners-up included; other forced fields are
-    searched under the dumped capacities."""
-    from protrain_fx.debug.from_dump import plan_from_dump
+    searched under the dumped capacities. graphs.json classifies every node's kernel again as profiling did."""
+    from protrain_fx.debug.from_dump import classified_again, plan_from_dump
+    from protrain_fx.profiler.profile import GraphProfile
 
     model = models.build("llama", layers=3)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
@@ -103,6 +104,19 @@ def test_a_dump_is_planned_again_without_the_model(tmp_path):
     assert plan_from_dump(graph_dir, {"n_persist": 2}).n_persist == 2
     with pytest.raises(ValueError, match="has no profile.json or planning.json: pass a graph folder"):
         plan_from_dump(tmp_path)
+
+    profile = GraphProfile.from_json(json.loads((graph_dir / "profile.json").read_text()))
+    graphs = json.loads((graph_dir / "graphs.json").read_text())
+    fused = [n for n in profile.nodes if n.fused_bytes]
+    assert len(fused) > 10 and any(n.unfused_bytes for n in profile.nodes)
+    for node in fused:  # (as found again, not as dumped)
+        node.fused_bytes = node.unfused_bytes = 0
+        node.kernel = "extern"
+    again = classified_again(profile, graphs)
+    dumped = GraphProfile.from_json(json.loads((graph_dir / "profile.json").read_text()))
+    assert [(n.kernel, n.fused_bytes, n.unfused_bytes) for n in again.nodes] == [
+        (n.kernel, n.fused_bytes, n.unfused_bytes) for n in dumped.nodes
+    ]
 
 
 def test_the_plan_budgets_host_memory():

@@ -17,7 +17,7 @@ def f(x, w):
 def test_regions_between_library_kernels():
     x, w = torch.randn(16, 8), torch.randn(4, 8)
     gm = make_fx(f, tracing_mode="fake")(x, w)
-    kernels = kernel_classes(gm)
+    kernels = kernel_classes(gm.graph)
     by_target = {str(n.target): kernels[n.name] for n in gm.graph.nodes if n.name in kernels}
     nbytes = 16 * 8 * 4
     assert by_target["aten.mm.default"].kind == EXTERN and by_target["aten.t.default"].kind == VIEW
@@ -41,7 +41,7 @@ def test_cheap_value_read_twice_is_recomputed_on_the_gpu_and_stored_on_the_cpu()
     on the CPU exp is a heavy op and is written out."""
     gm = make_fx(softmax, tracing_mode="fake")(torch.randn(16, 8))
     nbytes = 16 * 8 * 4
-    gpu, cpu = kernel_classes(gm), kernel_classes(gm, cpu=True)
+    gpu, cpu = kernel_classes(gm.graph), kernel_classes(gm.graph, cpu=True)
     assert gpu["exp"].unfused_bytes == nbytes  # credited: never allocated under inductor
     assert gpu["div"].fused_bytes == 2 * nbytes  # reads x, writes the output
     assert cpu["exp"].unfused_bytes == 0  # not credited: it exists under inductor too
@@ -58,7 +58,7 @@ def test_costly_value_read_twice_is_stored():
     """A value read twice whose expression reads more than inductor's realize_reads_threshold (4) buffers is
     written out, on every device."""
     gm = make_fx(wide, tracing_mode="fake")(*(torch.randn(16, 8) for _ in range(5)))
-    for kernels in (kernel_classes(gm), kernel_classes(gm, cpu=True)):
+    for kernels in (kernel_classes(gm.graph), kernel_classes(gm.graph, cpu=True)):
         assert kernels["sum_1"].unfused_bytes == 16 * 4  # the sums only: y is written, its terms died inside
         assert kernels["mul_2"].fused_bytes == 7 * 16 * 8 * 4  # reads 5, writes y and the output
 
@@ -72,7 +72,7 @@ def test_cast_logits_are_never_stored():
     its fp32 copy, twice the logits' size, is not allocated under inductor."""
     gm = make_fx(log_softmax_of_cast, tracing_mode="fake")(torch.randn(16, 96, dtype=torch.bfloat16))
     (cast,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten._to_copy.default]
-    for kernels in (kernel_classes(gm), kernel_classes(gm, cpu=True)):
+    for kernels in (kernel_classes(gm.graph), kernel_classes(gm.graph, cpu=True)):
         assert kernels[cast.name].unfused_bytes >= 16 * 96 * 4
 
 
@@ -86,7 +86,7 @@ def test_ops_inductor_decomposes_are_fused():
     decomposes them into ops it fuses, so their fp32 intermediates are never allocated."""
     logits, target = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, 32, (16,))
     gm = make_fx(loss_backward, tracing_mode="fake")(logits, target, torch.tensor(1.0))
-    kernels = kernel_classes(gm)
+    kernels = kernel_classes(gm.graph)
     aten = torch.ops.aten
     decomposed = {
         aten._log_softmax.default,
@@ -114,9 +114,9 @@ def test_fused_kernel_holds_what_the_profile_freed_inside_its_region():
     for ph, name in zip(gm.graph.find_nodes(op="placeholder"), ("logits", "tangents_1")):
         ph.name = name  # as in AOTAutograd's backward: a saved activation, and an output gradient
     gm.recompile()
-    kernels = kernel_classes(gm)
+    kernels = kernel_classes(gm.graph)
     add = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.add.Tensor)
     cast_out = 16 * 96 * 2
     assert kernels[add.name].unfused_bytes == cast_out - 16 * 96 * 2  # the bf16 cast (inside) less the logits
     gm.graph.find_nodes(op="placeholder")[0].name = "primals_1"
-    assert kernel_classes(gm)[add.name].unfused_bytes == cast_out
+    assert kernel_classes(gm.graph)[add.name].unfused_bytes == cast_out

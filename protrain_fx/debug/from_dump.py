@@ -1,5 +1,5 @@
 """The planner run again on a dump: the plan a graph gets from the current cost models and search, from what its
-dump directory holds (profile.json and planning.json), with no model, no device and no profiling.
+dump directory holds (profile.json, planning.json, graphs.json), with no model, no device and no profiling.
 
     plan = plan_from_dump("dumps/rank0/graph0")                    # the dumped graph's forced fields
     plan = plan_from_dump("dumps/rank0/graph0", {"n_persist": 4})  # other forced fields
@@ -12,8 +12,9 @@ them in the dump) without the machine that measured them: keep the dumps of a `b
 planning.json holds what `CostModel.build` and `plan_graph` read besides the profile: the block count, the chunk
 layout and the block of each of its slots, the backward's gradient outputs, whether the graphs run fused
 (inductor), the swap interval and the other bytes the backend settled on, the GPU and host capacities the search
-ran under, the fields forced, and the hardware profile. What the profiler decided about fusion is in the profile
-(each node's kernel class and fused bytes, profiler/fusion.py): a change there needs the graphs profiled again.
+ran under, the fields forced, and the hardware profile. graphs.json holds the forward and backward graphs as
+profiled (`profiler/fusion.py: describe`): each node's kernel class and fused bytes are classified again from them
+by the current `profiler/fusion.py`, so a change there is checked the same way.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import CostModel
 from protrain_fx.planner.plan import Plan
 from protrain_fx.planner.search import plan_graph
+from protrain_fx.profiler.fusion import kernel_classes, rebuild
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile
 
 PLANNING_FILE = "planning.json"
+GRAPHS_FILE = "graphs.json"
 
 
 def planning_inputs(
@@ -90,8 +93,26 @@ def plan_from_dump(graph_dir: str | Path, forced: Mapping[str, Any] | None = Non
             "with options={'dump_dir': ...} by a protrain_fx that writes planning.json"
         )
     profile = GraphProfile.from_json(json.loads((folder / "profile.json").read_text()))
+    if (folder / GRAPHS_FILE).is_file():
+        profile = classified_again(profile, json.loads((folder / GRAPHS_FILE).read_text()))
     planning = json.loads((folder / PLANNING_FILE).read_text())
     costs = cost_model_from_dump(profile, planning)
     layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
     fields = planning["forced"] if forced is None else forced
     return plan_graph(costs, fields, layout, planning["capacity_bytes"], planning["host_bytes"])
+
+
+def classified_again(profile: GraphProfile, graphs: Mapping[str, list[dict]]) -> GraphProfile:
+    """The profile with each node's kernel class, fused bytes and unfused bytes from the current
+    `profiler/fusion.py`, run on the graphs as profiled (graphs.json)."""
+    nodes = [dataclasses.replace(n) for n in profile.nodes]
+    for kind in ("forward", "backward"):
+        named = {n.name: n for n in nodes if n.graph == kind}
+        for name, k in kernel_classes(rebuild(graphs[kind]), cpu=profile.device.startswith("cpu")).items():
+            if name in named:
+                named[name].kernel, named[name].fused_bytes, named[name].unfused_bytes = (
+                    k.kind,
+                    k.fused_bytes,
+                    k.unfused_bytes,
+                )
+    return dataclasses.replace(profile, nodes=nodes)

@@ -6,7 +6,8 @@ nodes between them into generated kernels that each read their inputs and write 
 inductor a fused region costs about the bytes it moves divided by the device's memory bandwidth, whatever its
 nodes cost one by one (the profiled node-by-node time was about 2x inductor's on a 1B LLaMA).
 
-`kernel_classes(gm)` returns, per node name, a `Kernel`: its class, fused bytes and unfused bytes:
+`kernel_classes(graph)` returns, per node name, a `Kernel`: its class, fused bytes and unfused bytes (`describe`
+and `rebuild` carry a graph to and from JSON with what this reads, so a dump can be classified again later):
   "extern": a library kernel; its profiled time stands.
   "view": a view, a getitem or any node that makes no new tensor; free.
   "fused": part of a fused region. Regions are the connected groups of fused nodes (views passed through) at
@@ -23,6 +24,7 @@ nodes cost one by one (the profiled node-by-node time was about 2x inductor's on
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import operator
 
@@ -121,17 +123,17 @@ def _realized(nodes, kind, root, readers, *, cpu: bool) -> set[fx.Node]:
     return realized
 
 
-def kernel_classes(gm: fx.GraphModule, *, cpu: bool = False) -> dict[str, Kernel]:
+def kernel_classes(graph: fx.Graph, *, cpu: bool = False) -> dict[str, Kernel]:
     """Every call node's `Kernel` (see the module docstring), from the graph's shapes alone; `cpu`: inductor
     generates CPU code for it, which stores a few more values (`_realized`)."""
-    nodes = [n for n in gm.graph.nodes if n.op in _CALL_OPS]
+    nodes = [n for n in graph.nodes if n.op in _CALL_OPS]
     root: dict[fx.Node, fx.Node] = {}  # a view -> the node whose tensor it views (itself for others)
-    for n in gm.graph.nodes:
+    for n in graph.nodes:
         base = n.args[0] if n.op in _CALL_OPS and _is_alias(n.target) and n.args else None
         root[n] = root.get(base, n) if isinstance(base, fx.Node) else n
     kind = {n: VIEW if root[n] is not n else EXTERN if _is_extern(n.target) else FUSED for n in nodes}
     depth: dict[fx.Node, int] = {}
-    for n in gm.graph.nodes:
+    for n in graph.nodes:
         preds = [root[p] for p in n.all_input_nodes]
         depth[n] = max((depth[p] + (kind.get(p) == EXTERN) for p in preds), default=0)
 
@@ -146,16 +148,16 @@ def kernel_classes(gm: fx.GraphModule, *, cpu: bool = False) -> dict[str, Kernel
                 regions.add_edge(p, n)
 
     readers: dict[fx.Node, set[fx.Node]] = {}  # root tensor -> the non-view nodes (or output) that read it
-    for n in gm.graph.nodes:
+    for n in graph.nodes:
         if n.op in _CALL_OPS and kind[n] == VIEW:
             continue
         for p in n.all_input_nodes:
             readers.setdefault(root[p], set()).add(n)
 
     realized = _realized(nodes, kind, root, readers, cpu=cpu)
-    backward = any(n.name.startswith("tangents") for n in gm.graph.find_nodes(op="placeholder"))
+    backward = any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
     out = {n.name: Kernel(kind[n]) for n in nodes}
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = {n: i for i, n in enumerate(graph.nodes)}
     # (from, to, bytes) of tensors only the profile holds (negative bytes: only the fused kernels hold them)
     internal: list[tuple[int, int, int]] = []
     for members in nx.connected_components(regions):
@@ -181,3 +183,79 @@ def kernel_classes(gm: fx.GraphModule, *, cpu: bool = False) -> dict[str, Kernel
     for n in nodes:
         out[n.name] = dataclasses.replace(out[n.name], unfused_bytes=alive[order[n]])
     return out
+
+
+def describe(graph: fx.Graph) -> list[dict]:
+    """The graph as `kernel_classes` reads it, for JSON (a dump's graphs.json): per node its name, op, target,
+    input nodes (in argument order) and the shape and dtype of each tensor it makes."""
+    nodes = []
+    for n in graph.nodes:
+        tensors = [t for t in tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor)]
+        nodes.append(
+            {
+                "name": n.name,
+                "op": n.op,
+                "target": _target_name(n.target) if n.op in (*_CALL_OPS, "get_attr") else None,
+                "inputs": [p.name for p in n.all_input_nodes],
+                "tensors": [[[int(d) for d in t.shape], str(t.dtype).removeprefix("torch.")] for t in tensors],
+            }
+        )
+    return nodes
+
+
+def rebuild(nodes: list[dict]) -> fx.Graph:
+    """A graph `kernel_classes` classifies as it did the one `describe` was given: the same nodes, edges and
+    tensor sizes (meta tensors; each node's arguments are its input nodes only)."""
+    graph = fx.Graph()
+    made: dict[str, fx.Node] = {}
+    for d in nodes:
+        args = tuple(made[name] for name in d["inputs"])
+        if d["op"] == "placeholder":
+            node = graph.placeholder(d["name"])
+        elif d["op"] == "output":
+            graph.output(args)
+            continue
+        elif d["op"] == "get_attr":
+            node = graph.create_node("get_attr", d["target"], name=d["name"])
+        else:
+            target = _resolve(d["target"]) if d["op"] == "call_function" else d["target"]  # (methods: by name)
+            node = graph.create_node(d["op"], target, args, name=d["name"])
+        assert node.name == d["name"], f"node {d['name']} came back as {node.name}"
+        node.meta["val"] = tuple(
+            torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for shape, dtype in d["tensors"]
+        )
+        made[d["name"]] = node
+    return graph
+
+
+def _hint(size) -> int:
+    """A size as an int: a symbolic one's hint, read without adding a guard (0 where it has none)."""
+    return size if isinstance(size, int) else int(size.node.hint or 0)
+
+
+def _target_name(target) -> str:
+    if isinstance(target, (torch._ops.OpOverload, str)):
+        return str(target)
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def _resolve(name: str):
+    """The op or function `_target_name` named; an unknown one comes back as a stand-in function, which counts
+    as a library kernel (as any Python callable that is not a view does)."""
+    namespace, _, rest = name.partition(".")
+    if hasattr(torch.ops, namespace) and rest.count(".") == 1:
+        op, overload = rest.split(".")
+        try:
+            return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+        except AttributeError:
+            pass
+    module, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+
+        def stand_in(*args):
+            raise NotImplementedError(f"{name} is a stand-in: the graph was rebuilt for its shapes only")
+
+        stand_in.__name__ = attr or name
+        return stand_in

@@ -272,7 +272,7 @@ def profile_iteration(
     by_graph = {"forward": fw, "backward": bw}
     for kind, gm in by_graph.items():
         named = {r.name: r for r in nodes if r.graph == kind}
-        for name, k in kernel_classes(gm, cpu=device.type == "cpu").items():
+        for name, k in kernel_classes(gm.graph, cpu=device.type == "cpu").items():
             named[name].kernel, named[name].fused_bytes, named[name].unfused_bytes = (
                 k.kind,
                 k.fused_bytes,
