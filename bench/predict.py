@@ -12,7 +12,6 @@ side by side; the JSON (`--out`) keeps every file.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import tempfile
@@ -187,7 +186,7 @@ def from_dump(args: argparse.Namespace) -> int:
         lines.append(
             (
                 str(folder),
-                f"{_fields(then)} / {_fields(dataclasses.asdict(now))}",
+                f"{_fields(then)} / {_fields(vars(now))}",
                 f"{then['predicted_step_s'] * 1e3:.1f}",
                 f"{now.predicted_step_s * 1e3:.1f}",
                 "-" if step is None else f"{step * 1e3:.1f}",

@@ -67,9 +67,9 @@ def planning_inputs(
     }
 
 
-def cost_model_from_dump(profile: GraphProfile, planning: Mapping[str, Any]) -> CostModel:
-    """The cost models of the graph, built by the current code from its profile and planning.json."""
-    layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
+def cost_model_from_dump(profile: GraphProfile, planning: Mapping[str, Any], layout: ChunkLayout | None) -> CostModel:
+    """The cost models of the graph, built by the current code from its profile and planning.json (whose chunk
+    layout is `layout`)."""
     costs = CostModel.build(
         profile,
         HardwareProfile.from_json(planning["hardware"]),
@@ -96,8 +96,8 @@ def plan_from_dump(graph_dir: str | Path, forced: Mapping[str, Any] | None = Non
     if (folder / GRAPHS_FILE).is_file():
         profile = classified_again(profile, json.loads((folder / GRAPHS_FILE).read_text()))
     planning = json.loads((folder / PLANNING_FILE).read_text())
-    costs = cost_model_from_dump(profile, planning)
     layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
+    costs = cost_model_from_dump(profile, planning, layout)
     fields = planning["forced"] if forced is None else forced
     return plan_graph(costs, fields, layout, planning["capacity_bytes"], planning["host_bytes"])
 

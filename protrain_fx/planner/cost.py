@@ -166,6 +166,12 @@ class _Link:
         other = self.busy["d2h" if way == "h2d" else "h2d"]
         return nbytes / self.hardware.link_bytes_per_s(way, at in other, at in self.host)
 
+    def copy(self, way: str, nbytes: float, start: float, spans: list, *, forward: bool = False) -> float:
+        """When a copy begun at `start` ends (as `seconds`), its (start, end) added to a timeline's `spans`."""
+        end = start + self.seconds(way, nbytes, start, forward=forward)
+        spans.append((start, end))
+        return end
+
 
 def swap_interval(
     block_saved: Sequence[int], block_fwd_s: Sequence[float], hardware: HardwareProfile, *, uploads_share_link: bool
@@ -500,16 +506,12 @@ class CostModel:
             while following < n and following - buffers < max(c, persist):  # a buffer is free for it
                 freed = end[following - buffers] if following - buffers >= persist else 0.0
                 start = max(up, freed, ready[following] if ready is not None else 0.0)
-                up = start + link.seconds("h2d", shard, start, forward=True)
-                h2d.append((start, up))
-                up = loaded[following] = up + gather
+                up = loaded[following] = link.copy("h2d", shard, start, h2d, forward=True) + gather
                 following += 1
             start = max(t, loaded.get(c, 0.0))
             t = start + per["forward"][c]
             if per["swap_out"][c]:
-                begin = max(down, start)
-                down = begin + link.seconds("d2h", per["swap_out"][c], begin, forward=True)
-                d2h.append((begin, down))
+                down = link.copy("d2h", per["swap_out"][c], max(down, start), d2h, forward=True)
                 t = max(t, down)
             end[c] = t
         return {"end": t, "h2d": h2d, "d2h": d2h}
@@ -536,16 +538,12 @@ class CostModel:
             if self.overlap:
                 while following < len(order) and following - buffers < done:  # a buffer is free for it
                     start = max(up, end[order[following - buffers]])
-                    up = start + link.seconds("h2d", shard, start)
-                    h2d.append((start, up))
-                    up = loaded[order[following]] = up + gather
+                    up = loaded[order[following]] = link.copy("h2d", shard, start, h2d) + gather
                     following += 1
                 start = max(t, loaded.get(c, 0.0))
                 t = start + per["backward"][c] + per["recompute"][c]
                 if per["swap_in"][c]:
-                    begin = max(up, start)
-                    up = begin + link.seconds("h2d", per["swap_in"][c], begin)
-                    h2d.append((begin, up))
+                    up = link.copy("h2d", per["swap_in"][c], max(up, start), h2d)
                     t = max(t, up)
             else:
                 load = link.seconds("h2d", shard, t) + gather if c in uploaded else 0.0
