@@ -1,10 +1,12 @@
 """What inductor makes of a graph (profiler/fusion.py): library kernels, views, and fused regions with the bytes
 their kernels move and the intermediates they never allocate."""
 
+import json
+
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from protrain_fx.profiler.fusion import EXTERN, FUSED, VIEW, kernel_classes
+from protrain_fx.profiler.fusion import EXTERN, FUSED, VIEW, describe, kernel_classes, rebuild
 
 
 def f(x, w):
@@ -120,3 +122,30 @@ def test_fused_kernel_holds_what_the_profile_freed_inside_its_region():
     assert kernels[add.name].unfused_bytes == cast_out - 16 * 96 * 2  # the bf16 cast (inside) less the logits
     gm.graph.find_nodes(op="placeholder")[0].name = "primals_1"
     assert kernel_classes(gm.graph)[add.name].unfused_bytes == cast_out
+
+
+def test_described_graph_with_a_higher_order_op_is_rebuilt():
+    """A dump describes the graphs as profiled (graphs.json): a higher-order operator (on CUDA inductor wraps a
+    recomputed kernel in graphsafe_run_with_rng_state) is named and found again, an unknown callable stands in."""
+    x, w = torch.randn(16, 8), torch.randn(4, 8)
+    gm = make_fx(f, tracing_mode="fake")(x, w)
+    hop = torch.ops.higher_order.graphsafe_run_with_rng_state
+    relu = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.relu.default)
+
+    class Opaque:  # a callable object with a __name__ (as fx needs) but no __qualname__
+        __name__ = "opaque"
+
+        def __call__(self, *args):
+            return args
+
+    with gm.graph.inserting_before(gm.graph.output_node()):
+        wrapped = gm.graph.call_function(hop, (torch.ops.aten.relu.default, relu))
+        opaque = gm.graph.call_function(Opaque(), (wrapped,))
+    wrapped.meta["val"], opaque.meta["val"] = relu.meta["val"], relu.meta["val"]
+    described = describe(gm.graph)
+    again = rebuild(json.loads(json.dumps(described)))
+    targets = {n.name: n.target for n in again.nodes}
+    assert targets[wrapped.name] is hop
+    assert callable(targets[opaque.name]) and targets[opaque.name] is not opaque.target
+    assert describe(again) == described
+    assert kernel_classes(again) == kernel_classes(gm.graph)

@@ -228,6 +228,9 @@ def rebuild(nodes: list[dict]) -> fx.Graph:
     return graph
 
 
+_HIGHER_ORDER = "higher_order"  # torch.ops.higher_order: the namespace of higher-order operators
+
+
 def _hint(size) -> int:
     """A size as an int: a symbolic one's hint, read without adding a guard (0 where it has none)."""
     return size if isinstance(size, int) else int(size.node.hint or 0)
@@ -236,13 +239,17 @@ def _hint(size) -> int:
 def _target_name(target) -> str:
     if isinstance(target, (torch._ops.OpOverload, str)):
         return str(target)
-    return f"{target.__module__}.{target.__qualname__}"
+    if isinstance(target, torch._ops.HigherOrderOperator):  # e.g. the rng state around a recomputed kernel on CUDA
+        return f"{_HIGHER_ORDER}.{target.name()}"
+    return f"{target.__module__}.{getattr(target, '__qualname__', type(target).__qualname__)}"
 
 
 def _resolve(name: str):
     """The op or function `_target_name` named; an unknown one comes back as a stand-in function, which counts
     as a library kernel (as any Python callable that is not a view does)."""
     namespace, _, rest = name.partition(".")
+    if namespace == _HIGHER_ORDER and hasattr(torch.ops.higher_order, rest):
+        return getattr(torch.ops.higher_order, rest)
     if hasattr(torch.ops, namespace) and rest.count(".") == 1:
         op, overload = rest.split(".")
         try:
@@ -257,5 +264,6 @@ def _resolve(name: str):
         def stand_in(*args):
             raise NotImplementedError(f"{name} is a stand-in: the graph was rebuilt for its shapes only")
 
-        stand_in.__name__ = attr or name
+        stand_in.__name__ = stand_in.__qualname__ = attr or name
+        stand_in.__module__ = module  # (named as the original, so a rebuilt graph describes as it did)
         return stand_in
