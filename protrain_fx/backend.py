@@ -404,8 +404,6 @@ class _Partitioner(CustomPartitionerFn):
             dumper.write_text("joint.py", joint.print_readable(print_output=False))
 
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        if dumper:  # as profiled, before any pass: what profiler/fusion.py classifies (debug/from_dump.py)
-            dumper.write_json(GRAPHS_FILE, {"forward": describe(fw.graph), "backward": describe(bw.graph)})
         params = [self.example_inputs[e.index] for e in record.param_map.values()]
         manager = model_manager(roots.model)
         if manager is not None:
@@ -467,6 +465,9 @@ class _Partitioner(CustomPartitionerFn):
                 dumper.write_json("costs.json", _cost_terms(record.costs, record.plan))
             if record.planning is not None:
                 dumper.write_json(PLANNING_FILE, record.planning)
+            # as profiled (every block saving all it saves), before any pass or re-cut for the plan: what
+            # profiler/fusion.py classified (debug/from_dump.py)
+            dumper.write_json(GRAPHS_FILE, {"forward": describe(fw.graph), "backward": describe(bw.graph)})
         if self.explain and manager is None:
             record.forward, record.backward = fw, bw
             return fw, bw
@@ -484,8 +485,6 @@ class _Partitioner(CustomPartitionerFn):
         joint = run_passes(joint, ctx, JOINT_PASSES, stage="joint")
         if any(must_recompute(n) for n in joint.graph.nodes):  # recompute tags change the partition: cut again
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        if dumper:  # as profiled, before any pass: what profiler/fusion.py classifies (debug/from_dump.py)
-            dumper.write_json(GRAPHS_FILE, {"forward": describe(fw.graph), "backward": describe(bw.graph)})
         saved = frozenset(n.name for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents"))
         swap = None
         if "swap" in record.plan.block_modes:

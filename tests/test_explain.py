@@ -85,13 +85,18 @@ def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
 def test_a_dump_is_planned_again_without_the_model(tmp_path):
     """planning.json and profile.json of a dump are all the planner needs: planned again from them (no model, no
     profiling), a graph gets the plan it was given, predictions and runners-up included; other forced fields are
-    searched under the dumped capacities. graphs.json classifies every node's kernel again as profiling did."""
+    searched under the dumped capacities. graphs.json classifies every node's kernel again as profiling did: it
+    holds the graphs as profiled, not as cut again for the plan (here with a block checkpointed)."""
     from protrain_fx.debug.from_dump import classified_again, plan_from_dump
     from protrain_fx.profiler.profile import GraphProfile
 
     model = models.build("llama", layers=3)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
-    options = {"executor": "eager", "dump_dir": str(tmp_path), "plan": {"n_persist": 1, "n_buffer": 2}}
+    options = {
+        "executor": "eager",
+        "dump_dir": str(tmp_path),
+        "plan": {"n_persist": 1, "n_buffer": 2, "n_checkpoint": 1},
+    }
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
     compiled(**models.batch("llama")).loss.backward()
     opt.step()
