@@ -33,7 +33,8 @@ def test_untagged_graph_unchanged():
     assert grad_reduce_pass(gm, types.SimpleNamespace(stage="backward", forward_placeholders=[])).code == before
 
 
-def test_tagged_graph_gathers_and_computes_the_same():
+def tagged(stage: str):
+    """The two layers' graph with both parameters in one offloaded chunk, through chunk_gather_pass at `stage`."""
     w1, w2, x, expected, gm = setup()
     layout = layout_at(
         [ParamInfo("w1", 32, None), ParamInfo("w2", 24, None)], chunk_elems=64, element_size=4, world_size=1
@@ -43,8 +44,11 @@ def test_tagged_graph_gathers_and_computes_the_same():
     for node, param in zip([n for n in gm.graph.nodes if n.op == "placeholder"], [w1, w2]):
         slot = manager.slot_of(param)
         node.meta[TAG] = ParamTag(manager.handle, manager.index[id(param)], slot.chunk, slot.offset, slot.numel, False)
-    ctx = types.SimpleNamespace(manager=manager, stage="forward")
-    gm = chunk_gather_pass(gm, ctx)
+    return w1, w2, x, expected, chunk_gather_pass(gm, types.SimpleNamespace(manager=manager, stage=stage))
+
+
+def test_tagged_graph_gathers_and_computes_the_same():
+    w1, w2, x, expected, gm = tagged("forward")
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.protrain.gather.default) == 1
     assert targets.count(torch.ops.protrain.release.default) == 1
@@ -59,7 +63,14 @@ def test_tagged_graph_gathers_and_computes_the_same():
     assert release.args[2][0] is max(
         gm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default), key=list(gm.graph.nodes).index
     )
+    # a forward starts loading its first offloaded chunk as it starts, ordered after an input (x), not a parameter
+    first = next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert first.target is torch.ops.protrain.prefetch.default and first.args[1] == 0
+    assert first.args[2] is list(gm.graph.find_nodes(op="placeholder"))[-1]
     torch.testing.assert_close(gm(w1, w2, x), expected, rtol=0, atol=0)
+    # a backward's first chunk is mostly still in its buffer from the forward: nothing loads it early
+    *_, backward = tagged("backward")
+    assert not backward.graph.find_nodes(op="call_function", target=torch.ops.protrain.prefetch.default)
 
 
 def test_grad_reduce_pass_hands_gradients_over():

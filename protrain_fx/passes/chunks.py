@@ -10,6 +10,7 @@ chunk_gather_pass (forward and backward graphs), for each offloaded chunk c:
     after:   buf = protrain.gather(m, c, [r_1, r_2, ...])  # after every release before it, whatever order
                                                   # the compiler picks (below)
              protrain.prefetch(m, c_next, buf)    # the chunk gathered next in this graph, on the copy stream
+                                                  # (a forward's first: also right after its placeholders)
              w1' = view(slice(buf, 0, o1, o1 + n1), shape1); w2' = ...
              y = mm(x, w1'); z = mm(y, w2')
              r = protrain.release(m, c, [z])      # after the last reader of any parameter of c: it waits
@@ -152,6 +153,7 @@ def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for gather, following in zip(gathers, gathers[1:]):
         with graph.inserting_after(gather):
             graph.call_function(torch.ops.protrain.prefetch.default, (following.args[0], following.args[1], gather))
+    _prefetch_first(graph, gathers[0], ctx)
     order = {n: i for i, n in enumerate(graph.nodes)}
     dag = nx.DiGraph((a, n) for n in graph.nodes for a in n.all_input_nodes)
     for chunk, readers in readers_of.items():
@@ -167,6 +169,23 @@ def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _prefetch_first(graph: fx.Graph, first: fx.Node, ctx) -> None:
+    """A forward starts loading the first chunk it gathers as it starts (`prefetch` loads it if its host update
+    is done, as it mostly is by then), not once the CPU reaches the gather, after launching every persistent
+    chunk's kernels: the chunk's copy runs beside their compute then, as planner/cost.py lays it out. (A
+    backward's first chunk is mostly still in its buffer from the forward.)"""
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    inputs = [
+        n
+        for n in placeholders
+        if isinstance(n.meta.get("val"), torch.Tensor) and (TAG not in n.meta or n.meta[TAG].persistent)
+    ]
+    if ctx.stage == "backward" or not inputs:
+        return
+    with graph.inserting_after(placeholders[-1]):
+        graph.call_function(torch.ops.protrain.prefetch.default, (first.args[0], first.args[1], inputs[0]))
 
 
 def _materialize_escaping(graph: fx.Graph, outputs: list[fx.Node], readers: set[fx.Node]) -> None:
