@@ -176,13 +176,15 @@ def _prefetch_first(graph: fx.Graph, first: fx.Node, ctx) -> None:
     is done, as it mostly is by then), not once the CPU reaches the gather, after launching every persistent
     chunk's kernels: the chunk's copy runs beside their compute then, as planner/cost.py lays it out. (A
     backward's first chunk is mostly still in its buffer from the forward.)"""
+    if ctx.stage == "backward":
+        return
     placeholders = list(graph.find_nodes(op="placeholder"))
     inputs = [
         n
         for n in placeholders
         if isinstance(n.meta.get("val"), torch.Tensor) and (TAG not in n.meta or n.meta[TAG].persistent)
     ]
-    if ctx.stage == "backward" or not inputs:
+    if not inputs:
         return
     with graph.inserting_after(placeholders[-1]):
         graph.call_function(torch.ops.protrain.prefetch.default, (first.args[0], first.args[1], inputs[0]))
