@@ -492,7 +492,12 @@ class _Partitioner(CustomPartitionerFn):
             budget = min((limit for limit in limits if limit), default=None)  # prefetch within the tightest
             swap = SwapSpace(device, budget_bytes=budget, upload_stream=manager.upload_stream if manager else None)
         # (a graph of no model, a loss after a graph break, has nothing to keep its monitor alive: none there)
-        monitor = StepMonitor(device, record.plan, dumper) if dumper and roots.model is not None else None
+        hardware = record.costs.hardware if record.costs is not None else None
+        monitor = (
+            StepMonitor(device, record.plan, dumper, manager=manager, hardware=hardware)
+            if dumper and roots.model is not None
+            else None
+        )
         record.monitor = monitor
         for runtime_object in (swap, monitor):  # the ops reach them by weak handle: the model keeps them alive
             if runtime_object is not None:

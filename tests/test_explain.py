@@ -1,6 +1,8 @@
 """explain, plan_of, the plan dump and its replay, predicted_vs_measured.json (protrain_fx/explain.py,
 runtime/monitor.py)."""
 
+import collections
+import dataclasses
 import json
 
 import models
@@ -53,11 +55,12 @@ def test_plan_of_the_compiled_model():
 
 
 def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
-    """The dump has plan.json, and after a few steps predicted_vs_measured.json; plan.json given back as
-    options={"plan": path} is the same plan, not searched again."""
+    """The dump has plan.json, and after a few steps predicted_vs_measured.json (with the host AdamW's rate in
+    training beside the hardware profile's, chunks being offloaded); plan.json given back as options={"plan":
+    path} is the same plan, not searched again."""
     model = models.build("llama", layers=3)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
-    options = {"executor": "eager", "dump_dir": str(tmp_path), "plan": {"n_checkpoint": 1}}
+    options = {"executor": "eager", "dump_dir": str(tmp_path), "plan": {"n_checkpoint": 1, "n_persist": 1}}
     backend = protrain_fx.ProTrainBackend(options)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     for step in range(8):
@@ -70,6 +73,12 @@ def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
     report = json.loads((graph_dir / "predicted_vs_measured.json").read_text())
     assert report["measured_step_s"] > 0 and report["predicted_step_s"] == dumped["predicted_step_s"]
     assert report["measured_peak_bytes"] is None  # no allocator on the CPU
+    assert dumped["n_persist"] < dumped["n_chunk"] and report["measured_host_adam_s_per_param"] > 0
+    hardware = json.loads((graph_dir / "planning.json").read_text())["hardware"]
+    assert report["profiled_host_adam_s_per_param"] == [
+        hardware["host_adam_s_per_param"],
+        hardware["host_adam_both_s_per_param"],
+    ]
 
     torch._dynamo.reset()
     fresh = models.build("llama", layers=3)
@@ -140,3 +149,31 @@ def test_the_plan_budgets_host_memory():
     assert plan.n_persist < plan.n_chunk
     with pytest.raises(ValueError, match=r"option 'host_memory_bytes' must be positive"):
         protrain_fx.explain(model, batch, {"host_memory_bytes": 0})
+
+
+def test_a_host_adamw_far_from_its_profile_is_reported(caplog):
+    """On CUDA, a host AdamW far slower in training than the hardware profile says (a profile measured while the
+    machine was busy, then cached) is logged with what to do; within the profile's range it is not."""
+    from protrain_fx.profiler.hardware import hardware_profile
+    from protrain_fx.runtime.monitor import HOST_RATE_SLACK, StepMonitor
+
+    rates = {"host_adam_s_per_param": 2e-10, "host_adam_both_s_per_param": 3.5e-10}
+    hardware = dataclasses.replace(hardware_profile(torch.device("cpu")), **rates)
+
+    class Manager:  # (held weakly, as the model's ChunkManager)
+        host_updates = collections.deque([(100, 100 * 2.5e-10)] * 3)
+
+    manager = Manager()
+    monitor = StepMonitor(torch.device("cuda"), Plan(), None, manager=manager, hardware=hardware)
+    with caplog.at_level("WARNING"):
+        report = monitor._host_adam()
+    assert report == {
+        "measured_host_adam_s_per_param": pytest.approx(2.5e-10),
+        "profiled_host_adam_s_per_param": [2e-10, 3.5e-10],
+    }
+    assert not caplog.records
+    manager.host_updates.clear()
+    manager.host_updates.extend([(100, 100 * 3.5e-10 * HOST_RATE_SLACK * 2)] * 3)  # twice past the slack
+    with caplog.at_level("WARNING"):
+        monitor._host_adam()
+    assert "measure it again: delete the cached profiles under" in caplog.text

@@ -26,10 +26,12 @@ for those parameters, and `protrain_fx.optim.AdamW` steps from the manager.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import functools
 import logging
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -55,6 +57,7 @@ REDUCE_BUFFERS = 2  # fp32 chunk buffers gradients are reduced in: one copied to
 ARENA_BYTES_PER_ELEMENT = 4 + 4  # an offloaded shard's fp32 master (the parameters' only host copy) and gradient
 # all an offloaded shard takes of the host: its arena part and the host AdamW's two fp32 states
 HOST_BYTES_PER_ELEMENT = ARENA_BYTES_PER_ELEMENT + 8
+HOST_UPDATES_KEPT = 64  # host AdamW timings kept (ChunkManager.host_updates)
 # a clipped model's host updates during the backward keep each shard's fp32 master and AdamW states as they were
 # (`ChunkManager.speculates`), where that leaves UNDO_HOST_RESERVE of the host's memory available
 UNDO_BYTES_PER_ELEMENT = 4 + 8
@@ -153,6 +156,9 @@ class ChunkManager:
         self._host = HostQueue(spare_core=self.device.type == "cuda")  # runs the offloaded chunks' CPU steps
         weakref.finalize(self, self._host.close)
         self._pending: dict[int, concurrent.futures.Future] = {}  # offloaded chunk -> its CPU AdamW step
+        # (parameters, seconds) of the latest host AdamW updates (not those that also copy aside what they change):
+        # what the host takes in training, set beside the hardware profile's figure (runtime/monitor.py)
+        self.host_updates: collections.deque[tuple[int, float]] = collections.deque(maxlen=HOST_UPDATES_KEPT)
         # device gradients being copied to the host, with the event that ends the copy: held until it has ended
         # (the allocator must not hand their memory out while the copy reads it), dropped as soon as it has
         self._copying: list[tuple[torch.cuda.Event, torch.Tensor]] = []
@@ -562,10 +568,9 @@ class ChunkManager:
             if stream is not None:
                 copied = stream.record_event()
         last = self._complete(chunk) and self._update_now(chunk)
-        update = None
+        update, speculative = None, self.clip_norm_type is not None
         if last:
             self._stepped.add(chunk)
-            speculative = self.clip_norm_type is not None
             if speculative:
                 self._speculative.add(chunk)
             # hyperparameters and gradients as of now; skipped if a gradient of the step so far is not finite
@@ -583,7 +588,10 @@ class ChunkManager:
                 if accumulate:
                     self.grad[chunk].add_(self.staging)
                 if update is not None:
+                    start = time.perf_counter()
                     update()
+                    if not speculative:
+                        self.host_updates.append((self.master[chunk].numel(), time.perf_counter() - start))
 
         self._pending[chunk] = self._host.submit(chunk, copied, take_in)
 

@@ -4,7 +4,10 @@ With a dump directory, the forward graph starts with `protrain.step_mark(monitor
 step's start. After `warmup` steps it starts measuring (the peak memory counter is reset then), and after
 `steps` more it writes `predicted_vs_measured.json` next to `plan.json`: the predicted and measured step time
 (the median time between forward starts, on CUDA by events on the compute stream), peak allocated bytes and peak
-reserved bytes (CUDA only; the CPU has no allocator to ask), with their relative errors.
+reserved bytes (CUDA only; the CPU has no allocator to ask), with their relative errors. Where chunks are
+offloaded, also the host AdamW's median seconds per parameter over the measured steps' updates, beside the
+hardware profile's figures (alone and beside copies both ways) the plan was timed with; on CUDA a rate far outside
+them is logged as a warning: a hardware profile measured while the machine was busy, which is cached and reused.
 """
 
 from __future__ import annotations
@@ -12,10 +15,13 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+import weakref
 
 import torch
 
+from protrain_fx.config import default_cache_dir
 from protrain_fx.planner.plan import Plan
+from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.runtime import ops
 
 log = logging.getLogger(__name__)
@@ -23,14 +29,28 @@ log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 2  # steps before measuring (compile, first-use costs)
 MEASURED_STEPS = 5
+# the host AdamW in training may run this much faster than the hardware profile's figure alone, or slower than
+# its figure beside copies both ways, before the profile is suspect (the machines measured vary by about 1.2x)
+HOST_RATE_SLACK = 1.5
 
 
 class StepMonitor:
     def __init__(
-        self, device: torch.device, plan: Plan, dumper, *, warmup: int = WARMUP_STEPS, steps: int = MEASURED_STEPS
+        self,
+        device: torch.device,
+        plan: Plan,
+        dumper,
+        *,
+        manager=None,
+        hardware: HardwareProfile | None = None,
+        warmup: int = WARMUP_STEPS,
+        steps: int = MEASURED_STEPS,
     ):
+        """`manager`: the model's ChunkManager (held weakly), whose host updates are timed; `hardware`: the
+        profile the plan was timed with."""
         self.device = torch.device(device)
-        self.plan, self.dumper = plan, dumper
+        self.plan, self.dumper, self.hardware = plan, dumper, hardware
+        self.manager = weakref.ref(manager) if manager is not None else lambda: None
         self.warmup, self.steps = warmup, steps
         self.marks: list = []
         self.handle = ops.register(self)
@@ -39,8 +59,11 @@ class StepMonitor:
         if len(self.marks) > self.warmup + self.steps:
             return
         cuda = self.device.type == "cuda"
-        if len(self.marks) == self.warmup and cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if len(self.marks) == self.warmup:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            if (manager := self.manager()) is not None:
+                manager.host_updates.clear()
         if cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -82,5 +105,26 @@ class StepMonitor:
             "measured_reserved_bytes": self.measured_reserved(),
             "reserved_error": error(plan.predicted_reserved_bytes, self.measured_reserved()),
         }
+        report.update(self._host_adam())
         self.dumper.write_json("predicted_vs_measured.json", report)
         log.info("predicted vs measured: %s", report)
+
+    def _host_adam(self) -> dict:
+        """The host AdamW's measured and profiled seconds per parameter (none without offloaded updates)."""
+        manager = self.manager()
+        updates = tuple(manager.host_updates) if manager is not None else ()  # (the worker thread appends)
+        if not updates or self.hardware is None:
+            return {}
+        measured = statistics.median(seconds / params for params, seconds in updates)
+        alone, both = self.hardware.host_adam_s_per_param, self.hardware.host_adam_both_s_per_param
+        if self.device.type == "cuda" and not alone / HOST_RATE_SLACK <= measured <= both * HOST_RATE_SLACK:
+            log.warning(
+                "the host AdamW took %.3g s/param in training; the hardware profile the plan was timed with has "
+                "%.3g alone and %.3g beside copies both ways, so its predictions are off. If the profile was "
+                "measured while the machine was busy, measure it again: delete the cached profiles under %s",
+                measured,
+                alone,
+                both,
+                default_cache_dir() / "hardware",
+            )
+        return {"measured_host_adam_s_per_param": measured, "profiled_host_adam_s_per_param": [alone, both]}
