@@ -7,7 +7,7 @@ step's start. After `warmup` steps it starts measuring (the peak memory counter 
 reserved bytes (CUDA only; the CPU has no allocator to ask), with their relative errors. Where chunks are
 offloaded, also the host AdamW's median seconds per parameter over the measured steps' updates, beside the
 hardware profile's figures (alone and beside copies both ways) the plan was timed with; on CUDA a rate far outside
-them is logged as a warning: a hardware profile measured while the machine was busy, which is cached and reused.
+them is logged as a warning: the profile, cached and reused, may have been measured while the machine was busy.
 """
 
 from __future__ import annotations
@@ -16,13 +16,16 @@ import logging
 import statistics
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
 from protrain_fx.config import default_cache_dir
 from protrain_fx.planner.plan import Plan
-from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.runtime import ops
+
+if TYPE_CHECKING:
+    from protrain_fx.profiler.hardware import HardwareProfile
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,8 @@ log = logging.getLogger(__name__)
 WARMUP_STEPS = 2  # steps before measuring (compile, first-use costs)
 MEASURED_STEPS = 5
 # the host AdamW in training may run this much faster than the hardware profile's figure alone, or slower than
-# its figure beside copies both ways, before the profile is suspect (the machines measured vary by about 1.2x)
+# its figure beside copies both ways, before the profile is suspect (one H100 machine's host ran 2.4e-10 s/param
+# in one run and 3.8e-10 in the next, against 2.2e-10 alone and 3.4e-10 beside copies: docs/benchmarks.md)
 HOST_RATE_SLACK = 1.5
 
 
