@@ -3,8 +3,9 @@
 Layout: <dir>/rank<r>/graph<k>/ with forward.py and backward.py (readable Python), joint.py, profile.csv,
 profile.json, params.json, blocks.json, plan.json, costs.json (the predicted step split into its terms, and what the
 cost models read), planning.json (the planner's inputs besides the profile) and graphs.json (the graphs as profiled,
-as profiler/fusion.py reads them: debug/from_dump.py plans the graph again from these three), seconds.json (wall time of profiling, the hardware profile and the search) and, after a few steps,
-predicted_vs_measured.json. Graph numbers count up per rank in compile order.
+as profiler/fusion.py reads them: debug/from_dump.py plans the graph again from these three), seconds.json (wall
+time of profiling, the hardware profile and the search) and, after a few steps, predicted_vs_measured.json. Graph
+numbers count up per rank in compile order.
 """
 
 from __future__ import annotations

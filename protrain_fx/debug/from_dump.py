@@ -29,7 +29,7 @@ from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import CostModel
 from protrain_fx.planner.plan import Plan
 from protrain_fx.planner.search import plan_graph
-from protrain_fx.profiler.fusion import kernel_classes, rebuild
+from protrain_fx.profiler.fusion import classify, rebuild
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile
 
@@ -108,11 +108,5 @@ def classified_again(profile: GraphProfile, graphs: Mapping[str, list[dict]]) ->
     nodes = [dataclasses.replace(n) for n in profile.nodes]
     for kind in ("forward", "backward"):
         named = {n.name: n for n in nodes if n.graph == kind}
-        for name, k in kernel_classes(rebuild(graphs[kind]), cpu=profile.device.startswith("cpu")).items():
-            if name in named:
-                named[name].kernel, named[name].fused_bytes, named[name].unfused_bytes = (
-                    k.kind,
-                    k.fused_bytes,
-                    k.unfused_bytes,
-                )
+        classify(named, rebuild(graphs[kind]), cpu=profile.device.startswith("cpu"))
     return dataclasses.replace(profile, nodes=nodes)

@@ -27,6 +27,8 @@ import dataclasses
 import importlib
 import itertools
 import operator
+from collections.abc import Mapping
+from typing import Any
 
 import networkx as nx
 import torch
@@ -185,6 +187,15 @@ def kernel_classes(graph: fx.Graph, *, cpu: bool = False) -> dict[str, Kernel]:
     return out
 
 
+def classify(records: Mapping[str, Any], graph: fx.Graph, *, cpu: bool = False) -> None:
+    """Write each call node's `Kernel` into the record of its name (a profile's NodeProfile: its `kernel`,
+    `fused_bytes` and `unfused_bytes`); nodes without a record are left out."""
+    for name, k in kernel_classes(graph, cpu=cpu).items():
+        if name in records:
+            record = records[name]
+            record.kernel, record.fused_bytes, record.unfused_bytes = k.kind, k.fused_bytes, k.unfused_bytes
+
+
 def describe(graph: fx.Graph) -> list[dict]:
     """The graph as `kernel_classes` reads it, for JSON (a dump's graphs.json): per node its name, op, target,
     input nodes (in argument order) and the shape and dtype of each tensor it makes."""
@@ -197,7 +208,7 @@ def describe(graph: fx.Graph) -> list[dict]:
                 "op": n.op,
                 "target": _target_name(n.target) if n.op in (*_CALL_OPS, "get_attr") else None,
                 "inputs": [p.name for p in n.all_input_nodes],
-                "tensors": [[[int(d) for d in t.shape], str(t.dtype).removeprefix("torch.")] for t in tensors],
+                "tensors": [[[_hint(d) for d in t.shape], str(t.dtype).removeprefix("torch.")] for t in tensors],
             }
         )
     return nodes

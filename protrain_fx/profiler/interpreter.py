@@ -30,7 +30,7 @@ from torch.fx.graph import _BoxedCodeGen
 from torch.utils._pytree import tree_leaves
 
 from protrain_fx.capture import OUTSIDE, BlockMap
-from protrain_fx.profiler.fusion import kernel_classes
+from protrain_fx.profiler.fusion import classify
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
 from protrain_fx.profiler.on_demand import CALL_OPS, AbsentCounting, GraphRun, OnDemand, Replay, storage_key
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
@@ -272,12 +272,7 @@ def profile_iteration(
     by_graph = {"forward": fw, "backward": bw}
     for kind, gm in by_graph.items():
         named = {r.name: r for r in nodes if r.graph == kind}
-        for name, k in kernel_classes(gm.graph, cpu=device.type == "cpu").items():
-            named[name].kernel, named[name].fused_bytes, named[name].unfused_bytes = (
-                k.kind,
-                k.fused_bytes,
-                k.unfused_bytes,
-            )
+        classify(named, gm.graph, cpu=device.type == "cpu")
         for node in gm.graph.nodes:
             if node.name in named:
                 node.meta["protrain"] = named[node.name]
