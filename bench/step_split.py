@@ -1,12 +1,15 @@
 """Split training steps of protrain's chunked training into forward, backward, optimizer step and zero_grad.
 
     python -m bench.step_split --plan '{"n_persist": 0, "n_buffer": 3}' [--preset 5.5b] [--profile] [--trace PATH]
+                               [--loop]
 
 The model is `bench.model`'s LLaMA-style model (`--preset`: 1b, the default, or 5.5b; bf16, batch 8, sequence
 1024), trained with `protrain_fx.optim.AdamW`. Each phase is timed between device synchronizations; `--profile`
 adds a `torch.profiler` table of two more steps, sorted by CPU time; `--trace` profiles two more steps into a
 chrome trace at PATH and prints how much of the copies and of the host AdamW overlaps GPU kernels, and per phase
 how long the GPU idled and the rates the copies reached beside each other and the host AdamW (`bench.trace`).
+`--loop` runs the phases back to back as a training loop does, synchronized once per step at its end (as `bench`'s
+worker times steps): the phases stay annotated for --trace, but only the whole step is timed.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main() -> None:
     parser.add_argument("--preset", choices=list(PRESETS), default="1b", help="model sizes (default 1b)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--trace", metavar="PATH", help="chrome trace of two more steps, written here and analysed")
+    parser.add_argument("--loop", action="store_true", help="synchronize once per step, not between phases")
     parser.add_argument(
         "--trace-match", default="protrain::cpu_adamw", help="CPU events of --trace's analysis (name substring)"
     )
@@ -50,7 +54,8 @@ def main() -> None:
     ids = torch.randint(0, spec.vocab, (args.batch, spec.seq), device="cuda")
 
     def step() -> list[float]:
-        """Milliseconds of forward, backward, opt.step() and zero_grad(), each between synchronizations."""
+        """Milliseconds of forward, backward, opt.step() and zero_grad(), each between synchronizations; with
+        --loop, of the whole step."""
         marks, loss = [_synced_clock()], None
 
         def forward() -> None:
@@ -60,10 +65,17 @@ def main() -> None:
         for name, phase in zip(PHASES, (forward, lambda: loss.backward(), opt.step, opt.zero_grad)):
             with record_function(name):
                 phase()
-                marks.append(_synced_clock())
+                if not args.loop:
+                    marks.append(_synced_clock())
+        if args.loop:
+            loss.item()
+            marks.append(_synced_clock())
         return [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
 
     for i in range(args.steps):
+        if args.loop:
+            print(f"step {i}: {step()[0]:.1f} ms")
+            continue
         fwd, bwd, step_ms, zero = step()
         print(
             f"step {i}: forward {fwd:.1f} ms, backward {bwd:.1f} ms, opt.step {step_ms:.1f} ms, zero_grad {zero:.1f} ms"

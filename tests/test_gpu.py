@@ -152,6 +152,19 @@ def test_chunk_buffers_allocated_once():
     print(f"chunks {manager.layout.n_chunk} x {manager.layout.chunk_bytes / 2**20:.1f} MiB, allocated {allocated}")
 
 
+def test_spinning_openmp_threads_are_warned_of(monkeypatch, caplog):
+    """OpenMP threads that spin when idle slow the offloaded chunks' host AdamW about threefold: a plan that
+    offloads chunks says so."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    model = _llama(hidden=1024, layers=8)
+    protrain_fx.optim.AdamW(model.parameters(), lr=1e-4)  # (chunks are made for this optimizer)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": {"n_persist": 2, "n_buffer": 2}}))
+    ids = torch.randint(0, 32000, (2, 64), device="cuda")
+    with caplog.at_level("WARNING", logger="protrain_fx.runtime.chunks"):
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    assert any("OMP_WAIT_POLICY=ACTIVE" in r.getMessage() for r in caplog.records)
+
+
 def test_prepared_cpu_model_trains_on_gpu():
     """A bf16 model built on the CPU, put into chunks on the GPU by `prepare` (most chunks in the host arena):
     its losses follow eager fp32 training under autocast within the bf16 tolerance, and the GPU never held

@@ -153,3 +153,35 @@ def test_backward_holds_the_output_gradients_where_the_engine_does(monkeypatch):
     last = max(i for i, r in enumerate(freed) if r.name in readers)
     extra = {h.allocated_before - f.allocated_before for h, f in zip(held[last + 1 :], freed[last + 1 :])}
     assert extra == {held_bytes}, extra
+
+
+def test_each_node_keeps_its_least_time_over_the_timed_runs(monkeypatch):
+    """Something else running during one timed iteration (a compile's workers starting, say) only adds time:
+    each node keeps its least time over TIMED_RUNS iterations, so one slowed iteration leaves no trace."""
+    from helpers import CapturingBackend
+
+    from protrain_fx.profiler import interpreter
+
+    model = models.build("llama", layers=2)
+    backend = CapturingBackend({"executor": "eager"})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    models.loss_of("llama", compiled(**models.batch("llama"))).backward()
+    record = backend.graphs[0]
+    iteration, timed_calls = interpreter._iteration, []
+
+    def one_slow_timed_run(*args):
+        nodes, *rest = iteration(*args)
+        if args[5] is None:  # no tracker: a timed iteration
+            timed_calls.append(len(timed_calls))
+            if len(timed_calls) == slow_run:
+                for r in nodes:
+                    r.latency_s += 1.0
+        return (nodes, *rest)
+
+    monkeypatch.setattr(interpreter, "_iteration", one_slow_timed_run)
+    for runs, slow_run, slowed in ((1, 1, True), (interpreter.TIMED_RUNS, 2, False)):
+        monkeypatch.setattr(interpreter, "TIMED_RUNS", runs)
+        timed_calls.clear()
+        profile = interpreter.profile_iteration(record.forward, record.backward, backend.inputs, record.block_map)
+        assert len(timed_calls) == runs
+        assert all((n.latency_s >= 1.0) == slowed for n in profile.nodes), (runs, slow_run)

@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -62,6 +63,11 @@ HOST_UPDATES_KEPT = 64  # host AdamW timings kept (ChunkManager.host_updates)
 # (`ChunkManager.speculates`), where that leaves UNDO_HOST_RESERVE of the host's memory available
 UNDO_BYTES_PER_ELEMENT = 4 + 8
 UNDO_HOST_RESERVE = 0.1
+
+
+def _spinning_openmp() -> bool:
+    """Whether OpenMP's idle threads spin rather than sleep (read once, when the OpenMP runtime starts)."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "ACTIVE"
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -154,6 +160,12 @@ class ChunkManager:
         check_ranks_agree(layout, n_persist, n_buffer)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self._host = HostQueue(spare_core=self.device.type == "cuda")  # runs the offloaded chunks' CPU steps
+        if self.device.type == "cuda" and n_persist < layout.n_chunk and _spinning_openmp():
+            log.warning(
+                "OMP_WAIT_POLICY=ACTIVE: idle OpenMP threads keep spinning, beside the offloaded chunks' CPU AdamW, "
+                "which then ran 3x slower in our measurements (a 16-core H100 machine); unset it, or set it to "
+                "PASSIVE, before Python starts"
+            )
         weakref.finalize(self, self._host.close)
         self._pending: dict[int, concurrent.futures.Future] = {}  # offloaded chunk -> its CPU AdamW step
         # (parameters, seconds) of the latest host AdamW updates (not those that also copy aside what they change):
