@@ -9,9 +9,9 @@ Two maps are built per graph and kept on its `GraphRecord`:
 
 Both need to know where the compiled frame sits in the model. A graph break can start a graph inside a
 decoder layer (OPT on torch 2.11 compiles each layer as its own graph, with the layer as `L['self']`), so
-Dynamo's sources and module stacks are relative to the frame's locals. `find_frame_roots` walks up from one
-parameter of each local through the modules holding it (`_parameters`, then `_modules` of each parent) to
-the outermost module, the model, which gives every source its full qualified name.
+Dynamo's sources and module stacks are relative to the frame's locals. `find_frame_roots` finds one
+parameter of each local among the parameters of the outermost modules alive (those no other module holds),
+which gives the model and every source's full qualified name.
 The blocks are then read off the model with no per-model code: the `ModuleList` (or `Sequential`) of
 repeated children of one type with modules inside; Hugging Face models name that type in
 `_no_split_modules`, which wins when present, otherwise the longest list does. A node belongs to block `i`
@@ -69,41 +69,24 @@ def _source_text(placeholder: fx.Node) -> str | None:
     return name() if callable(name) else str(name)
 
 
-def _holder(obj: Any, attr: str) -> tuple[nn.Module, str] | None:
-    """The module whose `attr` dict (`_parameters` or `_modules`) holds `obj`, and its key there.
+def _parameter_names() -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every parameter alive in the process (by id) -> (outermost module holding it, its qualified name there),
+    one entry per name (a tied weight has several).
 
-    obj <- the `attr` dict <- the module's `__dict__` <- the module, found through `gc.get_referrers`.
+    The outermost modules are those no other module holds in its `_modules`, found in one pass over the objects
+    the garbage collector tracks. torch.compile's wrapper, which holds the model, is left out: names are the
+    model's own, as in its state_dict.
     """
-    for d in gc.get_referrers(obj):
-        if not isinstance(d, dict):
-            continue
-        for instance_dict in gc.get_referrers(d):
-            if not isinstance(instance_dict, dict) or instance_dict.get(attr) is not d:
-                continue
-            for owner in gc.get_referrers(instance_dict):
-                # torch.compile's wrapper also holds the module: names are the model's own, as in its state_dict
-                if (
-                    isinstance(owner, nn.Module)
-                    and owner.__dict__ is instance_dict
-                    and not isinstance(owner, OptimizedModule)
-                ):
-                    key = next((k for k, v in d.items() if v is obj), None)
-                    if key is not None:
-                        return owner, key
-    return None
-
-
-def _locate(param: nn.Parameter) -> tuple[nn.Module, str] | None:
-    """(outermost module holding `param`, the parameter's qualified name in it)."""
-    found = _holder(param, "_parameters")
-    if found is None:
-        return None
-    module, name = found
-    parts = [name]
-    while (up := _holder(module, "_modules")) is not None:
-        module, key = up
-        parts.append(key)
-    return module, ".".join(reversed(parts))
+    # (type(), not isinstance: isinstance reads `__class__`, which a weak proxy to a dead object raises on)
+    modules = [
+        o for o in gc.get_objects() if issubclass(type(o), nn.Module) and not issubclass(type(o), OptimizedModule)
+    ]
+    held = {id(child) for m in modules for child in m._modules.values() if child is not None}
+    names: dict[int, list[tuple[nn.Module, str]]] = {}
+    for root in (m for m in modules if id(m) not in held):
+        for name, param in root.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append((root, name))
+    return names
 
 
 @dataclasses.dataclass
@@ -115,7 +98,7 @@ class FrameRoots:
 
 
 def find_frame_roots(dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any]) -> FrameRoots:
-    roots = FrameRoots()
+    roots, names = FrameRoots(), None
     placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
     for ph, value in zip(placeholders, example_inputs):
         text = _source_text(ph)
@@ -124,8 +107,9 @@ def find_frame_roots(dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any]) -
         prefix, relative = _split_source(text)
         if prefix in roots.paths:
             continue
-        located = _locate(value)
-        if located is None or not located[1].endswith(relative):
+        names = _parameter_names() if names is None else names
+        located = next(((m, n) for m, n in names.get(id(value), ()) if n.endswith(relative)), None)
+        if located is None:
             continue
         roots.model, full = located
         roots.paths[prefix] = full[: len(full) - len(relative)].rstrip(".")
