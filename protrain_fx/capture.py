@@ -77,9 +77,12 @@ def _parameter_names() -> dict[int, list[tuple[nn.Module, str]]]:
     the garbage collector tracks. torch.compile's wrapper, which holds the model, is left out: names are the
     model's own, as in its state_dict.
     """
-    # (type(), not isinstance: isinstance reads `__class__`, which a weak proxy to a dead object raises on)
+    # (type(), not isinstance: isinstance reads `__class__`, which a weak proxy to a dead object raises on; a
+    # module whose __init__ has not run yet has no `_modules`)
     modules = [
-        o for o in gc.get_objects() if issubclass(type(o), nn.Module) and not issubclass(type(o), OptimizedModule)
+        o
+        for o in gc.get_objects()
+        if issubclass(type(o), nn.Module) and not issubclass(type(o), OptimizedModule) and "_modules" in o.__dict__
     ]
     held = {id(child) for m in modules for child in m._modules.values() if child is not None}
     names: dict[int, list[tuple[nn.Module, str]]] = {}

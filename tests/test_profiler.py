@@ -156,8 +156,8 @@ def test_backward_holds_the_output_gradients_where_the_engine_does(monkeypatch):
 
 
 def test_each_node_keeps_its_least_time_over_the_timed_runs(monkeypatch):
-    """Something else running during one timed iteration (a compile's workers starting, say) only adds time:
-    each node keeps its least time over TIMED_RUNS iterations, so one slowed iteration leaves no trace."""
+    """Something else running during one timed iteration only adds time: each node keeps its least time over
+    TIMED_RUNS iterations, so one slowed iteration leaves no trace (and with one timed run, it would)."""
     from helpers import CapturingBackend
 
     from protrain_fx.profiler import interpreter

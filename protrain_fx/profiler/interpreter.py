@@ -12,9 +12,9 @@ small kernel takes:
   interpreter adds tens of microseconds per node, more than many kernels take). On CUDA the marks are
   events and a short GPU sleep first lets the CPU queue kernels ahead, so consecutive marks measure the
   GPU time of each node's kernels; on CPU they are `time.perf_counter` readings. Each node keeps its least
-  time over TIMED_RUNS timed iterations: what else runs on the machine (a compile's worker processes starting,
-  say) only ever adds to a node's time, and one slow stretch of one iteration once put 12 ms into a 1B
-  model's backward.
+  time over TIMED_RUNS timed iterations: whatever else runs on the machine only adds to a node's time, and
+  one slow stretch of one iteration (the first profile on a fresh machine) once put 13 ms into a 1B model's
+  backward.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def profile_iteration(
     """
     device = next((t.device for t in primals if isinstance(t, torch.Tensor) and t.device.type != "cpu"), None)
     device = device or torch.device("cpu")
-    timed_graphs: dict[str, TimedGraph] = {}  # built once (thousands of nodes to generate code for), run twice
+    timed_graphs: dict[str, TimedGraph] = {}  # built once (thousands of nodes to generate code for), run each time
     n_nodes = len(fw.graph.nodes) + len(bw.graph.nodes)
     runs = TIMED_RUNS + (2 if device.type == "cuda" else 1)
     bar = progress(total=runs, desc=f"profiling {n_nodes} nodes", unit="run")
