@@ -9,7 +9,8 @@ adds a `torch.profiler` table of two more steps, sorted by CPU time; `--trace` p
 chrome trace at PATH and prints how much of the copies and of the host AdamW overlaps GPU kernels, and per phase
 how long the GPU idled and the rates the copies reached beside each other and the host AdamW (`bench.trace`).
 `--loop` runs the phases back to back as a training loop does, synchronized once per step at its end (as `bench`'s
-worker times steps): the phases stay annotated for --trace, but only the whole step is timed.
+worker times steps): the phases stay annotated for --trace, but only the whole step is timed, and --trace adds how
+long the GPU idled before each step's first kernel (`bench.trace.step_lead_in`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import protrain_fx
 from bench.model import PRESETS, build_model
-from bench.trace import format_phases, format_report, load_events, overlap_report, phase_report
+from bench.trace import format_phases, format_report, load_events, overlap_report, phase_report, step_lead_in
 
 PHASES = ("bench.forward", "bench.backward", "bench.opt_step", "bench.zero_grad")  # annotated for --trace
 
@@ -98,6 +99,9 @@ def main() -> None:
         events = load_events(args.trace)
         print(format_report(overlap_report(events, args.trace_match)))
         print(format_phases(phase_report(events, list(PHASES), args.trace_match)))
+        if args.loop:  # (the phases' GPU work runs past their CPU spans: the idle time between steps is the lead-in)
+            lead_in = step_lead_in(events, PHASES[0])
+            print("GPU idle before each step's first kernel: " + ", ".join(f"{us / 1e3:.2f} ms" for us in lead_in))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ pooled: the analysis assumes a trace of one device.
     phase_report(events, phases)      # per phase (CPU annotations, e.g. bench.step_split's): how long the GPU
                                       # idled, and the rate each copy direction reached alone and beside the
                                       # other direction or the host AdamW
+    step_lead_in(events, "bench.forward")  # per step after the first: how long the GPU idled before its first
+                                      # kernel (the CPU's lead-in, where each step ends synchronized)
 """
 
 from __future__ import annotations
@@ -98,6 +100,22 @@ def phase_report(trace_events: list[dict], phases: list[str], cpu_name: str = "p
             }
         report[phase] = row
     return report
+
+
+def step_lead_in(trace_events: list[dict], step_name: str) -> list[float]:
+    """Microseconds the GPU idled before each step's first kernel: from the end of the last kernel before the
+    step's CPU annotation `step_name` began (on the GPU, the previous step's end) to the first kernel that
+    starts after it. Steps with no kernel before them (the first one traced) are left out."""
+    complete = [e for e in trace_events if e.get("ph") == "X" and "dur" in e]
+    kernels = _union(_span(e) for e in complete if e.get("cat") == "kernel")
+    starts = sorted(_span(e)[0] for e in complete if e.get("cat") in CPU_CATEGORIES and e.get("name") == step_name)
+    idle = []
+    for start in starts:
+        before = [end for _, end in kernels if end <= start]
+        after = [begin for begin, _ in kernels if begin >= start]
+        if before and after:
+            idle.append(after[0] - before[-1])
+    return idle
 
 
 def format_phases(report: dict) -> str:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bench.trace import format_phases, format_report, load_events, overlap_report, phase_report
+from bench.trace import format_phases, format_report, load_events, overlap_report, phase_report, step_lead_in
 
 
 def _event(cat, name, ts, dur, tid=1):
@@ -92,3 +92,21 @@ def test_phase_report():
     assert report["absent"]["span_us"] == 0 and report["absent"]["h2d"]["bytes_per_s"] is None
     table = format_phases(report)
     assert table.splitlines()[1].startswith("fwd | 0.1 | 0.0 | h2d alone") and "d2h host" in table
+
+
+def test_step_lead_in():
+    """Steps begin (CPU annotation) at 0, 1000 and 2000; the GPU's last kernel before the second ends at 900 and
+    its first after begins at 1300 (400 idle); before the third, kernels on two streams end at 1900 and 1950, and
+    the next begins at 2010 (60 idle). The first step has no kernel before it."""
+    events = [
+        _event("user_annotation", "bench.forward", 0, 100),
+        _event("user_annotation", "bench.forward", 1000, 100),
+        _event("user_annotation", "bench.forward", 2000, 100),
+        _event("user_annotation", "bench.backward", 1100, 100),  # (another phase: not a step's start)
+        _event("kernel", "gemm", 50, 850, tid=7),
+        _event("kernel", "gemm", 1300, 600, tid=7),
+        _event("kernel", "adamw", 1800, 150, tid=8),
+        _event("kernel", "gemm", 2010, 100, tid=7),
+    ]
+    assert step_lead_in(events, "bench.forward") == [400, 60]
+    assert step_lead_in(events, "nothing") == []
