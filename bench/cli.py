@@ -199,6 +199,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("from-dump", help="dumped graphs planned again by the current planner, against their steps")
     p.add_argument("dumps", nargs="+", help="dump directories (every rank<r>/graph<k> below is planned again)")
     p.add_argument("--plan", default="", help="JSON plan fields to force instead of the dumped ones")
+    p.add_argument(
+        "--host-as-measured",
+        action="store_true",
+        help="time the dumped plan with the host AdamW as fast as training measured it (where it did)",
+    )
     p.set_defaults(func=from_dump)
     p = sub.add_parser("sweep", parents=[sizes], help="tokens/s of each system across batch sizes")
     p.add_argument("--systems", default="protrain,compile,eager", help=f"comma-separated, from {list(SYSTEMS)}")

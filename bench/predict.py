@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 GiB = 2**30
 MONITOR_STEPS = WARMUP_STEPS + MEASURED_STEPS + 1  # the step monitor's, and the step that ends them
+SEARCHED = ("n_persist", "n_buffer", "n_swap", "n_checkpoint")  # the plan fields the search decides
 
 
 def predict(args: argparse.Namespace) -> int:
@@ -157,7 +158,9 @@ def setup_share(row: dict) -> float | None:
 
 def from_dump(args: argparse.Namespace) -> int:
     """`python -m bench from-dump DUMPS...`: every graph dumped below DUMPS planned again by the current planner
-    (protrain_fx/debug/from_dump.py), beside its dumped prediction and, where the dump has it, its measured steps."""
+    (protrain_fx/debug/from_dump.py), beside its dumped prediction and, where the dump has it, its measured steps.
+    `--host-as-measured`: where training measured the host AdamW, the dumped plan is timed again with the host
+    that fast (what is left of the error is not the host's rate)."""
     from protrain_fx.debug.from_dump import PLANNING_FILE, plan_from_dump
 
     forced = json.loads(args.plan) if args.plan else None
@@ -179,9 +182,15 @@ def from_dump(args: argparse.Namespace) -> int:
     ]
     for folder in folders:
         then = json.loads((folder / "plan.json").read_text())
-        now = plan_from_dump(folder, forced)
         measured = folder / "predicted_vs_measured.json"
         pvm = json.loads(measured.read_text()) if measured.is_file() else {}
+        host = pvm.get("measured_host_adam_s_per_param") if args.host_as_measured else None
+        if forced is None and host is not None:  # the plan that ran, timed again
+            dumped = json.loads((folder / PLANNING_FILE).read_text())["forced"]
+            fields = {**dumped, **{k: then[k] for k in SEARCHED}}
+        else:
+            fields = forced
+        now = plan_from_dump(folder, fields, host_adam_s_per_param=host)
         step, peak = pvm.get("measured_step_s"), pvm.get("measured_peak_bytes")
         lines.append(
             (
@@ -201,7 +210,7 @@ def from_dump(args: argparse.Namespace) -> int:
 
 
 def _fields(plan: dict) -> str:
-    return "/".join(str(plan.get(k)) for k in ("n_persist", "n_buffer", "n_swap", "n_checkpoint"))
+    return "/".join(str(plan.get(k)) for k in SEARCHED)
 
 
 def _pct(x: float | None) -> str:

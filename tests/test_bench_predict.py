@@ -2,6 +2,7 @@
 issue 5's targets; `bench from-dump`."""
 
 import argparse
+import json
 import math
 
 import models
@@ -59,8 +60,8 @@ def test_summary_counts_the_plans_within_the_targets():
     ]
 
 
-def test_from_dump_plans_dumped_graphs_again(tmp_path, capsys):
-    """`python -m bench from-dump`: each dumped graph's plan then and now, beside its measured steps."""
+def _toy_dump(tmp_path):
+    """A dump of the toy model trained with one of three chunks persistent, long enough for the step monitor."""
     model = models.build("toy", layers=3)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
     options = {"executor": "eager", "dump_dir": str(tmp_path), "plan": {"n_persist": 1, "n_buffer": 2}}
@@ -69,10 +70,35 @@ def test_from_dump_plans_dumped_graphs_again(tmp_path, capsys):
         compiled(**models.batch("toy", seed=step)).backward()
         opt.step()
         opt.zero_grad()
-    assert from_dump(argparse.Namespace(dumps=[str(tmp_path)], plan="")) == 0
+    return tmp_path / "rank0" / "graph0"
+
+
+def test_from_dump_plans_dumped_graphs_again(tmp_path, capsys):
+    """`python -m bench from-dump`: each dumped graph's plan then and now, beside its measured steps."""
+    _toy_dump(tmp_path)
+    assert from_dump(argparse.Namespace(dumps=[str(tmp_path)], plan="", host_as_measured=False)) == 0
     row = capsys.readouterr().out.splitlines()[-1]
     assert row.startswith(str(tmp_path / "rank0" / "graph0")) and "1/2/0/0 / 1/2/0/0" in row
     then, now, measured = (float(x) for x in row.split("|")[2:5])
     assert then == now and measured > 0
     with pytest.raises(SystemExit, match="no planning.json below"):
         from_dump(argparse.Namespace(dumps=[str(tmp_path / "rank0" / "graph0" / "nothing")], plan=""))
+
+
+def test_a_dump_is_timed_again_at_the_host_rate_training_measured(tmp_path, capsys):
+    """`--host-as-measured`: the plan that ran, timed with the host AdamW as fast as training measured it. On the
+    CPU everything runs in line, so a host 10x slower adds nine times the host's share of the step."""
+    from protrain_fx.debug.from_dump import plan_from_dump
+
+    folder = _toy_dump(tmp_path)
+    measured = json.loads((folder / "predicted_vs_measured.json").read_text())["measured_host_adam_s_per_param"]
+    profiled = json.loads((folder / "planning.json").read_text())["hardware"]["host_adam_s_per_param"]
+    base, slow = (plan_from_dump(folder, host_adam_s_per_param=r) for r in (profiled, 10 * profiled))
+    assert base.predicted_step_s == pytest.approx(plan_from_dump(folder).predicted_step_s)
+    assert slow.predicted_step_s > base.predicted_step_s
+    assert from_dump(argparse.Namespace(dumps=[str(tmp_path)], plan="", host_as_measured=True)) == 0
+    row = capsys.readouterr().out.splitlines()[-1]
+    at_measured = plan_from_dump(folder, host_adam_s_per_param=measured)
+    assert "1/2/0/0 / 1/2/0/0" in row and float(row.split("|")[3]) == pytest.approx(
+        at_measured.predicted_step_s * 1e3, abs=0.05
+    )

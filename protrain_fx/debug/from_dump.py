@@ -3,6 +3,7 @@ dump directory holds (profile.json, planning.json, graphs.json), with no model, 
 
     plan = plan_from_dump("dumps/rank0/graph0")                    # the dumped graph's forced fields
     plan = plan_from_dump("dumps/rank0/graph0", {"n_persist": 4})  # other forced fields
+    plan = plan_from_dump(folder, host_adam_s_per_param=2.7e-10)    # with the host AdamW as fast as in training
     python -m bench from-dump dumps/                               # every graph below, against its measured steps
 
 So a change to the cost models can be checked against steps measured earlier (predicted_vs_measured.json, beside
@@ -35,6 +36,13 @@ from protrain_fx.profiler.profile import GraphProfile
 
 PLANNING_FILE = "planning.json"
 GRAPHS_FILE = "graphs.json"
+HOST_RATES = (  # the hardware profile's host work, seconds per parameter
+    "host_adam_s_per_param",
+    "host_adam_h2d_s_per_param",
+    "host_adam_d2h_s_per_param",
+    "host_adam_both_s_per_param",
+    "host_undo_s_per_param",
+)
 
 
 def planning_inputs(
@@ -82,9 +90,20 @@ def cost_model_from_dump(profile: GraphProfile, planning: Mapping[str, Any], lay
     return dataclasses.replace(costs, swap_interval=planning["swap_interval"], other_bytes=planning["other_bytes"])
 
 
-def plan_from_dump(graph_dir: str | Path, forced: Mapping[str, Any] | None = None) -> Plan:
+def host_rate_as(hardware: HardwareProfile, s_per_param: float) -> HardwareProfile:
+    """`hardware` with its host AdamW taking `s_per_param` alone (as `predicted_vs_measured.json` reports it in
+    training), its figures beside copies and the undo copy's scaled alike."""
+    scale = s_per_param / hardware.host_adam_s_per_param
+    return dataclasses.replace(hardware, **{k: getattr(hardware, k) * scale for k in HOST_RATES})
+
+
+def plan_from_dump(
+    graph_dir: str | Path, forced: Mapping[str, Any] | None = None, *, host_adam_s_per_param: float | None = None
+) -> Plan:
     """The plan of the graph dumped in `graph_dir` (a `rank<r>/graph<k>` folder of a dump), searched by the
-    current planner under the dumped capacities; `forced`: plan fields to force instead of the dumped ones."""
+    current planner under the dumped capacities; `forced`: plan fields to force instead of the dumped ones;
+    `host_adam_s_per_param`: the host AdamW's rate to plan with instead of the dumped hardware profile's
+    (`host_rate_as`), e.g. the one training measured, to tell the host's part of an error from the rest."""
     folder = Path(graph_dir)
     missing = [f for f in ("profile.json", PLANNING_FILE) if not (folder / f).is_file()]
     if missing:
@@ -96,6 +115,9 @@ def plan_from_dump(graph_dir: str | Path, forced: Mapping[str, Any] | None = Non
     if (folder / GRAPHS_FILE).is_file():
         profile = classified_again(profile, json.loads((folder / GRAPHS_FILE).read_text()))
     planning = json.loads((folder / PLANNING_FILE).read_text())
+    if host_adam_s_per_param is not None:
+        hardware = host_rate_as(HardwareProfile.from_json(planning["hardware"]), host_adam_s_per_param)
+        planning = {**planning, "hardware": hardware.to_json()}
     layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
     costs = cost_model_from_dump(profile, planning, layout)
     fields = planning["forced"] if forced is None else forced
