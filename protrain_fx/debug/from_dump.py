@@ -36,12 +36,11 @@ from protrain_fx.profiler.profile import GraphProfile
 
 PLANNING_FILE = "planning.json"
 GRAPHS_FILE = "graphs.json"
-HOST_RATES = (  # the hardware profile's host work, seconds per parameter
-    "host_adam_s_per_param",
-    "host_adam_h2d_s_per_param",
-    "host_adam_d2h_s_per_param",
-    "host_adam_both_s_per_param",
-    "host_undo_s_per_param",
+# the hardware profile's host work, seconds per parameter (AdamW alone and beside copies, the undo copy)
+HOST_RATES = tuple(
+    f.name
+    for f in dataclasses.fields(HardwareProfile)
+    if f.name.startswith("host_") and f.name.endswith("_s_per_param")
 )
 
 
