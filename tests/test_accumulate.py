@@ -23,7 +23,12 @@ from protrain_fx.runtime.chunks import ChunkManager
 
 MICRO = 4
 STEPS = 3
-PLANS = {"persistent": {}, "offloaded": {"n_persist": 1, "n_buffer": 3}}
+PLANS = {
+    "persistent": {},
+    "offloaded": {"n_persist": 1, "n_buffer": 3},
+    # 10 offloaded chunks sharing 2 host gradient shards (runtime/chunks.py): their steps hold every gradient
+    "shared-gradients": {"n_persist": 1, "n_buffer": 3, "host_grad_slots": 2},
+}
 
 
 def _parts(batch: dict, n: int) -> list[dict]:

@@ -22,6 +22,8 @@ PLANS = {
     "all-persistent": {},
     "all-offloaded": {"n_persist": 0, "n_buffer": 3},
     "in-between": {"n_persist": 2, "n_buffer": 2},
+    # fewer host gradient shards than offloaded chunks, shared in turn (the plan for a host short of memory)
+    "shared-gradients": {"n_persist": 0, "n_buffer": 3, "host_grad_slots": 1},
 }
 
 
@@ -154,6 +156,52 @@ def test_chunked_training_through_inductor():
     state = protrain_fx.full_state_dict(model)
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=3 * 1e-2)
+
+
+def test_offloaded_chunks_share_the_host_gradient_shards_of_the_plan(monkeypatch):
+    """host_grad_slots=1 for 4 offloaded chunks (training is bitwise eager's: test_chunked_training_bitwise): the
+    arena holds one gradient shard besides the masters. The first step, whose host updates wait for
+    optimizer.step(), holds every gradient: it takes plain host memory for the 3 shards it lacks and lets it
+    go; later steps update during the backward and share the one. Every shard is given back after a step."""
+    from protrain_fx.runtime import chunks
+
+    asked = []
+    check = chunks.check_host_memory
+    monkeypatch.setattr(
+        chunks, "check_host_memory", lambda needed, what, *a: (asked.append(what), check(needed, what, *a))
+    )
+    _, model, _ = run("gpt2", PLANS["shared-gradients"], steps=3)
+    manager = model_manager(model)
+    manager.wait_for_update()
+    assert (manager.layout.n_chunk, manager.n_persist, manager.grad_slots) == (4, 0, 1)
+    assert manager.arena.numel() == manager.layout.shard_elems * 4 * (4 + 1)
+    assert sum("gradients" in what for what in asked) == 3, asked
+    assert len(manager._free_grads) == 1 and not manager.grad
+
+
+def test_shared_gradient_shards_say_what_they_cannot_do(monkeypatch):
+    """Without host memory for the gradients a step holds at once (its updates wait for optimizer.step()), and
+    a backward adding to the gradients of a step already taken (no zero_grad): errors that say what to do."""
+    from protrain_fx.runtime import host
+
+    for zero_grad in (True, False):
+        model = models.build("gpt2")
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+        options = {"executor": "eager", "plan": PLANS["shared-gradients"]}
+        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
+        loss = models.loss_of("gpt2", compiled(**models.batch("gpt2")))  # (builds the chunks)
+        if zero_grad:
+            with monkeypatch.context() as m:
+                m.setattr(host, "available_host_bytes", lambda: 1000)
+                with pytest.raises(
+                    ValueError, match=r"chunk \d's gradients need .* host memory .* shares 1 among the 4 "
+                ):
+                    loss.backward()
+            continue
+        loss.backward()
+        opt.step()
+        with pytest.raises(RuntimeError, match=r"do not outlive optimizer.step\(\); call optimizer.zero_grad\(\)"):
+            models.loss_of("gpt2", compiled(**models.batch("gpt2"))).backward()
 
 
 def test_host_memory_checked_before_allocating(monkeypatch):

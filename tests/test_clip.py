@@ -17,7 +17,12 @@ from test_chunk_distributed import spawn_gloo
 
 import protrain_fx
 
-PLANS = {"persistent": {}, "offloaded": {"n_persist": 1, "n_buffer": 3}}
+PLANS = {
+    "persistent": {},
+    "offloaded": {"n_persist": 1, "n_buffer": 3},
+    # 10 offloaded chunks sharing 2 host gradient shards (runtime/chunks.py): their steps hold every gradient
+    "shared-gradients": {"n_persist": 1, "n_buffer": 3, "host_grad_slots": 2},
+}
 STEPS = 3
 
 
@@ -154,6 +159,15 @@ def test_speculative_host_updates_are_undone_where_clipping_applies(monkeypatch,
         device,
         micro,
         thorough=micro == 1,
+    )
+
+
+def test_speculative_host_updates_with_shared_gradient_shards(monkeypatch):
+    """A speculated chunk keeps its shared gradient shard until its update is final."""
+    speculative_clipping_equals_deferred(
+        PLANS["shared-gradients"],
+        lambda share: monkeypatch.setattr(protrain_fx.runtime.chunks, "UNDO_HOST_RESERVE", share),
+        thorough=False,
     )
 
 

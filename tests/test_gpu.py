@@ -128,6 +128,38 @@ def test_chunked_bf16_parity(plan):
     _train_against_autocast(ref, ref_opt, compiled, opt)
 
 
+def test_shared_host_gradient_shards_train_as_one_each():
+    """Offloaded chunks sharing one pinned host gradient shard (the first step, whose updates wait for
+    optimizer.step(), takes plain host memory for the others) train bitwise as with a shard each."""
+    import copy
+
+    from protrain_fx.runtime.adopt import model_manager
+
+    base = _llama(hidden=512, layers=4)
+    ids = torch.randint(0, 32000, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    runs = []
+    for slots in ({}, {"host_grad_slots": 1}):
+        model = copy.deepcopy(base)
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+        plan = {"n_persist": 0, "n_buffer": 2, **slots}
+        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": plan}), dynamic=False)
+        losses = []
+        for _ in range(4):
+            losses.append(compiled(input_ids=ids, labels=ids).loss)
+            losses[-1].backward()
+            opt.step()
+            opt.zero_grad()
+        manager = model_manager(model)
+        manager.wait_for_update()
+        runs.append(([loss.item() for loss in losses], protrain_fx.full_state_dict(model), manager))
+        torch._dynamo.reset()
+    (losses, state, each), (shared_losses, shared_state, shared) = runs
+    assert (each.grad_slots, shared.grad_slots) == (each.layout.n_chunk, 1) and each.layout.n_chunk >= 2
+    assert shared.arena.is_pinned() and len(shared._free_grads) == 1
+    assert shared_losses == losses
+    assert all(torch.equal(shared_state[k], v) for k, v in state.items())
+
+
 def test_chunk_buffers_allocated_once():
     """Offloaded chunks go through the same pre-allocated buffers every step: no growth, same addresses."""
     from protrain_fx.runtime.adopt import model_manager

@@ -110,3 +110,23 @@ def _two_ranks(rank, world, port, errors):
 
 def test_two_ranks_measure_collectives_and_agree():
     _spawn(_two_ranks, 2)
+
+
+def test_host_capacity_leaves_room_for_the_rest_of_training(monkeypatch):
+    """What the planner may give offloaded chunks of the host: its available memory less a reserve, and less
+    each compile worker inductor may start (none where it compiles in the process), shared among the ranks."""
+    from torch._inductor import config as inductor_config
+
+    gib, cuda = 2**30, torch.device("cuda")
+    monkeypatch.setattr(hardware, "available_host_bytes", lambda: 100 * gib)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)
+    assert hardware.host_capacity(cuda) == 100 * gib - hardware.HOST_RESERVE_BYTES
+    monkeypatch.setattr(inductor_config, "compile_threads", 16)
+    workers = 16 * hardware.COMPILE_WORKER_BYTES
+    assert hardware.host_capacity(cuda) == 100 * gib - hardware.HOST_RESERVE_BYTES - workers
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert hardware.host_capacity(cuda) == (100 * gib - 2 * (hardware.HOST_RESERVE_BYTES + workers)) // 2
+    monkeypatch.setattr(hardware, "available_host_bytes", lambda: gib)
+    assert hardware.host_capacity(cuda) == 0
+    assert hardware.host_capacity(torch.device("cpu")) is None  # (the CPU's host is budgeted only when told)

@@ -15,7 +15,7 @@ from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Config, CostModel, _HostRates, _Segment
 from protrain_fx.planner.search import SAFE_HEADROOM, TIE_REL, NoPlanFits, brute_force, plan_graph, rank, search
 from protrain_fx.profiler.hardware import HardwareProfile
-from protrain_fx.runtime.chunks import HOST_BYTES_PER_ELEMENT
+from protrain_fx.runtime.chunks import HOST_BYTES_PER_ELEMENT, MIN_GRAD_SLOTS
 
 GiB = 2**30
 H100_LIKE = HardwareProfile(
@@ -161,13 +161,15 @@ def test_search_under_host_memory_finds_the_brute_force_optimum(seed):
     less host memory, the more chunks stay on the GPU (all it can hold, with the least)."""
     model = synthetic(seed=seed, n_block=6 + seed, n_chunk=4 + seed)
     capacity = _capacities(model)[3]
-    needs = sorted({model.host_bytes(c) for c, _, _ in brute_force(model, capacity)})  # of plans fitting the GPU
+    # of plans fitting the GPU: the least host memory each trains in
+    needs = sorted({model.least_host_bytes(c) for c, _, _ in brute_force(model, capacity)})
     persisted = []
     for host in (None, needs[-1], needs[len(needs) // 2], needs[0]):
         best, runners_up = search(model, capacity, host_bytes=host)
         expected, _ = rank(brute_force(model, capacity, host_bytes=host), capacity, alpha=model.alpha)
         assert best == expected, host
-        assert host is None or all(model.host_bytes(f[0]) <= host for f in (best, *runners_up))
+        budgeted = dataclasses.replace(model, host_budget=host)  # with the gradient shards the host has room for
+        assert host is None or all(budgeted.host_bytes(f[0]) <= host for f in (best, *runners_up))
         persisted.append(best[0].n_persist)
     assert persisted == sorted(persisted), persisted
     assert persisted[-1] == max(c.n_persist for c, _, _ in brute_force(model, capacity))
@@ -179,7 +181,7 @@ def test_nothing_fits_the_host_says_what_is_needed():
     model = synthetic()
     capacity = _capacities(model)[1]  # little GPU memory: most chunks must be offloaded
     fits_gpu = [c for c, _, _ in brute_force(model, capacity)]
-    least = min(model.host_bytes(c) for c in fits_gpu)
+    least = min(model.least_host_bytes(c) for c in fits_gpu)
     with pytest.raises(NoPlanFits, match=r"no plan fits the host memory: .* need at least .* GiB.*more GPUs") as err:
         search(model, capacity, host_bytes=least - 1)
     assert err.value.host_needed == least and err.value.host_bytes == least - 1
@@ -187,13 +189,21 @@ def test_nothing_fits_the_host_says_what_is_needed():
 
 
 def test_host_memory_of_a_configuration():
-    """Per offloaded chunk its shard's master, gradient and AdamW states (16 bytes an element); a swapped block
-    its saved activations."""
-    model = synthetic(n_chunk=4)
-    shard = model.shard_elems * HOST_BYTES_PER_ELEMENT
-    assert HOST_BYTES_PER_ELEMENT == 16
-    assert model.host_bytes(Config(4, 0, 0, 0)) == 0 and model.host_bytes(Config(1, 2, 0, 0)) == 3 * shard
-    swapped = Config(4, 0, 1, 0)
+    """Per offloaded chunk its shard's master and AdamW states (12 bytes an element) and, where the host has
+    room, a gradient shard (4 bytes an element), else as many as it has room for, at least two, shared; a
+    swapped block its saved activations."""
+    model = synthetic(n_chunk=5)
+    shard = model.shard_elems
+    assert HOST_BYTES_PER_ELEMENT == 16 and MIN_GRAD_SLOTS == 2
+    offloaded = Config(1, 2, 0, 0)  # four offloaded chunks
+    assert model.host_bytes(Config(5, 0, 0, 0)) == 0 and model.host_bytes(offloaded) == 4 * 16 * shard
+    assert model.grad_slots(offloaded) == 4 and model.least_host_bytes(offloaded) == 4 * 12 * shard + 2 * 4 * shard
+    for budget, slots in [(4 * 16 * shard, 4), (4 * 16 * shard - 1, 3), (4 * 12 * shard + 8 * shard, 2), (0, 2)]:
+        budgeted = dataclasses.replace(model, host_budget=budget)
+        assert budgeted.grad_slots(offloaded) == slots, budget
+        assert budgeted.host_bytes(offloaded) == 4 * 12 * shard + slots * 4 * shard
+    assert dataclasses.replace(model, host_budget=0).grad_slots(Config(4, 1, 0, 0)) == 1  # (one chunk: its own)
+    swapped = Config(5, 0, 1, 0)
     assert model.host_bytes(swapped) == sum(
         model.block_saved[b] for b, m in enumerate(model.modes(swapped)) if m == "swap"
     )
@@ -233,6 +243,44 @@ def test_gradient_copies_slower_than_the_backward_hold_it_up():
     # three offloaded chunks: the third reduce waits for the first copy; the last copy ends after the compute
     assert slow.phases(config)["backward_s"] > fast.phases(config)["backward_s"] + copy_s / 2
     assert slow.step_s(config) > fast.step_s(config)
+
+
+def test_shared_gradient_shards_hold_the_backward_up_where_the_host_is_slower():
+    """Where the offloaded chunks share fewer host gradient shards than there are of them, a chunk's gradient
+    waits for one to be given back by a host update, and the backward with it: with a host slower than the
+    backward the step takes longer and the backward waits; with a fast host nothing changes. The search on a
+    budget prices that."""
+    model = synthetic(n_chunk=6)
+    config = Config(n_persist=1, n_buffer=2)  # five offloaded chunks
+
+    def host(s_per_param: float, slots: int | None) -> CostModel:
+        rates = {f: s_per_param for f in ("host_adam", "host_adam_h2d", "host_adam_d2h", "host_adam_both")}
+        hardware = dataclasses.replace(H100_LIKE, **{f"{k}_s_per_param": v for k, v in rates.items()})
+        return dataclasses.replace(model, hardware=hardware, grad_slots_held=slots)
+
+    slow_each, slow_shared = host(2e-9, None), host(2e-9, 2)
+    assert slow_each.grad_slots(config) == 5 and slow_shared.grad_slots(config) == 2
+    waited = slow_shared.phases(config)["backward_s"] - slow_each.phases(config)["backward_s"]
+    assert waited > 0.5 * model.chunk_params[-1] * 2e-9  # (at least half a host update)
+    assert slow_shared.step_s(config) > slow_each.step_s(config)
+    fast_each, fast_shared = host(1e-13, None), host(1e-13, 2)
+    assert fast_shared.step_s(config) == pytest.approx(fast_each.step_s(config), rel=1e-9)
+    assert slow_shared.step_bound_s(config) <= slow_shared.step_s(config)
+    # a budget with room for two shards only: the plan says so, and its time is that of two shards; a forced
+    # n_persist is not budgeted (one shard each) unless the shards are forced too
+    layout = ChunkLayout(chunk_elems=model.chunk_elems, element_size=2, world_size=1, slots=(), n_chunk=model.n_chunk)
+    budget = slow_each.least_host_bytes(config)
+    capacity = slow_each.reserved_bytes(config)  # no more chunks on the GPU; no fewer on this host
+    plan = plan_graph(slow_each, {"n_buffer": 2, "n_swap": 0, "n_checkpoint": 0}, layout, capacity, budget)
+    assert (plan.n_persist, plan.host_grad_slots) == (1, 2), plan
+    assert plan.predicted_step_s == pytest.approx(slow_shared.step_s(config))
+    forced = {"n_persist": 1, "n_buffer": 2, "n_swap": 0, "n_checkpoint": 0}
+    assert plan_graph(slow_each, forced, layout, None, budget).host_grad_slots == 5
+    shared = plan_graph(slow_each, {**forced, "host_grad_slots": 2}, layout, None)
+    assert shared.host_grad_slots == 2 and shared.predicted_step_s == pytest.approx(slow_shared.step_s(config))
+    assert plan_graph(slow_each, {**forced, "host_grad_slots": 6}, layout, None).host_grad_slots == 5  # one each
+    with pytest.raises(ValueError, match=r"host_grad_slots'\] must be at least 1"):
+        plan_graph(slow_each, {**forced, "host_grad_slots": 0}, layout, None)
 
 
 def _link(model: CostModel, **rates) -> CostModel:

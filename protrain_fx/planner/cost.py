@@ -72,7 +72,12 @@ from protrain_fx.planner.plan import interleaved_modes
 from protrain_fx.profiler.fusion import EXTERN
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile
-from protrain_fx.runtime.chunks import HOST_BYTES_PER_ELEMENT, REDUCE_BUFFERS
+from protrain_fx.runtime.chunks import (
+    GRAD_BYTES_PER_ELEMENT,
+    HOST_STATE_BYTES_PER_ELEMENT,
+    MIN_GRAD_SLOTS,
+    REDUCE_BUFFERS,
+)
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per parameter element
 GRAD_BYTES = 4  # fp32 gradient per element
@@ -241,6 +246,8 @@ class CostModel:
     chunk_params: tuple[int, ...] = ()  # parameter elements in each chunk (padding excluded)
     forced_modes: tuple[str, ...] = ()  # the user's block_modes, in place of the interleaved layout
     overlap: bool = True  # copies and host work run beside the compute (False on the CPU: the same cores do all)
+    host_budget: int | None = None  # the host memory this rank has for offloaded chunks and swap (None: not budgeted)
+    grad_slots_held: int | None = None  # the user's host_grad_slots (at most one per offloaded chunk is used)
 
     @classmethod
     def build(
@@ -401,12 +408,30 @@ class CostModel:
         reduce = min(REDUCE_BUFFERS, buffered) * self.chunk_elems * 4
         return persistent + buffers + landing + reduce
 
-    def host_bytes(self, config: Config) -> int:
-        """Host bytes of this rank the configuration needs: per offloaded chunk its shard's fp32 master, gradient
-        and host AdamW states (runtime/chunks.py: HOST_BYTES_PER_ELEMENT, what its host check asks for), and the
-        swap space of the swapped blocks' activations (runtime/swap.py)."""
-        offloaded = (self.n_chunk - config.n_persist) * self.shard_elems * HOST_BYTES_PER_ELEMENT
-        return offloaded + sum(self.saving(b, m) for b, m in enumerate(self.modes(config)) if m == "swap")
+    def host_bytes(self, config: Config, grad_slots: int | None = None) -> int:
+        """Host bytes of this rank the configuration needs (runtime/chunks.py: what its host check asks for): per
+        offloaded chunk its shard's fp32 master and host AdamW states, `grad_slots` fp32 gradient shards (default
+        `grad_slots(config)`), and the swap space of the swapped blocks' activations (runtime/swap.py)."""
+        offloaded = self.n_chunk - config.n_persist
+        slots = self.grad_slots(config) if grad_slots is None else grad_slots
+        chunks = self.shard_elems * (offloaded * HOST_STATE_BYTES_PER_ELEMENT + slots * GRAD_BYTES_PER_ELEMENT)
+        return chunks + sum(self.saving(b, m) for b, m in enumerate(self.modes(config)) if m == "swap")
+
+    def grad_slots(self, config: Config) -> int:
+        """The host gradient shards the offloaded chunks of `config` get (the user's, if held): one each where
+        `host_budget` has room (or is not set), else as many as it has, and no fewer than MIN_GRAD_SLOTS
+        (`least_host_bytes`), which they share (runtime/chunks.py)."""
+        offloaded = self.n_chunk - config.n_persist
+        if self.grad_slots_held is not None:
+            return min(offloaded, self.grad_slots_held)
+        if self.host_budget is None or not offloaded:
+            return offloaded
+        room = (self.host_budget - self.host_bytes(config, 0)) // (self.shard_elems * GRAD_BYTES_PER_ELEMENT)
+        return max(min(offloaded, MIN_GRAD_SLOTS), min(offloaded, room))
+
+    def least_host_bytes(self, config: Config) -> int:
+        """The least host memory `config` trains in: its offloaded chunks sharing MIN_GRAD_SLOTS gradient shards."""
+        return self.host_bytes(config, min(self.n_chunk - config.n_persist, MIN_GRAD_SLOTS))
 
     def peak_bytes(self, config: Config) -> int:
         """The highest allocated bytes of a step (what torch.cuda.max_memory_allocated reports)."""
@@ -516,7 +541,9 @@ class CostModel:
             end[c] = t
         return {"end": t, "h2d": h2d, "d2h": d2h}
 
-    def _backward_timeline(self, config: Config, per: dict[str, list[float]], link: _Link) -> dict:
+    def _backward_timeline(
+        self, config: Config, per: dict[str, list[float]], link: _Link, host_ends: list | None = None
+    ) -> dict:
         """The backward, chunk by chunk (last to first), on the same three lanes. The last n_buffer non-persistent
         chunks are still in their buffers from the forward; each one before them is uploaded once the link is
         free and a buffer is (the chunk n_buffer before it in this order has been computed). A chunk computes
@@ -524,8 +551,11 @@ class CostModel:
         sooner than the swap-in copies beside it, which queue behind the uploads (runtime/swap.py). When a
         chunk is done its gradients are reduced; the copies of offloaded shards to the host then run one at a
         time on their own stream, beside the compute (on the CPU, in line); an offloaded chunk's reduce first
-        waits for the copy out of the buffer it reuses. Returns the end of each chunk's reduce and copy, the
-        backward's compute end, and the copies' (start, end) each way."""
+        waits for the copy out of the buffer it reuses. Where the offloaded chunks share fewer host gradient
+        shards than there are of them (`grad_slots`), the i-th to arrive waits, and the backward with it, until
+        i - slots + 1 host updates have ended (`host_ends`, from the host timeline; None: not known yet). Returns
+        the end of each chunk's reduce and copy, the backward's compute end, and the copies' (start, end) each
+        way."""
         n, persist, gather, shard = self.n_chunk, config.n_persist, self._gather_s(), self.shard_elems * 4
         order = list(reversed(range(persist, n)))  # the non-persistent chunks, in the order the backward needs them
         buffers = max(1, config.n_buffer)
@@ -533,6 +563,9 @@ class CostModel:
         t, up, copy_end, link_free, end, loaded, following = 0.0, 0.0, [0.0] * n, 0.0, [0.0] * n, {}, buffers
         reduced: list[int] = []  # offloaded chunks in the order they took a reduce buffer
         h2d, d2h = [], []
+        slots = self.grad_slots(config)
+        shared = host_ends is not None and slots < n - persist
+        freed = sorted(e for e in host_ends if e is not None) if shared else []  # when each shard is given back
         for c in reversed(range(n)):
             done = n - 1 - c  # chunks the backward has done so far (the first len(order) are `order`)
             if self.overlap:
@@ -552,6 +585,8 @@ class CostModel:
             if c >= persist:
                 if len(reduced) >= REDUCE_BUFFERS:  # its buffer's last copy must have ended
                     t = max(t, copy_end[reduced[-REDUCE_BUFFERS]])
+                if shared and len(reduced) >= slots:  # a gradient shard on the host must have been given back
+                    t = max(t, freed[len(reduced) - slots])
                 reduced.append(c)
             begin = (max(t, link_free) if self.overlap else t) + self._reduce_s(c, persist)
             copy = link.seconds("d2h", shard, begin) if c >= persist else 0.0
@@ -627,9 +662,10 @@ class CostModel:
             }
         per = self._per_chunk(config)
         gpu_optim = self._gpu_optim_s(config)
-        link = _Link(hw)
+        link, host = _Link(hw), None
         for _ in range(2):
-            forward, backward = self._forward_timeline(config, per, link), self._backward_timeline(config, per, link)
+            forward = self._forward_timeline(config, per, link)
+            backward = self._backward_timeline(config, per, link, host["ends"] if host else None)
             next_forward = backward["end"] + gpu_optim
             host = self._host_timeline(config, forward, backward, next_forward, clipped)
             link = _Link(hw, forward, backward, host["spans"], next_forward)

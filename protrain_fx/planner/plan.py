@@ -34,6 +34,10 @@ class Plan:
     # ChunkManager.speculates); the others update in optimizer.step(). Searched with the cost model (the copy
     # costs host memory bandwidth)
     n_clip_overlap: int = 0
+    # the fp32 gradient shards the host holds for the offloaded chunks: one each (n_chunk - n_persist) where it
+    # has room, else fewer, which they share, each chunk from its gradient's arrival to its update's end
+    # (runtime/chunks.py). Forced: at most that many, at least 1
+    host_grad_slots: int = 0
     predicted_step_s: float | None = None
     predicted_clipped_step_s: float | None = None  # a step with clipping (that does not apply)
     predicted_peak_bytes: int | None = None  # allocated, as torch.cuda.max_memory_allocated counts
@@ -72,7 +76,7 @@ def _cell(name: str, value: Any) -> str:
 
 
 PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
-CHUNK_FIELDS = ("n_persist", "n_buffer", "n_chunk", "chunk_bytes", "n_clip_overlap")
+CHUNK_FIELDS = ("n_persist", "n_buffer", "n_chunk", "chunk_bytes", "n_clip_overlap", "host_grad_slots")
 ACTIVATION_FIELDS = ("n_swap", "n_checkpoint", "block_modes", "swap_interval")
 
 
@@ -109,7 +113,9 @@ def make_plan(
     activations = {"block_modes": modes, "n_checkpoint": n_checkpoint, "n_swap": n_swap, "swap_interval": interval}
     if layout is None:
         chunked = {
-            k: forced[k] for k in ("n_buffer", "n_chunk", "chunk_bytes", "n_clip_overlap") if _int_field(forced, k, 0)
+            k: forced[k]
+            for k in ("n_buffer", "n_chunk", "chunk_bytes", "n_clip_overlap", "host_grad_slots")
+            if _int_field(forced, k, 0)
         }
         if "n_persist" in forced and forced.get("n_chunk", 1) != 0:  # (a replayed unchunked plan has n_chunk 0)
             chunked["n_persist"] = _int_field(forced, "n_persist", 0)
@@ -131,6 +137,14 @@ def make_plan(
             f"options['plan']['n_clip_overlap']={n_clip_overlap} exceeds the {layout.n_chunk - n_persist} offloaded "
             "chunks (n_chunk - n_persist)"
         )
+    offloaded = layout.n_chunk - n_persist
+    if offloaded and "host_grad_slots" in forced and _int_field(forced, "host_grad_slots", 0) < 1:
+        raise ValueError(
+            "options['plan']['host_grad_slots'] must be at least 1 where chunks are offloaded (gradient shards on "
+            "the host)"
+        )
+    # (more than one per offloaded chunk: one each)
+    host_grad_slots = min(offloaded, _int_field(forced, "host_grad_slots", offloaded))
     return Plan(
         n_persist=n_persist,
         n_buffer=n_buffer,
@@ -138,6 +152,7 @@ def make_plan(
         n_block=n_block,
         chunk_bytes=layout.chunk_bytes,
         n_clip_overlap=n_clip_overlap,
+        host_grad_slots=host_grad_slots,
         **activations,
     )
 

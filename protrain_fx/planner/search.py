@@ -8,8 +8,11 @@ Exhaustive over n_swap, n_checkpoint, n_buffer and n_persist with the paper's pr
   copy behind, so n_swap <= n_block // swap_interval;
 - for fixed activation modes and buffers, memory grows with n_persist, so n_persist is visited upwards and
   the first configuration over capacity ends that row (every later one is larger);
-- configurations over capacity are never timed; nor are those whose host memory (`CostModel.host_bytes`: shrinks
-  as n_persist grows) is over what this rank has;
+- configurations over capacity are never timed; nor are those whose least host memory
+  (`CostModel.least_host_bytes`, its offloaded chunks sharing the fewest gradient shards: shrinks as n_persist
+  grows) is over what this rank has. Those timed get one gradient shard per offloaded chunk where the host has
+  room, else as many as it has, and their backward waits for the host where they are too few
+  (`CostModel.grad_slots`);
 - those that fit are timed in the order of a lower bound of their step time (`CostModel.step_bound_s`), until
   the bound passes every step time `rank` can still use (`_timed`): the result is that of timing them all.
 Among those that fit, the lowest predicted step time wins. Ties (within TIE_REL) go to the one that rewrites the
@@ -66,11 +69,12 @@ class NoPlanFits(ValueError):
         else:
             message = (
                 f"no plan fits the host memory: the plans that fit the GPU need at least {host_needed / 2**30:.2f} "
-                f"GiB of it for this rank (the least, {config}, for its offloaded chunks' fp32 master, gradient and "
-                f"AdamW states and its swap space), and there are {host_bytes / 2**30:.2f} GiB. To make it fit: "
+                f"GiB of it for this rank (the least, {config}, for its offloaded chunks' fp32 masters, AdamW states "
+                f"and gradients and its swap space), and there are {host_bytes / 2**30:.2f} GiB. To make it fit: "
                 "spread the model over more GPUs (each rank holds its shard of the offloaded chunks), free host "
-                "memory or use a machine with more, or use a smaller model. If the host capacity is wrong, set "
-                "options={'host_memory_bytes': ...}."
+                "memory or use a machine with more, use a smaller model, or set TORCHINDUCTOR_COMPILE_THREADS=1 "
+                "(inductor then compiles in this process, and the memory kept for its compile workers goes to the "
+                "model). If the host capacity is wrong, set options={'host_memory_bytes': ...}."
             )
         super().__init__(message)
 
@@ -111,6 +115,7 @@ def search(
     """The best configuration as (Config, step seconds, peak bytes), and the runners-up likewise. `host_bytes`:
     the host memory this rank has for offloaded chunks and swap space (None: not budgeted). Raises NoPlanFits."""
     forced = dict(forced or {})
+    model = dataclasses.replace(model, host_budget=host_bytes)
     fitting: list[tuple[Config, int]] = []
     smallest: tuple[int, Config] | None = None
     least_host: tuple[int, Config] | None = None  # of the configurations that fit the GPU but not the host
@@ -123,7 +128,7 @@ def search(
                 smallest = (reserved, config)
             if capacity_bytes is not None and reserved > capacity_bytes:
                 break
-            if host_bytes is not None and (host := model.host_bytes(config)) > host_bytes:
+            if host_bytes is not None and (host := model.least_host_bytes(config)) > host_bytes:
                 if least_host is None or host < least_host[0]:
                     least_host = (host, config)
                 continue
@@ -186,8 +191,9 @@ def brute_force(
 ):
     """Every configuration, no pruning: what `search` must agree with (tests)."""
     forced = dict(forced or {})
+    model = dataclasses.replace(model, host_budget=host_bytes)
     configs = set(itertools.chain.from_iterable(candidates(model, forced)))
-    configs = {c for c in configs if host_bytes is None or model.host_bytes(c) <= host_bytes}
+    configs = {c for c in configs if host_bytes is None or model.least_host_bytes(c) <= host_bytes}
     fits = [(c, model.step_s(c), model.peak_bytes(c)) for c in configs]
     return [f for f in fits if capacity_bytes is None or model.reserved_bytes(f[0], f[2]) <= capacity_bytes]
 
@@ -209,6 +215,8 @@ def plan_graph(
     forced = dict(forced)
     make_plan(costs.n_block, forced, layout, swap_interval=costs.swap_interval)  # the user's fields, checked
     held = {k: forced[k] for k in SEARCHED if k in forced}
+    if "host_grad_slots" in forced:
+        costs = dataclasses.replace(costs, grad_slots_held=forced["host_grad_slots"])
     if "block_modes" in forced:
         modes = tuple(forced["block_modes"])
         held.update(n_swap=modes.count("swap"), n_checkpoint=modes.count("checkpoint"))
@@ -228,7 +236,9 @@ def plan_graph(
                 capacity_bytes / 2**30,
             )
     else:
-        best, runners_up = search(costs, capacity_bytes, held, host_bytes if "n_persist" not in held else None)
+        if "n_persist" not in held:
+            costs = dataclasses.replace(costs, host_budget=host_bytes)
+        best, runners_up = search(costs, capacity_bytes, held, costs.host_budget)
 
     def to_plan(found: tuple[Config, float, int], chosen: bool) -> Plan:
         """`chosen`: the plan in force, which also gets how a clipped step runs (runners-up are shown, not run)."""
@@ -237,6 +247,8 @@ def plan_graph(
         if layout is None:
             fields = {k: v for k, v in fields.items() if k not in ("n_persist", "n_buffer")}
         clipped_s, fields["n_clip_overlap"] = None, 0
+        if layout is not None:
+            fields["host_grad_slots"] = costs.grad_slots(config)
         if chosen and layout is not None:  # how many offloaded chunks update during the backward of a clipped step
             options = (
                 [forced["n_clip_overlap"]]

@@ -115,7 +115,14 @@ def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkMan
     by_name = dict(model.named_parameters())
     params = [by_name[slot.name] for slot in layout.slots]
     with eager():  # called from the partitioner, under AOTAutograd's fake mode
-        manager = ChunkManager(params, layout, n_persist=plan.n_persist, n_buffer=plan.n_buffer, model=model)
+        manager = ChunkManager(
+            params,
+            layout,
+            n_persist=plan.n_persist,
+            n_buffer=plan.n_buffer,
+            model=model,
+            grad_slots=plan.host_grad_slots,
+        )
     model.__dict__[MODEL_ATTR] = manager
     return manager
 
@@ -134,6 +141,7 @@ def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str
         "n_persist": manager.n_persist,
         "n_chunk": manager.layout.n_chunk,
         "chunk_bytes": manager.layout.chunk_bytes,
+        "host_grad_slots": manager.grad_slots,
     }
     if manager.n_buffer:
         actual["n_buffer"] = manager.n_buffer
@@ -219,6 +227,7 @@ def prepare(
         device=device,
         source=source,
         model=model,
+        grad_slots=chosen.host_grad_slots,
     )
     model.__dict__[MODEL_ATTR] = manager
     for module in model.modules():  # what is not in chunks: buffers and frozen parameters go to the device

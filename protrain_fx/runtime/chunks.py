@@ -19,6 +19,14 @@ Layout (planner/chunking.py) decides which parameter is where; the plan decides 
   gradient without blocking (into a staging shard and added, when a chunk gets a second gradient in one
   step), and a worker thread runs the CPU AdamW step of that shard (torch's fused CPU kernel) as soon as
   the copy lands, overlapping the rest of the backward.
+- gradient shards on the host: one per offloaded chunk where the host has room, else the plan's
+  `host_grad_slots` (at least MIN_GRAD_SLOTS), which the offloaded chunks share: a chunk takes one when its
+  first gradient of the step arrives and gives it back once its host update has run, and the backward waits
+  for the host where all are taken. A step whose host updates wait for `AdamW.step()` (the first step,
+  clipping, accumulation, float16) holds every offloaded gradient at once: the shards it lacks are plain host
+  memory taken for that step and freed as each update ends. On the first step that memory is there, since
+  the AdamW states, 8 bytes per element, are created by the first update; where it is not, the step stops
+  with an error that says so.
 
 Gradients never reach `param.grad`: the rewritten backward hands them to `reduce_grads` and returns None
 for those parameters, and `protrain_fx.optim.AdamW` steps from the manager.
@@ -32,6 +40,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -55,9 +64,13 @@ LOADED_MASTER_ATTR = "_protrain_loaded_master"
 
 
 REDUCE_BUFFERS = 2  # fp32 chunk buffers gradients are reduced in: one copied to the host while the next fills
-ARENA_BYTES_PER_ELEMENT = 4 + 4  # an offloaded shard's fp32 master (the parameters' only host copy) and gradient
-# all an offloaded shard takes of the host: its arena part and the host AdamW's two fp32 states
-HOST_BYTES_PER_ELEMENT = ARENA_BYTES_PER_ELEMENT + 8
+# what an offloaded shard always holds of the host: its fp32 master (the parameters' only host copy) and the host
+# AdamW's two fp32 states
+HOST_STATE_BYTES_PER_ELEMENT = 4 + 4 + 4
+GRAD_BYTES_PER_ELEMENT = 4  # an fp32 gradient shard on the host: one per offloaded chunk, or fewer, shared in turn
+HOST_BYTES_PER_ELEMENT = HOST_STATE_BYTES_PER_ELEMENT + GRAD_BYTES_PER_ELEMENT  # with a gradient shard of its own
+# the fewest shared gradient shards a plan may have: one lands while the host updates from the other
+MIN_GRAD_SLOTS = 2
 HOST_UPDATES_KEPT = 64  # host AdamW timings kept (ChunkManager.host_updates)
 # a clipped model's host updates during the backward keep each shard's fp32 master and AdamW states as they were
 # (`ChunkManager.speculates`), where that leaves UNDO_HOST_RESERVE of the host's memory available
@@ -139,11 +152,13 @@ class ChunkManager:
         device: torch.device | None = None,
         source: Callable[[nn.Parameter], torch.Tensor] | None = None,
         model: nn.Module | None = None,
+        grad_slots: int | None = None,
     ):
         """`device` is where the chunks compute (default: the parameters' device). `source(p)` gives a
         parameter's values when they are not in `p` itself yet (a meta-device model); it is called in layout
         order, one parameter at a time. `protrain_fx.prepare` uses both. `model`: the module whose `no_sync`
-        state (runtime/adopt.py) says whether a backward is the last of an accumulated step."""
+        state (runtime/adopt.py) says whether a backward is the last of an accumulated step. `grad_slots`: the
+        plan's `host_grad_slots`, the gradient shards the offloaded chunks share on the host (default: one each)."""
         if not 0 <= n_persist <= layout.n_chunk:
             raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
         if n_persist < layout.n_chunk and n_buffer < 1:
@@ -168,6 +183,7 @@ class ChunkManager:
             )
         weakref.finalize(self, self._host.close)
         self._pending: dict[int, concurrent.futures.Future] = {}  # offloaded chunk -> its CPU AdamW step
+        self._gives_back: set[int] = set()  # offloaded chunks whose pending host task gives their gradient shard back
         # (parameters, seconds) of the latest host AdamW updates (not those that also copy aside what they change):
         # what the host takes in training, set beside the hardware profile's figure (runtime/monitor.py)
         self.host_updates: collections.deque[tuple[int, float]] = collections.deque(maxlen=HOST_UPDATES_KEPT)
@@ -215,7 +231,7 @@ class ChunkManager:
         self.step_lost = False
         owner = next((p.__dict__.get("_protrain_optimizer") for p in self.params), None)
         self.optimizer = owner() if owner is not None else None  # the protrain_fx.optim.AdamW stepping us
-        self._build(source or (lambda p: p.detach()))
+        self._build(source or (lambda p: p.detach()), grad_slots)
         for p in self.params:
             p.__dict__[MANAGER_ATTR] = self
         if model is not None:
@@ -224,7 +240,7 @@ class ChunkManager:
 
     # ----- storage -----------------------------------------------------------------------------------
 
-    def _build(self, source: Callable[[nn.Parameter], torch.Tensor]) -> None:
+    def _build(self, source: Callable[[nn.Parameter], torch.Tensor], grad_slots: int | None) -> None:
         n, elems, shard = self.layout.n_chunk, self.layout.chunk_elems, self.layout.shard_elems
         fp32 = self.dtype == torch.float32
         self.flat: dict[int, torch.Tensor] = {}  # persistent: chunk -> device params
@@ -236,20 +252,26 @@ class ChunkManager:
             self.master[c] = self.flat[c] if fp32 else torch.zeros(elems, dtype=torch.float32, device=self.device)
             self.grad[c] = torch.zeros(elems, dtype=torch.float32, device=self.device)
         offloaded = list(range(self.n_persist, n))
-        per_chunk = shard * ARENA_BYTES_PER_ELEMENT
+        slots = len(offloaded) if grad_slots is None else grad_slots
+        assert 0 < slots <= len(offloaded) or slots == len(offloaded) == 0, f"{slots} gradient shards (make_plan)"
+        self.grad_slots = slots
         check_host_memory(
-            shard * HOST_BYTES_PER_ELEMENT * len(offloaded),
+            shard * (HOST_STATE_BYTES_PER_ELEMENT * len(offloaded) + GRAD_BYTES_PER_ELEMENT * slots),
             "the offloaded chunks",
-            "fp32 master and gradient shards, AdamW states",
+            f"fp32 master shards and AdamW states, and {slots} fp32 gradient shards",
             "keep more chunks on the GPU (options={'plan': {'n_persist': ...}}), use more ranks",
         )
-        self.arena = pinned_arena(per_chunk * len(offloaded), self, pin=self.device.type == "cuda")
-        at = 0
-        for c in offloaded:
-            self.master[c] = self.arena[at : at + shard * 4].view(torch.float32)
-            self.grad[c] = self.arena[at + shard * 4 : at + shard * 8].view(torch.float32)
-            at += shard * 8
+        # the masters, then the gradient shards
+        self.arena = pinned_arena(shard * 4 * (len(offloaded) + slots), self, pin=self.device.type == "cuda")
+        parts = self.arena.view(torch.float32).split(shard) if offloaded else ()
+        self.master.update(zip(offloaded, parts))
         self.arena.zero_()
+        # the gradient shards no chunk holds now; where there is one per chunk, each chunk holds its own for good
+        self._free_grads: list[torch.Tensor] = list(parts[len(offloaded) :])
+        self._grad_lock = threading.Lock()  # (the worker thread gives gradient shards back)
+        if slots == len(offloaded):
+            self.grad.update(zip(offloaded, self._free_grads))
+            self._free_grads = []
         self.buffers = [torch.empty(elems, dtype=self.dtype, device=self.device) for _ in range(self.n_buffer)]
         # where a master shard lands on the device before its cast into a buffer (loads are serial on one stream)
         self._landing = None if fp32 or not offloaded else torch.empty(shard, dtype=torch.float32, device=self.device)
@@ -561,6 +583,13 @@ class ChunkManager:
             self._arrival_norms[chunk] = (self.clip_norm_type, norm)
         self.wait_for_update(chunk)  # the previous gradient copy of this chunk is taken in
         if accumulate:
+            if chunk not in self.grad:
+                raise RuntimeError(
+                    f"chunk {chunk} got a gradient to add to that of a step already taken: this plan shares "
+                    f"{self.grad_slots} gradient shards among the offloaded chunks (the host has no room for one "
+                    "each), so their gradients do not outlive optimizer.step(); call optimizer.zero_grad() after "
+                    "each step"
+                )
             self.wait_for_update()  # the one staging shard is free once every pending copy is taken in
             if self.staging is None:
                 self.staging = torch.empty(
@@ -568,7 +597,7 @@ class ChunkManager:
                 )
             target = self.staging
         else:
-            target = self.grad[chunk]
+            target = self._take_grad(chunk)
         copied = None
         stream = self._d2h_stream
         if stream is not None:  # off the compute stream, so the copy overlaps the rest of the backward
@@ -602,10 +631,57 @@ class ChunkManager:
                 if update is not None:
                     start = time.perf_counter()
                     update()
-                    if not speculative:
+                    if not speculative:  # (one kept for undoing is read again if the clip applies)
                         self.host_updates.append((self.master[chunk].numel(), time.perf_counter() - start))
+                        self._give_back_grad(chunk)
 
+        if update is not None and not speculative and self.shares_grads:
+            self._gives_back.add(chunk)
         self._pending[chunk] = self._host.submit(chunk, copied, take_in)
+
+    @property
+    def shares_grads(self) -> bool:
+        """The offloaded chunks share fewer host gradient shards than there are of them (the plan's
+        `host_grad_slots`): a chunk holds one from its first gradient of a step until its update has run."""
+        return self.grad_slots < self.layout.n_chunk - self.n_persist
+
+    def _take_grad(self, chunk: int) -> torch.Tensor:
+        """The host gradient shard the chunk's gradient of this step lands in: its own, or a shared one that is
+        free. With none free, wait for a host update that gives one back; with none pending (this step's updates
+        wait for `AdamW.step()`), plain host memory for this step, where the host has it."""
+        while True:
+            with self._grad_lock:
+                if chunk not in self.grad and self._free_grads:
+                    self.grad[chunk] = self._free_grads.pop()
+                if chunk in self.grad:
+                    return self.grad[chunk]
+            giving = [c for c in self._pending if c in self._gives_back]
+            if not giving:
+                break
+            self.wait_for_update(giving[0])
+        offloaded = self.layout.n_chunk - self.n_persist
+        check_host_memory(
+            self.layout.shard_elems * GRAD_BYTES_PER_ELEMENT,
+            f"chunk {chunk}'s gradients",
+            f"an fp32 gradient shard; the plan shares {self.grad_slots} among the {offloaded} offloaded chunks, and "
+            "this step holds them all: its host updates wait for optimizer.step() (gradient clipping, "
+            "accumulation, float16 loss scaling, or a resumed model's first step)",
+            "train without clipping or gradient accumulation, or give the plan more host memory",
+        )
+        with self._grad_lock:
+            self.grad[chunk] = torch.empty(self.layout.shard_elems, dtype=torch.float32)
+            return self.grad[chunk]
+
+    def _give_back_grad(self, chunk: int) -> None:
+        """After the chunk's host update (any thread): a shared gradient shard is free again; one taken for the
+        step alone is let go. A chunk's own shard stays."""
+        if not self.shares_grads:
+            return
+        with self._grad_lock:
+            self._gives_back.discard(chunk)
+            shard = self.grad.pop(chunk, None)
+            if shard is not None and shard.untyped_storage().data_ptr() == self.arena.untyped_storage().data_ptr():
+                self._free_grads.append(shard)
 
     def _complete(self, chunk: int) -> bool:
         """Whether the chunk's gradient is final for this step: this is the step's last backward (not inside
@@ -732,7 +808,14 @@ class ChunkManager:
         """Start an offloaded chunk's update on the worker thread now (from `AdamW.step()`)."""
         self.wait_for_update(chunk)  # its gradient copy is taken in
         self._stepped.add(chunk)
-        self._pending[chunk] = self._host.submit(chunk, None, update)
+
+        def update_and_give_back() -> None:
+            update()
+            self._give_back_grad(chunk)
+
+        if self.shares_grads:
+            self._gives_back.add(chunk)
+        self._pending[chunk] = self._host.submit(chunk, None, update_and_give_back)
 
     def end_step(self) -> None:
         """After the optimizer step: the next backward starts a new step (gradients still add up until
@@ -761,8 +844,15 @@ class ChunkManager:
                 future.result()
 
     def zero_grad(self) -> None:
-        """Forget this step's gradients; the next one overwrites each chunk's fp32 gradient (no memset)."""
+        """Forget this step's gradients; the next one overwrites each chunk's fp32 gradient (no memset). Shared
+        host gradient shards not given back by an update are given back now."""
         self._land_reductions(discard=True)
+        if self.shares_grads:
+            with self._grad_lock:
+                held = [c for c in self.grad if c >= self.n_persist and c not in self._gives_back]
+            for chunk in held:
+                self.wait_for_update(chunk)  # (a copy into it may be landing)
+                self._give_back_grad(chunk)
         self.has_grad.clear()
         self.params_with_grad.clear()
         self._unreduced.clear()

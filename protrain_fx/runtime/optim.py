@@ -111,12 +111,11 @@ class AdamW(torch.optim.Optimizer):
     def _build_inner(self, manager, chunk: int) -> torch.optim.AdamW | None:
         groups: dict[int, list[torch.Tensor]] = {}
         index = self._group_index()
-        master, grad = manager.master[chunk], manager.grad[chunk]
+        master = manager.master[chunk]
         pieces = manager.param_pieces(chunk)
         views_in_order = []
         for i, start, end, _ in pieces:
             view = master[start:end]
-            view.grad = grad[start:end]
             groups.setdefault(index[id(manager.params[i])], []).append(view)
             views_in_order.append(view)
         if not groups:
@@ -126,7 +125,10 @@ class AdamW(torch.optim.Optimizer):
             {id(v): manager.params[i] for v, (i, _, _, _) in zip(views_in_order, pieces)},
             {id(v): (begin, begin + v.numel()) for v, (_, _, _, begin) in zip(views_in_order, pieces)},
         )
-        inner.grad_of = {id(v): v.grad for v in views_in_order}
+        # where in the chunk's gradient each tensor's is; the views of it, made for the gradient tensor the chunk
+        # holds (a shared host gradient shard changes from step to step: runtime/chunks.py)
+        inner.grad_range = {id(v): (start, end) for v, (_, start, end, _) in zip(views_in_order, pieces)}
+        inner.grad_of, inner.grads_from = {}, None
         return inner
 
     def _make_inner(
@@ -176,6 +178,10 @@ class AdamW(torch.optim.Optimizer):
             if inner is not None:
                 for group, g in zip(inner.param_groups, inner.outer_groups):
                     group.update(hyper[g])
+                grad = manager.grad[chunk]
+                if inner.grads_from is not grad:
+                    inner.grad_of = {i: grad[a:b] for i, (a, b) in inner.grad_range.items()}
+                    inner.grads_from = grad
                 for group in inner.param_groups:
                     for view in group["params"]:  # like torch's AdamW, a parameter without gradient is not updated
                         got_grad = manager.index[id(inner.param_of[id(view)])] in with_grad
@@ -184,6 +190,10 @@ class AdamW(torch.optim.Optimizer):
                 if snapshot:
                     self._snapshot(manager, chunk, inner)
                 inner.step()
+                if manager.shares_grads and chunk >= manager.n_persist:  # (the shard is given back next)
+                    for view in (v for group in inner.param_groups for v in group["params"]):
+                        view.grad = None
+                    inner.grad_of, inner.grads_from = {}, None
             manager.publish(chunk)
 
         return update
