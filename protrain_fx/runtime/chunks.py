@@ -287,7 +287,6 @@ class ChunkManager:
         # found_inf as each offloaded chunk's update started during the backward saw it: the update skips if set
         self._found_host = torch.zeros(n, pin_memory=self.device.type == "cuda")
         self._found_early = torch.zeros(self.n_persist, device=self.device)  # the same, of persistent chunks
-        self._one = torch.ones(1, device=self.device)
         self._in_use: set[int] = set()  # chunks gathered and not released yet
         self._released: list[int] = []  # released chunks still in a buffer, least recent first
         self._adopt(source)
@@ -504,10 +503,13 @@ class ChunkManager:
         return self._room_for_undo
 
     def _check_finite(self, grads: Sequence[torch.Tensor]) -> None:
-        """Set `found_inf` if a gradient (fp32, as reduced across ranks) is inf or NaN: torch's fused check (CUDA
-        has it for float16 and float32 only), on the device, no sync (it multiplies by 1: values unchanged).
-        `AdamW.step()` reads it."""
-        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), self.found_inf, self._one)
+        """Set `found_inf` to 1 if a gradient is inf or NaN: the sum of their L2 norms (torch's foreach norm,
+        accumulated in fp32) is not finite. On the device, no sync, and each gradient is only read, once (a norm
+        also overflows past about 1e19, where training has failed anyway). `AdamW.step()` reads it, and the fused
+        AdamW skips an update where it is exactly 1."""
+        norms = torch._foreach_norm(list(grads), 2, dtype=torch.float32)
+        nonfinite = torch.isfinite(torch.stack(norms).sum()).logical_not().to(self.found_inf.dtype)
+        torch.maximum(self.found_inf, nonfinite, out=self.found_inf)
 
     @property
     def sync_grads(self) -> bool:
@@ -543,13 +545,15 @@ class ChunkManager:
         if persistent and self.world_size == 1:
             # straight into the fp32 gradient; where a parameter has no gradient yet this step its slot holds a
             # stale value, which is overwritten here or never read (the optimizer skips that parameter)
-            written = []
+            written, added = [], False
             for p, g in zip(params, grads):
                 a, b = self._slot_range(self.slot_of(p))
                 seen = self.index[id(p)] in self.params_with_grad
                 self.grad[chunk][a:b].add_(g.reshape(-1)) if seen else self.grad[chunk][a:b].copy_(g.reshape(-1))
                 written.append(self.grad[chunk][a:b])
-            self._check_finite(written)
+                added |= seen
+            # the gradients as they came (compute dtype: fewer bytes read), or as added up (a sum may overflow)
+            self._check_finite(written if added else grads)
             self.params_with_grad.update(self.index[id(p)] for p in params)
             self._step_persistent_early(chunk)
             return
