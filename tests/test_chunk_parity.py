@@ -22,9 +22,9 @@ PLANS = {
     "all-persistent": {},
     "all-offloaded": {"n_persist": 0, "n_buffer": 3},
     "in-between": {"n_persist": 2, "n_buffer": 2},
-    # fewer host gradient shards than offloaded chunks, shared in turn (the plan for a host short of memory)
-    "shared-gradients": {"n_persist": 0, "n_buffer": 3, "host_grad_slots": 1},
 }
+# fewer host gradient shards than offloaded chunks, shared in turn (the plan for a host short of memory)
+SHARED_GRADIENTS = {"n_persist": 0, "n_buffer": 3, "host_grad_slots": 1}
 
 
 def run(kind, plan, steps=STEPS, exact=True, device="cpu", **model_kw):
@@ -159,10 +159,10 @@ def test_chunked_training_through_inductor():
 
 
 def test_offloaded_chunks_share_the_host_gradient_shards_of_the_plan(monkeypatch):
-    """host_grad_slots=1 for 4 offloaded chunks (training is bitwise eager's: test_chunked_training_bitwise): the
-    arena holds one gradient shard besides the masters. The first step, whose host updates wait for
-    optimizer.step(), holds every gradient: it takes plain host memory for the 3 shards it lacks and lets it
-    go; later steps update during the backward and share the one. Every shard is given back after a step."""
+    """host_grad_slots=1 for 4 offloaded chunks: training is bitwise eager's, and the arena holds one gradient
+    shard besides the masters. The first step, whose host updates wait for optimizer.step(), holds every
+    gradient: it takes plain host memory for the 3 shards it lacks and lets it go; later steps update during
+    the backward and share the one. Every shard is given back after a step."""
     from protrain_fx.runtime import chunks
 
     asked = []
@@ -170,7 +170,9 @@ def test_offloaded_chunks_share_the_host_gradient_shards_of_the_plan(monkeypatch
     monkeypatch.setattr(
         chunks, "check_host_memory", lambda needed, what, *a: (asked.append(what), check(needed, what, *a))
     )
-    _, model, _ = run("gpt2", PLANS["shared-gradients"], steps=3)
+    ref, model, _ = run("gpt2", SHARED_GRADIENTS, steps=4)
+    state = protrain_fx.full_state_dict(model)
+    assert all(torch.equal(state[name], value) for name, value in ref.state_dict().items())
     manager = model_manager(model)
     manager.wait_for_update()
     assert (manager.layout.n_chunk, manager.n_persist, manager.grad_slots) == (4, 0, 1)
@@ -187,7 +189,7 @@ def test_shared_gradient_shards_say_what_they_cannot_do(monkeypatch):
     for zero_grad in (True, False):
         model = models.build("gpt2")
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
-        options = {"executor": "eager", "plan": PLANS["shared-gradients"]}
+        options = {"executor": "eager", "plan": SHARED_GRADIENTS}
         compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
         loss = models.loss_of("gpt2", compiled(**models.batch("gpt2")))  # (builds the chunks)
         if zero_grad:
