@@ -32,8 +32,10 @@ class ProTrainConfig:
     plan: plan fields to force instead of searching them, as a dict or the path of a plan JSON file.
     gpu_memory_bytes: the GPU capacity the planner may assume (default: the device's free memory).
     host_memory_bytes: the host memory the planner may assume for this rank's offloaded chunks and swap space
-        (default on CUDA: the host's available memory shared among this machine's ranks; on the CPU, where the
-        "device" is the host, not budgeted).
+        (default on CUDA: the host's available memory, less a reserve for the rest of training, shared among this
+        machine's ranks: profiler/hardware.py host_capacity; on the CPU, where the "device" is the host, not
+        budgeted). Where it has no room for a gradient shard per offloaded chunk, the chunks share fewer (the
+        plan's host_grad_slots).
     dump_dir: where graphs, profiles, maps and plans are written (default: $PROTRAIN_DUMP_DIR, else nothing).
     on_oom: what a CUDA out-of-memory error in a step does (runtime/oom.py): "raise" an error that names the plan
         and what to do, or "replan" under a lower capacity and go on.

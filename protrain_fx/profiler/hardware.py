@@ -53,9 +53,9 @@ KERNELS = 1000  # back-to-back tiny kernels timed for the launch floor
 COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
 CPU_COLLECTIVE_BYTES = (2**20, 16 * 2**20)  # gloo on a few cores: larger messages only take long (extrapolated)
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
-# host memory the plan leaves to the rest of the machine. Training a 13.6B model (one H100, 125 GiB host) the process
-# grew after planning by what the plan counts and 1.8 GiB more (inductor compiling in the process), leaving 2.6
-# GiB available at its peak; each of inductor's compile worker processes held 0.22 GiB more
+# host memory the plan leaves to the rest of each rank's training. Training a 13.6B model (one H100, 125 GiB of
+# host), the process grew after planning by what the plan counts and 1.8 GiB more (inductor compiling in the
+# process), leaving 2.6 GiB available at its peak; each of inductor's compile worker processes held 0.22 GiB
 HOST_RESERVE_BYTES = 3 * 2**30
 COMPILE_WORKER_BYTES = 2**28
 
@@ -435,10 +435,10 @@ def device_capacity(device: torch.device) -> int | None:
 def host_capacity(device: torch.device) -> int | None:
     """What this rank may take of the host for offloaded chunks and swap space: the host's available memory
     less what the rest of each rank's training takes of it later (HOST_RESERVE_BYTES, and COMPILE_WORKER_BYTES
-    per compile worker inductor may start: `TORCHINDUCTOR_COMPILE_THREADS=1` compiles in the process and leaves their memory
-    to the model), shared among this machine's ranks (torchrun's LOCAL_WORLD_SIZE; ranks started otherwise each
-    count all of it). None on the CPU, where the "device" is the host and the planner does not budget it unless
-    told with `host_memory_bytes`."""
+    per compile worker inductor may start: `TORCHINDUCTOR_COMPILE_THREADS=1` compiles in the process and leaves
+    their memory to the model), shared among this machine's ranks (torchrun's LOCAL_WORLD_SIZE; ranks started
+    otherwise each count all of it). None on the CPU, where the "device" is the host and the planner does not
+    budget it unless told with `host_memory_bytes`."""
     available = available_host_bytes()
     if device.type != "cuda" or available is None:
         return None
