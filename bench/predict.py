@@ -12,21 +12,19 @@ side by side; the JSON (`--out`) keeps every file.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import tempfile
 from pathlib import Path
 
 from bench.table import table
-from protrain_fx.planner.cost import Config
+from protrain_fx.planner.search import SEARCHED  # the plan fields the search decides
 from protrain_fx.runtime.monitor import MEASURED_STEPS, WARMUP_STEPS
 
 log = logging.getLogger(__name__)
 
 GiB = 2**30
 MONITOR_STEPS = WARMUP_STEPS + MEASURED_STEPS + 1  # the step monitor's, and the step that ends them
-SEARCHED = tuple(f.name for f in dataclasses.fields(Config))  # the plan fields the search decides
 
 
 def predict(args: argparse.Namespace) -> int:

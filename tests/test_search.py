@@ -15,7 +15,7 @@ from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Config, CostModel, _HostRates, _Segment
 from protrain_fx.planner.search import SAFE_HEADROOM, TIE_REL, NoPlanFits, brute_force, plan_graph, rank, search
 from protrain_fx.profiler.hardware import HardwareProfile
-from protrain_fx.runtime.chunks import HOST_BYTES_PER_ELEMENT, MIN_GRAD_SLOTS
+from protrain_fx.runtime.chunks import GRAD_BYTES_PER_ELEMENT, HOST_STATE_BYTES_PER_ELEMENT, MIN_GRAD_SLOTS
 
 GiB = 2**30
 H100_LIKE = HardwareProfile(
@@ -194,7 +194,7 @@ def test_host_memory_of_a_configuration():
     swapped block its saved activations."""
     model = synthetic(n_chunk=5)
     shard = model.shard_elems
-    assert HOST_BYTES_PER_ELEMENT == 16 and MIN_GRAD_SLOTS == 2
+    assert HOST_STATE_BYTES_PER_ELEMENT + GRAD_BYTES_PER_ELEMENT == 16 and MIN_GRAD_SLOTS == 2
     offloaded = Config(1, 2, 0, 0)  # four offloaded chunks
     assert model.host_bytes(Config(5, 0, 0, 0)) == 0 and model.host_bytes(offloaded) == 4 * 16 * shard
     assert model.grad_slots(offloaded) == 4 and model.least_host_bytes(offloaded) == 4 * 12 * shard + 2 * 4 * shard

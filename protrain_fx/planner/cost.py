@@ -563,8 +563,8 @@ class CostModel:
         t, up, copy_end, link_free, end, loaded, following = 0.0, 0.0, [0.0] * n, 0.0, [0.0] * n, {}, buffers
         reduced: list[int] = []  # offloaded chunks in the order they took a reduce buffer
         h2d, d2h = [], []
-        slots = self.grad_slots(config)
-        shared = host_ends is not None and slots < n - persist
+        slots = self.grad_slots(config) if host_ends is not None else n - persist  # (the bound's first pass: none)
+        shared = slots < n - persist
         freed = sorted(e for e in host_ends if e is not None) if shared else []  # when each shard is given back
         for c in reversed(range(n)):
             done = n - 1 - c  # chunks the backward has done so far (the first len(order) are `order`)

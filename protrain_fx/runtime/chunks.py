@@ -68,7 +68,6 @@ REDUCE_BUFFERS = 2  # fp32 chunk buffers gradients are reduced in: one copied to
 # AdamW's two fp32 states
 HOST_STATE_BYTES_PER_ELEMENT = 4 + 4 + 4
 GRAD_BYTES_PER_ELEMENT = 4  # an fp32 gradient shard on the host: one per offloaded chunk, or fewer, shared in turn
-HOST_BYTES_PER_ELEMENT = HOST_STATE_BYTES_PER_ELEMENT + GRAD_BYTES_PER_ELEMENT  # with a gradient shard of its own
 # the fewest shared gradient shards a plan may have: one lands while the host updates from the other
 MIN_GRAD_SLOTS = 2
 HOST_UPDATES_KEPT = 64  # host AdamW timings kept (ChunkManager.host_updates)
