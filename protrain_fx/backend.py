@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import time
 import weakref
@@ -423,7 +424,15 @@ class _Partitioner(CustomPartitionerFn):
                     "held only while used",
                     record.index,
                 )
-            torch.cuda.empty_cache()  # what the failed iteration left cached, once its frames are gone
+            # what the failed iteration left: its frames can sit in reference cycles (context managers the error
+            # passed through) that hold its tensors until the next garbage collection; then the allocator's cache
+            gc.collect()
+            torch.cuda.empty_cache()
+            log.info(
+                "graph %d: %.2f GiB allocated as profiling starts again",
+                record.index,
+                torch.cuda.memory_allocated(device) / 2**30,
+            )
             return profile_iteration(fw, bw, self.example_inputs, record.block_map, OnDemand())
 
         if record.profile is None:  # (a re-plan after running out of memory reuses the graph's profile)

@@ -206,6 +206,39 @@ def test_shared_gradient_shards_say_what_they_cannot_do(monkeypatch):
             models.loss_of("gpt2", compiled(**models.batch("gpt2"))).backward()
 
 
+def test_shared_device_gradient_buffers_say_what_they_cannot_do(monkeypatch):
+    """Persistent chunks sharing one fp32 gradient buffer: a step that holds every gradient (a float32 model's
+    updates wait for optimizer.step()) where the device has no memory for another, and a backward adding to the
+    gradients of a step already taken (no zero_grad): errors that say what to do."""
+    options = {"executor": "eager", "plan": {"device_grad_slots": 1}}  # (gpt2: 4 chunks, all persistent)
+    for zero_grad in (True, False):
+        model = models.build("gpt2")
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
+        loss = models.loss_of("gpt2", compiled(**models.batch("gpt2")))  # (builds the chunks)
+        if zero_grad:
+            elems, empty = model_manager(model).layout.chunk_elems, torch.empty
+
+            def no_room(*size, elems=elems, empty=empty, **kwargs):
+                if size == (elems,) and kwargs.get("dtype") is torch.float32:
+                    raise torch.OutOfMemoryError("out of memory")
+                return empty(*size, **kwargs)
+
+            with monkeypatch.context() as m:
+                m.setattr(torch, "empty", no_room)
+                with pytest.raises(
+                    torch.OutOfMemoryError,
+                    match=r"chunk \d's gradients need an fp32 gradient buffer .* shares 1 among the 4 persistent "
+                    r"chunks .* Train without clipping or gradient accumulation",
+                ):
+                    loss.backward()
+            continue
+        loss.backward()
+        opt.step()
+        with pytest.raises(RuntimeError, match=r"shares 1 fp32 gradient buffers among the persistent chunks"):
+            models.loss_of("gpt2", compiled(**models.batch("gpt2"))).backward()
+
+
 def test_host_memory_checked_before_allocating(monkeypatch):
     from protrain_fx.runtime import host
 
@@ -292,25 +325,30 @@ def test_persistent_updates_during_the_backward_equal_updates_in_step(device):
     """From the second step on, a bf16 model's persistent chunks update as soon as their gradient is final (on
     CUDA on a stream beside the backward), and their parameters take the new fp32 master after the backward.
     Bitwise the same weights and states as updating everything in `step()`, which clipping forces (its max_norm
-    here never scales a gradient). tests/test_chunk_distributed.py runs it on 2 ranks."""
+    here never scales a gradient), also where the two persistent chunks share one fp32 gradient buffer
+    (`device_grad_slots`): taken in turn during the backward, and where every update waits for `step()`, one
+    buffer more for the step alone. tests/test_chunk_distributed.py runs it on 2 ranks."""
     updates_during_the_backward_equal_updates_in_step(device)
 
 
 def updates_during_the_backward_equal_updates_in_step(device: str = "cpu") -> None:
-    def run(clip: bool):
+    def run(clip: bool, plan: dict):
         model = models.build("llama", seed=0).to(device, torch.bfloat16)
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_persist": 2, "n_buffer": 2}})
+        backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_persist": 2, "n_buffer": 2, **plan}})
         compiled = torch.compile(model, backend=backend, dynamic=False)
         started = []
         for step in range(4):
             batch = {k: v.to(device) for k, v in models.batch("llama", seed=step).items()}
             models.loss_of("llama", compiled(**batch)).backward()
-            started.append(model_manager(model).updates_started())
+            manager = model_manager(model)
+            started.append(manager.updates_started())
             if clip:
                 protrain_fx.clip_grad_norm_(model, 1e9)
             read_before_step = protrain_fx.full_state_dict(model)
             opt.step()
+            # a shared buffer is free again (a step's own is let go), however the chunks were updated
+            assert not manager.shares_device_grads or len(manager._free_device_grads) == 1
             opt.zero_grad()
         weights = protrain_fx.full_state_dict(model)
         if not clip and rank_and_world_size()[1] == 1:
@@ -318,14 +356,15 @@ def updates_during_the_backward_equal_updates_in_step(device: str = "cpu") -> No
             assert all(torch.equal(read_before_step[k], v) for k, v in weights.items())
         return weights, opt.state_dict(), started
 
-    weights, states, started = run(clip=False)
-    weights_deferred, states_deferred, started_deferred = run(clip=True)
+    weights, states, started = run(clip=False, plan={})
     # on several ranks the last all-reduce of the backward (chunk 0's) lands in step(), which updates it there
     early = {0, 1} if rank_and_world_size()[1] == 1 else {1}
     assert started[0] == [] and all(early <= set(s) for s in started[1:]), started
-    assert all(s == [] for s in started_deferred), started_deferred
-    for name, value in weights_deferred.items():
-        assert torch.equal(weights[name], value), name
-    for i, st in states_deferred["state"].items():
-        for k, v in st.items():
-            assert torch.equal(states["state"][i][k], v), (i, k)
+    for clip, plan in ((True, {}), (False, {"device_grad_slots": 1}), (True, {"device_grad_slots": 1})):
+        weights_other, states_other, started_other = run(clip, plan)
+        assert started_other == started if not clip else all(s == [] for s in started_other), started_other
+        for name, value in weights_other.items():
+            assert torch.equal(weights[name], value), (clip, plan, name)
+        for i, st in states_other["state"].items():
+            for k, v in st.items():
+                assert torch.equal(states["state"][i][k], v), (clip, plan, i, k)

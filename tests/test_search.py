@@ -283,6 +283,38 @@ def test_shared_gradient_shards_hold_the_backward_up_where_the_host_is_slower():
         plan_graph(slow_each, {**forced, "host_grad_slots": 0}, layout, None)
 
 
+def test_persistent_chunks_share_device_gradient_buffers_only_where_nothing_else_fits():
+    """With a GPU and a host too small for any plan whose persistent chunks have an fp32 gradient each, the
+    persistent chunks share MIN_GRAD_SLOTS (the search's last resort): the GPU then holds one chunk more and the
+    host one fewer. Where a plan fits without, or the model is float32 (its updates hold every gradient), or
+    the user forces the count, there is no last resort."""
+    model = synthetic(n_chunk=6)
+    sharing = dataclasses.replace(model, share_device_grads=True)
+    config = Config(n_persist=4, n_buffer=2)
+    assert (model.device_grad_slots(config), sharing.device_grad_slots(config)) == (4, MIN_GRAD_SLOTS)
+    assert model.state_bytes(config) - sharing.state_bytes(config) == 2 * model.chunk_elems * 4
+    layout = ChunkLayout(chunk_elems=model.chunk_elems, element_size=2, world_size=1, slots=(), n_chunk=model.n_chunk)
+    forced = {"n_buffer": 2, "n_swap": 0, "n_checkpoint": 0}
+    host = model.least_host_bytes(config)  # four chunks on the GPU at least
+    capacity = sharing.reserved_bytes(config)  # which fit it only sharing two gradient buffers
+    assert model.reserved_bytes(config) > capacity
+    plan = plan_graph(model, forced, layout, capacity, host)
+    assert (plan.n_persist, plan.device_grad_slots) == (4, MIN_GRAD_SLOTS), plan
+    assert plan.predicted_peak_bytes == sharing.peak_bytes(config)
+    roomy = plan_graph(model, forced, layout, model.reserved_bytes(config), host)
+    assert (roomy.n_persist, roomy.device_grad_slots) == (4, 4), roomy
+    fp32 = dataclasses.replace(model, element_size=4)
+    with pytest.raises(NoPlanFits):
+        plan_graph(fp32, forced, layout, fp32.reserved_bytes(config) - 2 * model.chunk_elems * 4, host)
+    with pytest.raises(NoPlanFits):
+        plan_graph(model, {**forced, "device_grad_slots": 4}, layout, capacity, host)
+    held = {**forced, "n_persist": 4}
+    assert plan_graph(model, {**held, "device_grad_slots": 1}, layout, None).device_grad_slots == 1
+    assert plan_graph(model, {**held, "device_grad_slots": 9}, layout, None).device_grad_slots == 4  # one each
+    with pytest.raises(ValueError, match=r"device_grad_slots'\] must be at least 1 where chunks are persistent"):
+        plan_graph(model, {**held, "device_grad_slots": 0}, layout, None)
+
+
 def _link(model: CostModel, **rates) -> CostModel:
     """`model` with every link rate the same (`rate`) but those named."""
     same = dict.fromkeys(

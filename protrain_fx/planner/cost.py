@@ -49,7 +49,8 @@ must fit the GPU):
     b's forward transient;
   swapped block b: its saved bytes are gone from swap_interval blocks after b (runtime/swap.py's settle point)
     until the backward reaches b (prefetches beyond that run only within the budget, so add no peak);
-  states: persistent chunks (parameters, fp32 master and gradient, AdamW's two states), chunk buffers, the
+  states: persistent chunks (parameters, fp32 master, AdamW's two states, and their fp32 gradients: one each, or
+    `device_grad_slots` shared), chunk buffers, the
     landing shard and the fp32 reduce buffers of offloaded chunks; with chunks the gradients the profile kept
     are taken out too (the runtime reduces them away per chunk).
 α is measured: the allocator's reserved over allocated peak in the profiling run (1 on the CPU).
@@ -248,6 +249,9 @@ class CostModel:
     overlap: bool = True  # copies and host work run beside the compute (False on the CPU: the same cores do all)
     host_budget: int | None = None  # the host memory this rank has for offloaded chunks and swap (None: not budgeted)
     grad_slots_held: int | None = None  # the user's host_grad_slots (at most one per offloaded chunk is used)
+    device_grad_slots_held: int | None = None  # the user's device_grad_slots (at most one per persistent chunk)
+    # the persistent chunks share MIN_GRAD_SLOTS fp32 gradient buffers (the search's last resort, planner/search.py)
+    share_device_grads: bool = False
 
     @classmethod
     def build(
@@ -398,7 +402,8 @@ class CostModel:
         if self.n_chunk == 0:
             return 0
         master = 0 if self.element_size == 4 else MASTER_BYTES
-        persistent = config.n_persist * self.chunk_elems * (self.element_size + master + GRAD_BYTES)
+        persistent = config.n_persist * self.chunk_elems * (self.element_size + master)
+        persistent += self.device_grad_slots(config) * self.chunk_elems * GRAD_BYTES
         persistent += sum(self.chunk_params[: config.n_persist]) * ADAM_STATE_BYTES
         buffers = config.n_buffer * self.chunk_elems * self.element_size
         offloaded = self.n_chunk - config.n_persist
@@ -428,6 +433,16 @@ class CostModel:
             return offloaded
         room = (self.host_budget - self.host_bytes(config, 0)) // (self.shard_elems * GRAD_BYTES_PER_ELEMENT)
         return max(min(offloaded, MIN_GRAD_SLOTS), min(offloaded, room))
+
+    def device_grad_slots(self, config: Config) -> int:
+        """The fp32 gradient buffers the persistent chunks of `config` get on the device (the user's, if held):
+        one each, or MIN_GRAD_SLOTS, which they share (runtime/chunks.py), with `share_device_grads` (a float32
+        model updates its persistent chunks in the optimizer step, holding every gradient: it never shares)."""
+        if self.device_grad_slots_held is not None:
+            return min(config.n_persist, self.device_grad_slots_held)
+        if self.share_device_grads and self.element_size < 4:
+            return min(config.n_persist, MIN_GRAD_SLOTS)
+        return config.n_persist
 
     def least_host_bytes(self, config: Config) -> int:
         """The least host memory `config` trains in: its offloaded chunks sharing MIN_GRAD_SLOTS gradient shards."""

@@ -38,6 +38,10 @@ class Plan:
     # has room, else fewer, which they share, each chunk from its gradient's arrival to its update's end
     # (runtime/chunks.py). Forced: at most that many, at least 1
     host_grad_slots: int = 0
+    # the fp32 gradient buffers the GPU holds for the persistent chunks: one each (n_persist), or, where no plan
+    # with one each fits the machine, fewer, which they share, each chunk from its gradient's arrival to its
+    # update (runtime/chunks.py). Forced: at most that many, at least 1
+    device_grad_slots: int = 0
     predicted_step_s: float | None = None
     predicted_clipped_step_s: float | None = None  # a step with clipping (that does not apply)
     predicted_peak_bytes: int | None = None  # allocated, as torch.cuda.max_memory_allocated counts
@@ -76,7 +80,15 @@ def _cell(name: str, value: Any) -> str:
 
 
 PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
-CHUNK_FIELDS = ("n_persist", "n_buffer", "n_chunk", "chunk_bytes", "n_clip_overlap", "host_grad_slots")
+CHUNK_FIELDS = (
+    "n_persist",
+    "n_buffer",
+    "n_chunk",
+    "chunk_bytes",
+    "n_clip_overlap",
+    "host_grad_slots",
+    "device_grad_slots",
+)
 ACTIVATION_FIELDS = ("n_swap", "n_checkpoint", "block_modes", "swap_interval")
 
 
@@ -85,6 +97,13 @@ def _int_field(forced: Mapping[str, Any], key: str, default: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"options['plan'][{key!r}] must be a non-negative int, got {value!r}")
     return value
+
+
+def _grad_slots(forced: Mapping[str, Any], key: str, chunks: int, where: str) -> int:
+    """The forced gradient buffers or shards `key` that `chunks` chunks share (at most one each; default one each)."""
+    if chunks and key in forced and _int_field(forced, key, 0) < 1:
+        raise ValueError(f"options['plan'][{key!r}] must be at least 1 where {where}")
+    return min(chunks, _int_field(forced, key, chunks))
 
 
 def make_plan(
@@ -112,11 +131,7 @@ def make_plan(
         raise ValueError("options['plan']['swap_interval'] must be at least 1 (blocks)")
     activations = {"block_modes": modes, "n_checkpoint": n_checkpoint, "n_swap": n_swap, "swap_interval": interval}
     if layout is None:
-        chunked = {
-            k: forced[k]
-            for k in ("n_buffer", "n_chunk", "chunk_bytes", "n_clip_overlap", "host_grad_slots")
-            if _int_field(forced, k, 0)
-        }
+        chunked = {k: forced[k] for k in CHUNK_FIELDS if k != "n_persist" and _int_field(forced, k, 0)}
         if "n_persist" in forced and forced.get("n_chunk", 1) != 0:  # (a replayed unchunked plan has n_chunk 0)
             chunked["n_persist"] = _int_field(forced, "n_persist", 0)
         if chunked:
@@ -138,13 +153,13 @@ def make_plan(
             "chunks (n_chunk - n_persist)"
         )
     offloaded = layout.n_chunk - n_persist
-    if offloaded and "host_grad_slots" in forced and _int_field(forced, "host_grad_slots", 0) < 1:
-        raise ValueError(
-            "options['plan']['host_grad_slots'] must be at least 1 where chunks are offloaded (gradient shards on "
-            "the host)"
-        )
-    # (more than one per offloaded chunk: one each)
-    host_grad_slots = min(offloaded, _int_field(forced, "host_grad_slots", offloaded))
+    # (more than one per chunk: one each)
+    host_grad_slots = _grad_slots(
+        forced, "host_grad_slots", offloaded, "chunks are offloaded (gradient shards on the host)"
+    )
+    device_grad_slots = _grad_slots(
+        forced, "device_grad_slots", n_persist, "chunks are persistent (gradient buffers on the device)"
+    )
     return Plan(
         n_persist=n_persist,
         n_buffer=n_buffer,
@@ -153,6 +168,7 @@ def make_plan(
         chunk_bytes=layout.chunk_bytes,
         n_clip_overlap=n_clip_overlap,
         host_grad_slots=host_grad_slots,
+        device_grad_slots=device_grad_slots,
         **activations,
     )
 

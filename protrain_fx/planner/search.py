@@ -20,6 +20,11 @@ model least (fewest blocks checkpointed or swapped, then most chunks persistent)
 SAFE_HEADROOM of the capacity free, else to the one with the most headroom. (A swap hidden behind compute is
 priced at nothing, but its copies, events and settle points measured a few ms a step: with memory to spare it
 buys nothing.) A field the user forces is held at its value and the rest searched.
+
+Last resort (`plan_graph`): where nothing fits, the search runs again with the persistent chunks sharing
+MIN_GRAD_SLOTS fp32 gradient buffers on the device instead of one each (`CostModel.share_device_grads`): the GPU
+then holds more chunks and the host fewer. It is not the first choice: a step whose updates wait for
+`optimizer.step()` (clipping, accumulation) holds every persistent gradient, which such a plan has no room for.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from protrain_fx.planner.chunking import ChunkLayout
-from protrain_fx.planner.cost import Config, CostModel
+from protrain_fx.planner.cost import GRAD_BYTES, Config, CostModel
 from protrain_fx.planner.plan import Plan, make_plan
 
 log = logging.getLogger(__name__)
@@ -217,6 +222,8 @@ def plan_graph(
     held = {k: forced[k] for k in SEARCHED if k in forced}
     if "host_grad_slots" in forced:
         costs = dataclasses.replace(costs, grad_slots_held=forced["host_grad_slots"])
+    if "device_grad_slots" in forced:
+        costs = dataclasses.replace(costs, device_grad_slots_held=forced["device_grad_slots"])
     if "block_modes" in forced:
         modes = tuple(forced["block_modes"])
         held.update(n_swap=modes.count("swap"), n_checkpoint=modes.count("checkpoint"))
@@ -238,7 +245,21 @@ def plan_graph(
     else:
         if "n_persist" not in held:
             costs = dataclasses.replace(costs, host_budget=host_bytes)
-        best, runners_up = search(costs, capacity_bytes, held, costs.host_budget)
+        try:
+            best, runners_up = search(costs, capacity_bytes, held, costs.host_budget)
+        except NoPlanFits:
+            if layout is None or "device_grad_slots" in forced or costs.element_size == 4:
+                raise
+            costs = dataclasses.replace(costs, share_device_grads=True)
+            best, runners_up = search(costs, capacity_bytes, held, costs.host_budget)
+            log.warning(
+                "no plan with an fp32 gradient buffer for each persistent chunk fits this machine: the %d "
+                "persistent chunks share %d. Steps whose updates wait for optimizer.step() (gradient clipping, "
+                "accumulation) hold every persistent gradient and need %.2f GiB more GPU memory",
+                best[0].n_persist,
+                costs.device_grad_slots(best[0]),
+                (best[0].n_persist - costs.device_grad_slots(best[0])) * costs.chunk_elems * GRAD_BYTES / 2**30,
+            )
 
     def to_plan(found: tuple[Config, float, int], chosen: bool) -> Plan:
         """`chosen`: the plan in force, which also gets how a clipped step runs (runners-up are shown, not run)."""
@@ -249,6 +270,7 @@ def plan_graph(
         clipped_s, fields["n_clip_overlap"] = None, 0
         if layout is not None:
             fields["host_grad_slots"] = costs.grad_slots(config)
+            fields["device_grad_slots"] = costs.device_grad_slots(config)
         if chosen and layout is not None:  # how many offloaded chunks update during the backward of a clipped step
             options = (
                 [forced["n_clip_overlap"]]

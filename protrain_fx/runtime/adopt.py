@@ -122,6 +122,7 @@ def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkMan
             n_buffer=plan.n_buffer,
             model=model,
             grad_slots=plan.host_grad_slots,
+            device_grad_slots=plan.device_grad_slots,
         )
     model.__dict__[MODEL_ATTR] = manager
     return manager
@@ -142,6 +143,7 @@ def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str
         "n_chunk": manager.layout.n_chunk,
         "chunk_bytes": manager.layout.chunk_bytes,
         "host_grad_slots": manager.grad_slots,
+        "device_grad_slots": manager.device_grad_slots,
     }
     if manager.n_buffer:
         actual["n_buffer"] = manager.n_buffer
@@ -228,6 +230,7 @@ def prepare(
         source=source,
         model=model,
         grad_slots=chosen.host_grad_slots,
+        device_grad_slots=chosen.device_grad_slots,
     )
     model.__dict__[MODEL_ATTR] = manager
     for module in model.modules():  # what is not in chunks: buffers and frozen parameters go to the device

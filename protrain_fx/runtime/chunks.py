@@ -6,7 +6,11 @@ Layout (planner/chunking.py) decides which parameter is where; the plan decides 
 - persistent chunks (the first `n_persist`): the chunk's parameters are views of one flat device tensor
   (compute dtype), with an fp32 master copy, an fp32 gradient and AdamW states on the device, updated by
   torch's fused AdamW as soon as the chunk's gradient is final, on a stream beside the rest of the backward
-  (the parameters take the new master after the backward). Gradients are all-reduced across ranks.
+  (the parameters take the new master after the backward). Gradients are all-reduced across ranks. Where the
+  plan's `device_grad_slots` is below `n_persist` (no plan with a gradient each fits the machine), the
+  persistent chunks share that many fp32 gradients: a chunk takes one at its first gradient of the step and
+  gives it back once its update is queued; a step whose updates wait for `AdamW.step()` takes those it lacks
+  from the allocator for the step.
 - non-persistent chunks: each rank holds its shard (fp32 master, fp32 gradient) in one host arena allocated
   once at its exact size (runtime/host.py: pinned with `cudaHostRegister` on CUDA, not the power-of-two host
   allocator; unregistered when the manager is collected). The parameters' own storage is emptied
@@ -152,12 +156,14 @@ class ChunkManager:
         source: Callable[[nn.Parameter], torch.Tensor] | None = None,
         model: nn.Module | None = None,
         grad_slots: int | None = None,
+        device_grad_slots: int | None = None,
     ):
         """`device` is where the chunks compute (default: the parameters' device). `source(p)` gives a
         parameter's values when they are not in `p` itself yet (a meta-device model); it is called in layout
         order, one parameter at a time. `protrain_fx.prepare` uses both. `model`: the module whose `no_sync`
         state (runtime/adopt.py) says whether a backward is the last of an accumulated step. `grad_slots`: the
-        plan's `host_grad_slots`, the gradient shards the offloaded chunks share on the host (default: one each)."""
+        plan's `host_grad_slots`, the gradient shards the offloaded chunks share on the host (default: one each);
+        `device_grad_slots`, the plan's fp32 gradient buffers the persistent chunks share (default: one each)."""
         if not 0 <= n_persist <= layout.n_chunk:
             raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
         if n_persist < layout.n_chunk and n_buffer < 1:
@@ -230,7 +236,7 @@ class ChunkManager:
         self.step_lost = False
         owner = next((p.__dict__.get("_protrain_optimizer") for p in self.params), None)
         self.optimizer = owner() if owner is not None else None  # the protrain_fx.optim.AdamW stepping us
-        self._build(source or (lambda p: p.detach()), grad_slots)
+        self._build(source or (lambda p: p.detach()), grad_slots, device_grad_slots)
         for p in self.params:
             p.__dict__[MANAGER_ATTR] = self
         if model is not None:
@@ -239,7 +245,12 @@ class ChunkManager:
 
     # ----- storage -----------------------------------------------------------------------------------
 
-    def _build(self, source: Callable[[nn.Parameter], torch.Tensor], grad_slots: int | None) -> None:
+    def _build(
+        self,
+        source: Callable[[nn.Parameter], torch.Tensor],
+        grad_slots: int | None,
+        device_grad_slots: int | None,
+    ) -> None:
         n, elems, shard = self.layout.n_chunk, self.layout.chunk_elems, self.layout.shard_elems
         fp32 = self.dtype == torch.float32
         self.flat: dict[int, torch.Tensor] = {}  # persistent: chunk -> device params
@@ -249,7 +260,19 @@ class ChunkManager:
         for c in range(self.n_persist):
             self.flat[c] = torch.zeros(elems, dtype=self.dtype, device=self.device)
             self.master[c] = self.flat[c] if fp32 else torch.zeros(elems, dtype=torch.float32, device=self.device)
-            self.grad[c] = torch.zeros(elems, dtype=torch.float32, device=self.device)
+        device_slots = self.n_persist if device_grad_slots is None else device_grad_slots
+        assert 0 < device_slots <= self.n_persist or device_slots == self.n_persist == 0, (
+            f"{device_slots} device gradient buffers (make_plan)"
+        )
+        self.device_grad_slots = device_slots
+        # the persistent chunks' fp32 gradients: one each, or fewer, shared in turn (`_take_device_grad`), each
+        # free one with the event of the last update that read it (None: nothing reads it now)
+        self._device_grads = [torch.zeros(elems, dtype=torch.float32, device=self.device) for _ in range(device_slots)]
+        self._free_device_grads: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        if self.shares_device_grads:
+            self._free_device_grads = [(g, None) for g in self._device_grads]
+        else:
+            self.grad.update(enumerate(self._device_grads))
         offloaded = list(range(self.n_persist, n))
         slots = len(offloaded) if grad_slots is None else grad_slots
         assert 0 < slots <= len(offloaded) or slots == len(offloaded) == 0, f"{slots} gradient shards (make_plan)"
@@ -290,11 +313,13 @@ class ChunkManager:
         self._released: list[int] = []  # released chunks still in a buffer, least recent first
         self._adopt(source)
         log.info(
-            "chunks: %d of %.1f MiB (%d persistent on %s, %d offloaded to a %.1f MiB host arena, %d buffers)",
+            "chunks: %d of %.1f MiB (%d persistent on %s with %d fp32 gradient buffers, %d offloaded to a %.1f MiB "
+            "host arena, %d buffers)",
             n,
             self.layout.chunk_bytes / 2**20,
             self.n_persist,
             self.device,
+            device_slots,
             len(offloaded),
             self.arena.numel() / 2**20,
             self.n_buffer,
@@ -544,12 +569,12 @@ class ChunkManager:
         if persistent and self.world_size == 1:
             # straight into the fp32 gradient; where a parameter has no gradient yet this step its slot holds a
             # stale value, which is overwritten here or never read (the optimizer skips that parameter)
-            written, added = [], False
+            grad, written, added = self._take_device_grad(chunk, accumulate), [], False
             for p, g in zip(params, grads):
                 a, b = self._slot_range(self.slot_of(p))
                 seen = self.index[id(p)] in self.params_with_grad
-                self.grad[chunk][a:b].add_(g.reshape(-1)) if seen else self.grad[chunk][a:b].copy_(g.reshape(-1))
-                written.append(self.grad[chunk][a:b])
+                grad[a:b].add_(g.reshape(-1)) if seen else grad[a:b].copy_(g.reshape(-1))
+                written.append(grad[a:b])
                 added |= seen
             # the gradients as they came (compute dtype: fewer bytes read), or as added up (a sum may overflow)
             self._check_finite(written if added else grads)
@@ -573,7 +598,8 @@ class ChunkManager:
                 with across_ranks(f"the all-reduce of chunk {chunk}'s gradients"):
                     self._in_flight.append((chunk, flat, dist.all_reduce(flat, async_op=True), accumulate))
                 return
-            self.grad[chunk].add_(flat) if accumulate else self.grad[chunk].copy_(flat)
+            grad = self._take_device_grad(chunk, accumulate)
+            grad.add_(flat) if accumulate else grad.copy_(flat)
             return
         if self.world_size > 1:
             with across_ranks(f"the reduce-scatter of chunk {chunk}'s gradients"):
@@ -587,12 +613,7 @@ class ChunkManager:
         self.wait_for_update(chunk)  # the previous gradient copy of this chunk is taken in
         if accumulate:
             if chunk not in self.grad:
-                raise RuntimeError(
-                    f"chunk {chunk} got a gradient to add to that of a step already taken: this plan shares "
-                    f"{self.grad_slots} gradient shards among the offloaded chunks (the host has no room for one "
-                    "each), so their gradients do not outlive optimizer.step(); call optimizer.zero_grad() after "
-                    "each step"
-                )
+                raise self._taken_step_error(chunk)
             self.wait_for_update()  # the one staging shard is free once every pending copy is taken in
             if self.staging is None:
                 self.staging = torch.empty(
@@ -686,6 +707,76 @@ class ChunkManager:
             if shard is not None and shard.untyped_storage().data_ptr() == self.arena.untyped_storage().data_ptr():
                 self._free_grads.append(shard)
 
+    @property
+    def shares_device_grads(self) -> bool:
+        """The persistent chunks share fewer fp32 gradient buffers than there are of them (the plan's
+        `device_grad_slots`): a chunk holds one from its first gradient of a step until its update has started."""
+        return self.device_grad_slots < self.n_persist
+
+    def grad_is_shared(self, chunk: int) -> bool:
+        """Whether the chunk's gradient is given back after its update (its buffer or shard is shared)."""
+        return self.shares_device_grads if chunk < self.n_persist else self.shares_grads
+
+    def _take_device_grad(self, chunk: int, accumulate: bool) -> torch.Tensor:
+        """The fp32 device gradient a persistent chunk's gradient of this step goes into: its own, or a shared
+        one that is free (the compute stream waits, on the device, for the update that last read it). With none
+        free (this step's updates wait for `AdamW.step()`, or the chunk's gradient comes in parts), device
+        memory for this step, where the GPU has it. `accumulate`: the gradient adds to one of this step."""
+        with self._grad_lock:
+            grad = self.grad.get(chunk)
+        if grad is not None:
+            return grad
+        if accumulate:
+            raise self._taken_step_error(chunk)
+        if self._free_device_grads:
+            grad, read = self._free_device_grads.pop()
+            if read is not None:
+                torch.cuda.current_stream(self.device).wait_event(read)
+        else:
+            try:
+                grad = torch.empty(self.layout.chunk_elems, dtype=torch.float32, device=self.device)
+            except torch.OutOfMemoryError as e:
+                raise torch.OutOfMemoryError(
+                    f"chunk {chunk}'s gradients need an fp32 gradient buffer of "
+                    f"{self.layout.chunk_elems * GRAD_BYTES_PER_ELEMENT / 2**30:.2f} GiB on {self.device}: the plan "
+                    f"shares {self.device_grad_slots} among the {self.n_persist} persistent chunks (no plan with "
+                    "one each fits this machine), and this step holds them all: its updates wait for "
+                    "optimizer.step() (gradient clipping, accumulation, float16 loss scaling, nonfinite='skip', "
+                    "a resumed model's first step), or its gradients come from several compiled graphs. Train without clipping or gradient "
+                    "accumulation, or a smaller model or batch, or on more GPUs"
+                ) from e
+        with self._grad_lock:
+            self.grad[chunk] = grad
+        return grad
+
+    def _give_back_device_grad(self, chunk: int, stream: torch.cuda.Stream | None = None) -> None:
+        """After a persistent chunk's update was queued on `stream` (default: the current one): a shared
+        gradient buffer is free once that update has run; one taken for the step alone is let go."""
+        if not self.shares_device_grads:
+            return
+        with self._grad_lock:
+            grad = self.grad.pop(chunk, None)
+        if grad is None:
+            return
+        cuda = self.device.type == "cuda"
+        stream = stream or (torch.cuda.current_stream(self.device) if cuda else None)
+        if any(grad is g for g in self._device_grads):
+            self._free_device_grads.append((grad, stream.record_event() if cuda else None))
+        elif cuda:
+            grad.record_stream(stream)  # (the allocator hands it out again once the update has run)
+
+    def _taken_step_error(self, chunk: int) -> RuntimeError:
+        """A backward adds to the gradient of a chunk given back by the step already taken (no zero_grad)."""
+        if chunk < self.n_persist:
+            shared = f"{self.device_grad_slots} fp32 gradient buffers among the persistent chunks (the GPU"
+        else:
+            shared = f"{self.grad_slots} gradient shards among the offloaded chunks (the host"
+        return RuntimeError(
+            f"chunk {chunk} got a gradient to add to that of a step already taken: this plan shares {shared} has "
+            "no room for one each), so their gradients do not outlive optimizer.step(); call "
+            "optimizer.zero_grad() after each step"
+        )
+
     def _complete(self, chunk: int) -> bool:
         """Whether the chunk's gradient is final for this step: this is the step's last backward (not inside
         `no_sync`) and every compiled frame reducing into the chunk has run its backward."""
@@ -713,10 +804,12 @@ class ChunkManager:
         stream = self._optim_stream
         if stream is None:
             update()
+            self._give_back_device_grad(chunk)
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.profiler.record_function("protrain::gpu_adamw_early"):
             update()
+        self._give_back_device_grad(chunk, stream)
 
     def _join_early_updates(self) -> None:
         """The compute stream waits (on the device) for the persistent updates started during the backward."""
@@ -792,7 +885,8 @@ class ChunkManager:
                 continue
             flat /= self.world_size
             self._check_finite([flat])
-            self.grad[chunk].add_(flat) if accumulate else self.grad[chunk].copy_(flat)
+            grad = self._take_device_grad(chunk, accumulate)
+            grad.add_(flat) if accumulate else grad.copy_(flat)
             self._step_persistent_early(chunk)
         self._in_flight.clear()
 
@@ -808,7 +902,13 @@ class ChunkManager:
         self._unreduced.clear()
 
     def submit_update(self, chunk: int, update: Callable[[], None]) -> None:
-        """Start an offloaded chunk's update on the worker thread now (from `AdamW.step()`)."""
+        """Start a chunk's update now (from `AdamW.step()`): a persistent chunk's on the device, an offloaded
+        chunk's on the worker thread."""
+        if chunk < self.n_persist:
+            self._stepped.add(chunk)
+            update()
+            self._give_back_device_grad(chunk)
+            return
         self.wait_for_update(chunk)  # its gradient copy is taken in
         self._stepped.add(chunk)
 
@@ -856,6 +956,11 @@ class ChunkManager:
             for chunk in held:
                 self.wait_for_update(chunk)  # (a copy into it may be landing)
                 self._give_back_grad(chunk)
+        if self.shares_device_grads:
+            with self._grad_lock:
+                held = [c for c in self.grad if c < self.n_persist]
+            for chunk in held:
+                self._give_back_device_grad(chunk)
         self.has_grad.clear()
         self.params_with_grad.clear()
         self._unreduced.clear()

@@ -190,7 +190,7 @@ class AdamW(torch.optim.Optimizer):
                 if snapshot:
                     self._snapshot(manager, chunk, inner)
                 inner.step()
-                if manager.shares_grads and chunk >= manager.n_persist:  # (the shard is given back next)
+                if manager.grad_is_shared(chunk):  # (the buffer or shard is given back next)
                     for view in (v for group in inner.param_groups for v in group["params"]):
                         view.grad = None
                     inner.grad_of, inner.grads_from = {}, None
@@ -285,7 +285,7 @@ class AdamW(torch.optim.Optimizer):
                 manager.optimizer = self
             for chunk in manager.unstepped():  # chunks not started during the backward
                 update = self.chunk_update(manager, chunk, grad_scale)
-                update() if chunk < manager.n_persist else manager.submit_update(chunk, update)
+                manager.submit_update(chunk, update)
             manager.end_step()
         self._step_plain(grad_scale)
         return loss
