@@ -5,7 +5,9 @@ A profiling iteration with `OnDemand` keeps on the device only what the node bei
   first use in a graph and dropped after their last one, in the backward again;
 - activations the forward saves for the backward are dropped after their last forward use and brought back,
   zero-filled, just before the backward first reads them (the values do not matter to a profile: the nodes
-  run the same kernels on them, and zero is a valid value of every dtype, indices included);
+  run the same kernels on them, and zero is a valid value of every dtype, indices included). Views made only
+  for the backward, which AOTAutograd puts at the end of the forward, do not count as uses: what they view is
+  brought back for them and dropped again;
 - the backward's gradients are dropped once nothing in the graph reads them any more.
 
 Memory is still reported as a run that holds all of those would see it: the trackers add `absent`, the
@@ -20,6 +22,7 @@ values appear (views extend it), so no alias analysis of the graph is needed.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -166,8 +169,19 @@ class GraphRun:
         self.nodes = [n for n in gm.graph.nodes if n.op in CALL_OPS]
         index = {n: i for i, n in enumerate(self.nodes)}
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # the views that end the graph and only make outputs: AOTAutograd's partitioner puts those of the saved
+        # values at the end of the forward, where they would hold every storage they view until then. They do not
+        # count as reads (what they view is dropped after its last other read) and bring what they view back just
+        # before they run
+        late: set[fx.Node] = set()
+        for n in reversed(self.nodes):
+            if not (getattr(n.target, "is_view", False) and all(u.op == "output" or u in late for u in n.users)):
+                break
+            late.add(n)
+        self.late_views = {index[n] for n in late}
+        self.late_read = {a.name for n in late for a in n.all_input_nodes if a not in late}
         # the call nodes reading each node's value, by index
-        self.users = {n: sorted(index[u] for u in n.users if u in index) for n in gm.graph.nodes}
+        self.users = {n: sorted(index[u] for u in n.users if u in index and u not in late) for n in gm.graph.nodes}
         self.drop_names = drop
         self.last_use: dict[int, int] = {}  # storage -> highest index of a node reading it
         self.first_use: dict[int, list[int]] = {}  # node index -> dropped storages it needs back first
@@ -178,8 +192,17 @@ class GraphRun:
         self.fetch_before: dict[int, list[tuple[str, int]]] = {}
         self.drop_after: dict[int, list[tuple[str, int]]] = {}
 
-    def _seen(self, key: int, node: fx.Node, leaf: int) -> None:
-        self._source.setdefault(key, (node.name, leaf))
+    def _seen(self, key: int, node: fx.Node, leaf: int, t: torch.Tensor) -> None:
+        if key not in self._source:
+            self._source[key] = (node.name, leaf)
+            # a storage freed during the run leaves its key to the next one allocated where it was: what is known
+            # of it goes with it (else a later storage would be dropped late, and the timed run would drop the
+            # freed one's value, held alive for it, instead of its own)
+            weakref.finalize(t.untyped_storage(), self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        self._source.pop(key, None)
+        self.last_use.pop(key, None)
 
     def _read_by(self, key: int, node: fx.Node, produced_at: int) -> None:
         users = self.users[node]
@@ -191,7 +214,7 @@ class GraphRun:
             for leaf, t in enumerate(_tensors(value)):
                 key = storage_key(t)
                 self._inputs.add(key)
-                self._seen(key, node, leaf)
+                self._seen(key, node, leaf, t)
                 self._read_by(key, node, -1)
                 if key in dropped and self.users[node]:
                     self.first_use.setdefault(self.users[node][0], []).append(key)
@@ -199,19 +222,29 @@ class GraphRun:
                     if key in self.on_demand.params:  # dropped again after its last use in this graph
                         self.droppable[key] = t
 
-    def before(self, i: int) -> None:
+    def before(self, i: int, inputs: dict[fx.Node, Any]) -> None:
+        """`inputs`: the values node i reads, by node."""
         for key in self.first_use.pop(i, ()):
             if key in self.on_demand.dropped:
                 self.on_demand.fetch(key)
+        if i not in self.late_views:
+            return
+        for node, value in inputs.items():
+            for leaf, t in enumerate(_tensors(value)):
+                key = storage_key(t)
+                if key in self.on_demand.dropped:
+                    self.on_demand.fetch(key)
+                    self.fetch_before.setdefault(i, []).append((node.name, leaf))
+                    self.droppable[key] = t  # dropped again after the view (no later read counts)
 
     def after(self, i: int, value: Any) -> None:
         node = self.nodes[i]
         for leaf, t in enumerate(_tensors(value)):
             key = storage_key(t)
-            self._seen(key, node, leaf)
+            self._seen(key, node, leaf, t)
             self._read_by(key, node, i)
             if (
-                node.name in self.drop_names
+                (node.name in self.drop_names or node.name in self.late_read)
                 and key not in self._inputs
                 and key not in self.on_demand.params
                 and t.untyped_storage().resizable()
