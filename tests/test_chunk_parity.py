@@ -181,61 +181,60 @@ def test_offloaded_chunks_share_the_host_gradient_shards_of_the_plan(monkeypatch
     assert len(manager._free_grads) == 1 and not manager.grad
 
 
-def test_shared_gradient_shards_say_what_they_cannot_do(monkeypatch):
-    """Without host memory for the gradients a step holds at once (its updates wait for optimizer.step()), and
-    a backward adding to the gradients of a step already taken (no zero_grad): errors that say what to do."""
-    from protrain_fx.runtime import host
+# plan (gpt2: 4 chunks), the error where the memory for a step's gradients is not there, and the one for a
+# backward adding to the gradients of a step already taken
+SHARING = {
+    "host": (SHARED_GRADIENTS, ValueError, r"chunk \d's gradients need .* host memory .* shares 1 among the 4 ", ""),
+    "device": (
+        {"device_grad_slots": 1},
+        torch.OutOfMemoryError,
+        r"chunk \d's gradients need an fp32 gradient buffer .* shares 1 among the 4 persistent chunks .* Train "
+        r"without clipping or gradient accumulation",
+        r"shares 1 fp32 gradient buffers among the persistent chunks .*",
+    ),
+}
 
+
+def _no_room(m: pytest.MonkeyPatch, where: str, model) -> None:
+    """No memory for another gradient shard on the host, or gradient buffer on the device."""
+    if where == "host":
+        from protrain_fx.runtime import host
+
+        m.setattr(host, "available_host_bytes", lambda: 1000)
+        return
+    elems, empty = model_manager(model).layout.chunk_elems, torch.empty
+
+    def no_room(*size, **kwargs):
+        if size == (elems,) and kwargs.get("dtype") is torch.float32:
+            raise torch.OutOfMemoryError("out of memory")
+        return empty(*size, **kwargs)
+
+    m.setattr(torch, "empty", no_room)
+
+
+@pytest.mark.parametrize("where", SHARING)
+def test_shared_gradients_say_what_they_cannot_do(monkeypatch, where):
+    """Offloaded chunks sharing one host gradient shard, or persistent ones one device gradient buffer: without
+    memory for the gradients a step holds at once (a float32 model's first step waits for optimizer.step()),
+    and a backward adding to the gradients of a step already taken (no zero_grad): errors that say what to do."""
+    plan, error, no_room, taken = SHARING[where]
     for zero_grad in (True, False):
         model = models.build("gpt2")
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
-        options = {"executor": "eager", "plan": SHARED_GRADIENTS}
+        options = {"executor": "eager", "plan": plan}
         compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
         loss = models.loss_of("gpt2", compiled(**models.batch("gpt2")))  # (builds the chunks)
         if zero_grad:
             with monkeypatch.context() as m:
-                m.setattr(host, "available_host_bytes", lambda: 1000)
-                with pytest.raises(
-                    ValueError, match=r"chunk \d's gradients need .* host memory .* shares 1 among the 4 "
-                ):
+                _no_room(m, where, model)
+                with pytest.raises(error, match=no_room):
                     loss.backward()
             continue
         loss.backward()
         opt.step()
-        with pytest.raises(RuntimeError, match=r"do not outlive optimizer.step\(\); call optimizer.zero_grad\(\)"):
-            models.loss_of("gpt2", compiled(**models.batch("gpt2"))).backward()
-
-
-def test_shared_device_gradient_buffers_say_what_they_cannot_do(monkeypatch):
-    """Persistent chunks sharing one fp32 gradient buffer: a step that holds every gradient (a float32 model's
-    updates wait for optimizer.step()) where the device has no memory for another, and a backward adding to the
-    gradients of a step already taken (no zero_grad): errors that say what to do."""
-    options = {"executor": "eager", "plan": {"device_grad_slots": 1}}  # (gpt2: 4 chunks, all persistent)
-    for zero_grad in (True, False):
-        model = models.build("gpt2")
-        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
-        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
-        loss = models.loss_of("gpt2", compiled(**models.batch("gpt2")))  # (builds the chunks)
-        if zero_grad:
-            elems, empty = model_manager(model).layout.chunk_elems, torch.empty
-
-            def no_room(*size, elems=elems, empty=empty, **kwargs):
-                if size == (elems,) and kwargs.get("dtype") is torch.float32:
-                    raise torch.OutOfMemoryError("out of memory")
-                return empty(*size, **kwargs)
-
-            with monkeypatch.context() as m:
-                m.setattr(torch, "empty", no_room)
-                with pytest.raises(
-                    torch.OutOfMemoryError,
-                    match=r"chunk \d's gradients need an fp32 gradient buffer .* shares 1 among the 4 persistent "
-                    r"chunks .* Train without clipping or gradient accumulation",
-                ):
-                    loss.backward()
-            continue
-        loss.backward()
-        opt.step()
-        with pytest.raises(RuntimeError, match=r"shares 1 fp32 gradient buffers among the persistent chunks"):
+        with pytest.raises(
+            RuntimeError, match=taken + r"do not outlive optimizer.step\(\); call optimizer.zero_grad\(\)"
+        ):
             models.loss_of("gpt2", compiled(**models.batch("gpt2"))).backward()
 
 

@@ -50,9 +50,9 @@ must fit the GPU):
   swapped block b: its saved bytes are gone from swap_interval blocks after b (runtime/swap.py's settle point)
     until the backward reaches b (prefetches beyond that run only within the budget, so add no peak);
   states: persistent chunks (parameters, fp32 master, AdamW's two states, and their fp32 gradients: one each, or
-    `device_grad_slots` shared), chunk buffers, the
-    landing shard and the fp32 reduce buffers of offloaded chunks; with chunks the gradients the profile kept
-    are taken out too (the runtime reduces them away per chunk).
+    `device_grad_slots` shared), chunk buffers, the landing shard and the fp32 reduce buffers of offloaded
+    chunks; with chunks the gradients the profile kept are taken out too (the runtime reduces them away per
+    chunk).
 α is measured: the allocator's reserved over allocated peak in the profiling run (1 on the CPU).
 
 swap_interval: how many blocks of forward compute it takes to hide one block's swap-out copy,

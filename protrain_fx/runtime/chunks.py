@@ -742,8 +742,8 @@ class ChunkManager:
                     f"shares {self.device_grad_slots} among the {self.n_persist} persistent chunks (no plan with "
                     "one each fits this machine), and this step holds them all: its updates wait for "
                     "optimizer.step() (gradient clipping, accumulation, float16 loss scaling, nonfinite='skip', "
-                    "a resumed model's first step), or its gradients come from several compiled graphs. Train without clipping or gradient "
-                    "accumulation, or a smaller model or batch, or on more GPUs"
+                    "a resumed model's first step), or its gradients come from several compiled graphs. Train "
+                    "without clipping or gradient accumulation, or a smaller model or batch, or on more GPUs"
                 ) from e
         with self._grad_lock:
             self.grad[chunk] = grad
