@@ -436,11 +436,10 @@ class CostModel:
 
     def device_grad_slots(self, config: Config) -> int:
         """The fp32 gradient buffers the persistent chunks of `config` get on the device (the user's, if held):
-        one each, or MIN_GRAD_SLOTS, which they share (runtime/chunks.py), with `share_device_grads` (a float32
-        model updates its persistent chunks in the optimizer step, holding every gradient: it never shares)."""
+        one each, or MIN_GRAD_SLOTS, which they share (runtime/chunks.py), with `share_device_grads`."""
         if self.device_grad_slots_held is not None:
             return min(config.n_persist, self.device_grad_slots_held)
-        if self.share_device_grads and self.element_size < 4:
+        if self.share_device_grads:
             return min(config.n_persist, MIN_GRAD_SLOTS)
         return config.n_persist
 

@@ -248,6 +248,7 @@ def plan_graph(
         try:
             best, runners_up = search(costs, capacity_bytes, held, costs.host_budget)
         except NoPlanFits:
+            # (a float32 model's persistent chunks update in optimizer.step(), holding every gradient: no sharing)
             if layout is None or "device_grad_slots" in forced or costs.element_size == 4:
                 raise
             costs = dataclasses.replace(costs, share_device_grads=True)

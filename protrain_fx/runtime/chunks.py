@@ -721,9 +721,9 @@ class ChunkManager:
         """The fp32 device gradient a persistent chunk's gradient of this step goes into: its own, or a shared
         one that is free (the compute stream waits, on the device, for the update that last read it). With none
         free (this step's updates wait for `AdamW.step()`, or the chunk's gradient comes in parts), device
-        memory for this step, where the GPU has it. `accumulate`: the gradient adds to one of this step."""
-        with self._grad_lock:
-            grad = self.grad.get(chunk)
+        memory for this step, where the GPU has it. `accumulate`: the gradient adds to one of this step. (The
+        worker thread touches only offloaded chunks' entries of `grad`: no lock for one get or set.)"""
+        grad = self.grad.get(chunk)
         if grad is not None:
             return grad
         if accumulate:
@@ -745,8 +745,7 @@ class ChunkManager:
                     "a resumed model's first step), or its gradients come from several compiled graphs. Train "
                     "without clipping or gradient accumulation, or a smaller model or batch, or on more GPUs"
                 ) from e
-        with self._grad_lock:
-            self.grad[chunk] = grad
+        self.grad[chunk] = grad
         return grad
 
     def _give_back_device_grad(self, chunk: int, stream: torch.cuda.Stream | None = None) -> None:
@@ -754,8 +753,7 @@ class ChunkManager:
         gradient buffer is free once that update has run; one taken for the step alone is let go."""
         if not self.shares_device_grads:
             return
-        with self._grad_lock:
-            grad = self.grad.pop(chunk, None)
+        grad = self.grad.pop(chunk, None)
         if grad is None:
             return
         cuda = self.device.type == "cuda"
