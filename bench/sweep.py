@@ -60,7 +60,7 @@ def scaling(args: argparse.Namespace) -> int:
     from bench.cli import _git_commit, _run_worker, parse_systems
 
     systems, counts = parse_systems(args.systems), [int(n) for n in args.gpus.split(",")]
-    not_parallel = [s for s in systems if s in ("protrain", "compile", "eager")]
+    not_parallel = [s for s in systems if s in ("protrain", "compile", "compile-amp", "eager")]
     if not_parallel:
         raise SystemExit(f"{not_parallel} train each rank alone (no gradient reduction): scaling measures none of them")
     results = {s: {n: _run_worker(s, args, nproc=n) for n in counts} for s in systems}

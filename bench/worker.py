@@ -38,7 +38,9 @@ from bench.text import text_batches
 log = logging.getLogger(__name__)
 
 FSDP2_SYSTEMS = ("fsdp2-offload", "fsdp2-offload-ac")  # FSDP2 with CPU offload (-ac: and activation checkpointing)
-SYSTEMS = ("protrain", "protrain-chunks", "compile", "eager", *FSDP2_SYSTEMS)
+# compile-amp: torch.compile over fp32 weights (the masters) under bf16/fp16 autocast, with fp32 AdamW: the
+# numerics of protrain's default fp32 masters, where compile trains the weights in the compute dtype itself
+SYSTEMS = ("protrain", "protrain-chunks", "compile", "compile-amp", "eager", *FSDP2_SYSTEMS)
 RESULT_PREFIX = "BENCH_RESULT "  # marks the worker's result line on stdout; anything else there is ignored
 LR = 1e-4
 
@@ -80,7 +82,7 @@ def wrap(
         return torch.compile(model, backend="protrain", options=dump)  # everything searched
     if system == "protrain-chunks":  # model states in chunks (protrain_fx.optim.AdamW), plan forced by --plan
         return torch.compile(model, backend="protrain", options={"plan": plan or {}, **dump})
-    if system == "compile":
+    if system in ("compile", "compile-amp"):
         return torch.compile(model)
     if system == "eager" or system in FSDP2_SYSTEMS:
         return model
@@ -114,6 +116,7 @@ def train(
         params = sum(p.numel() for p in model.parameters())
         log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
         step_model = wrap(model, system, plan, dump_dir, executor)
+        forward = _forward(system, step_model, device, DTYPES[dtype])
         backward = _backward(system, model, clip)
         if data == "text":
             batches = text_batches(spec.seq, batch, warmup + steps, device, seed)
@@ -127,7 +130,7 @@ def train(
         for ids in (bar := tqdm(batches, desc=system, unit="step", file=sys.stderr)):
             _sync(device)
             start = time.perf_counter()
-            loss = step_model(input_ids=ids, labels=ids).loss
+            loss = forward(ids)
             backward(loss)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -136,7 +139,7 @@ def train(
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.4f}", step_s=f"{times[-1]:.3f}")
 
-        breakdown = _breakdown(step_model, opt, batches[-BREAKDOWN_STEPS:], device, backward)
+        breakdown = _breakdown(forward, opt, batches[-BREAKDOWN_STEPS:], device, backward)
         plan_in_force = _plan_in_force(system, step_model)
         recomputed = _recomputed_blocks(system, plan_in_force, model)
         flops, flops_recompute = step_flops(model, batch * spec.seq, recomputed)
@@ -175,6 +178,18 @@ def train(
 BREAKDOWN_STEPS = 3
 
 
+def _forward(system: str, step_model: nn.Module, device: torch.device, dtype: torch.dtype):
+    """`forward(ids)`: the loss of a batch (compile-amp: under autocast to `dtype`)."""
+    if system != "compile-amp":
+        return lambda ids: step_model(input_ids=ids, labels=ids).loss
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype):
+            return step_model(input_ids=ids, labels=ids).loss
+
+    return forward
+
+
 def _backward(system: str, model: nn.Module, clip: float):
     """`backward(loss)`: the backward pass, then, with `clip` > 0, the system's gradient-norm clipping."""
     if clip <= 0:
@@ -193,13 +208,13 @@ def _backward(system: str, model: nn.Module, clip: float):
     return backward
 
 
-def _breakdown(step_model: nn.Module, opt, batches: list[torch.Tensor], device: torch.device, backward) -> dict:
+def _breakdown(forward, opt, batches: list[torch.Tensor], device: torch.device, backward) -> dict:
     """Median seconds of forward, backward (with clipping) and optimizer over steps synchronized between the
     phases."""
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     for ids in batches:
         marks = [_now(device)]
-        loss = step_model(input_ids=ids, labels=ids).loss
+        loss = forward(ids)
         marks.append(_now(device))
         backward(loss)
         marks.append(_now(device))
@@ -261,7 +276,7 @@ def _model_and_optimizer(
         except (RuntimeError, ValueError) as e:
             log.warning("fused AdamW refused (%s); using foreach", e)
             return model, torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-    model = build_model(spec, device, dtype, seed)
+    model = build_model(spec, device, torch.float32 if system == "compile-amp" else dtype, seed)
     if system == "protrain-chunks":
         import protrain_fx
 

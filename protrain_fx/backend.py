@@ -49,7 +49,7 @@ from protrain_fx.debug.dump import Dumper
 from protrain_fx.debug.from_dump import GRAPHS_FILE, PLANNING_FILE, planning_inputs
 from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, PassContext, run_passes
 from protrain_fx.planner.cost import Config, CostModel, swap_interval
-from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, Plan
+from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, Plan, master_bytes
 from protrain_fx.planner.search import NoPlanFits, plan_graph
 from protrain_fx.profiler.fusion import describe
 from protrain_fx.profiler.hardware import device_capacity, hardware_profile, host_capacity, least_on_every_rank
@@ -581,6 +581,7 @@ class _Partitioner(CustomPartitionerFn):
             block_of_param=block_of_param,
             grad_outputs=grad_outputs,
             fused=fused,
+            master_bytes=master_bytes(forced),
         )
         interval = forced.get("swap_interval") or swap_interval(
             costs.block_saved, costs.block_fwd_s, hardware, uploads_share_link=shared

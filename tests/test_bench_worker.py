@@ -47,3 +47,21 @@ def test_clipped_runs_train_alike(monkeypatch):
     steps = len(eager.losses) + 3  # (and the 3 steps of the breakdown)
     assert calls == ["torch.nn.utils"] * steps + ["protrain_fx"] * steps, calls
     assert chunks.clip == 1e-3 and chunks.losses == pytest.approx(eager.losses, rel=1e-4)
+
+
+def test_compile_amp_keeps_fp32_weights_and_computes_in_bf16():
+    """compile-amp, the baseline of protrain's default fp32 masters: fp32 weights and AdamW states, the forward
+    under bf16 autocast (its matmuls in bf16)."""
+    import torch
+
+    from bench.worker import _forward, _model_and_optimizer
+
+    model, opt = _model_and_optimizer("compile-amp", ModelSpec(**TINY), torch.device("cpu"), torch.bfloat16, 0)
+    seen = []
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    ids = torch.randint(0, TINY["vocab"], (2, TINY["seq"]))
+    _forward("compile-amp", model, torch.device("cpu"), torch.bfloat16)(ids).backward()
+    opt.step()
+    assert seen == [torch.bfloat16] and {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {t.dtype for st in opt.state.values() for k, t in st.items() if k != "step"} == {torch.float32}

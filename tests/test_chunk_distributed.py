@@ -37,7 +37,8 @@ def _worker(rank: int, world: int, rendezvous: str, kind: str, plan: dict, error
         # a power of two averages without rounding; on GPUs the eager reference steps with CUDA's fused AdamW and
         # the offloaded chunks with the CPU's, whose roundings differ by an ulp
         exact = world & (world - 1) == 0 and backend == "gloo"
-        ref, model, _ = run(kind, plan, steps=4, exact=exact, device=device)
+        dtype = getattr(torch, plan.get("master_dtype", "float32"))  # (bfloat16 masters: a bfloat16 model)
+        ref, model, _ = run(kind, plan, steps=4, exact=exact, device=device, dtype=dtype)
         state = protrain_fx.full_state_dict(model)  # a collective: every rank calls it
         for name, value in ref.state_dict().items():
             value = value.cpu()
@@ -94,6 +95,12 @@ def spawn_gloo(body, world: int) -> None:
 )
 def test_ranks_train_like_eager(world, kind, plan):
     _spawn(_worker, world, kind, plan)
+
+
+def test_ranks_train_bfloat16_masters_like_eager():
+    """bfloat16 masters (the plan's master_dtype): gradients reduced in bfloat16, persistent and offloaded chunks
+    bitwise as torch's fused AdamW over the bfloat16 model."""
+    _spawn(_worker, 2, "llama", {"n_persist": 1, "n_buffer": 1, "master_dtype": "bfloat16"})
 
 
 @pytest.mark.multigpu

@@ -14,6 +14,7 @@ import torch
 from helpers import train_steps
 
 import protrain_fx
+from protrain_fx.planner.cost import Config
 from protrain_fx.runtime.adopt import model_manager
 from protrain_fx.runtime.chunks import rank_and_world_size
 
@@ -27,8 +28,10 @@ PLANS = {
 SHARED_GRADIENTS = {"n_persist": 0, "n_buffer": 3, "host_grad_slots": 1}
 
 
-def run(kind, plan, steps=STEPS, exact=True, device="cpu", **model_kw):
-    ref = models.build(kind, **model_kw).to(device)
+def run(kind, plan, steps=STEPS, exact=True, device="cpu", dtype=torch.float32, optimizers=None, **model_kw):
+    """Train the same model eagerly and chunked under `plan`; (eager model, chunked model, backend). `optimizers`:
+    a list that gets the two optimizers."""
+    ref = models.build(kind, **model_kw).to(device, dtype)
     model = copy.deepcopy(ref)
     groups = lambda m: [  # noqa: E731 - no decay on biases and norms, as users do
         {"params": [p for n, p in m.named_parameters() if p.ndim > 1], "weight_decay": 0.1},
@@ -38,6 +41,8 @@ def run(kind, plan, steps=STEPS, exact=True, device="cpu", **model_kw):
     opt = protrain_fx.optim.AdamW(groups(model), lr=1e-2)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.5)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    if optimizers is not None:
+        optimizers += [ref_opt, opt]
     backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan})
     compiled = torch.compile(model, backend=backend, dynamic=False)
     for step in range(steps):
@@ -70,6 +75,57 @@ def test_chunked_training_bitwise(kind, plan):
     assert all(p.grad is None for p in model.parameters())  # gradients live in the chunks
 
 
+@pytest.mark.parametrize(
+    "device, plan",
+    [*(("cpu", p) for p in PLANS), pytest.param("cuda", "all-persistent", marks=pytest.mark.gpu)],
+)
+def test_bfloat16_masters_train_as_torch_adamw_over_the_bfloat16_model(device, plan):
+    """With the plan's master_dtype "bfloat16" a bfloat16 model keeps no fp32 master: its parameters, gradients
+    and AdamW states are bfloat16 and train bitwise as torch's fused AdamW over the bfloat16 model (the same
+    kernel on the same values; on CUDA the offloaded chunks' update runs on the host, so only persistent ones)."""
+    plan, optimizers = {**PLANS[plan], "master_dtype": "bfloat16"}, []
+    ref, model, backend = run("llama", plan, device=device, dtype=torch.bfloat16, optimizers=optimizers)
+    manager = model_manager(model)
+    assert backend.graphs[0].plan.master_dtype == "bfloat16" and manager.master_dtype == torch.bfloat16
+    assert all(manager.master[c] is manager.flat[c] for c in range(manager.n_persist))
+    assert all(g.dtype == torch.bfloat16 for g in manager._device_grads)
+    state = protrain_fx.full_state_dict(model)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(state[name], value.cpu()), name
+    ref_states, states = (o.state_dict()["state"] for o in optimizers)
+    assert sorted(states) == sorted(ref_states)
+    for i, st in states.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert st[k].dtype == torch.bfloat16 and torch.equal(st[k], ref_states[i][k].cpu()), (i, k)
+
+
+@pytest.mark.parametrize("master_dtype", ["float32", "bfloat16"])
+def test_the_cost_model_counts_what_the_chunks_hold(master_dtype):
+    """The planner's device and host bytes of a plan's model states (planner/cost.py `state_bytes`,
+    `host_bytes`) are what the chunks and their AdamW states take once trained, for either master dtype (one
+    offloaded chunk: one reduce buffer)."""
+    plan, optimizers = {"n_persist": 1, "n_buffer": 2, "master_dtype": master_dtype}, []
+    _, model, backend = run("llama", plan, steps=2, dtype=torch.bfloat16, optimizers=optimizers)
+    manager, costs = model_manager(model), backend.graphs[0].costs
+    config = Config(manager.n_persist, manager.n_buffer)
+    nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    states = {
+        c: [t for st in optimizers[1].live_states(manager, c).values() for k, t in st.items() if k != "step"]
+        for c in range(manager.layout.n_chunk)
+    }
+    persistent = range(manager.n_persist)
+    device = [*manager.flat.values(), *manager._device_grads, *manager.buffers, *manager._reduce_buffers]
+    device += [manager.master[c] for c in persistent if manager.master[c] is not manager.flat[c]]
+    device += [manager._landing] if manager._landing is not None else []
+    held = nbytes(device) + sum(nbytes(states[c]) for c in persistent)
+    assert costs.master_bytes == manager.master_bytes and held == costs.state_bytes(config)
+    offloaded = range(manager.n_persist, manager.layout.n_chunk)
+    host = manager.arena.numel() + sum(nbytes(states[c]) for c in offloaded)
+    # (the model counts a shard's AdamW states over its padding too: one rank's shard of several ranks' may hold it)
+    padding = sum(manager.layout.shard_elems - costs.chunk_params[c] for c in offloaded)
+    assert host == costs.host_bytes(config) - padding * 2 * manager.master_bytes
+
+
 def test_offloaded_parameters_hold_no_storage_and_arena_is_exact():
     _, model, backend = run("llama", {"n_persist": 1, "n_buffer": 1}, steps=1)
     manager = model_manager(model)
@@ -93,6 +149,10 @@ def test_bad_chunk_plans():
         run("toy", {"n_persist": 99}, steps=1)
     with pytest.raises(Exception, match="n_buffer'\\] must be at least 1"):
         run("toy", {"n_persist": 0, "n_buffer": 0}, steps=1)
+    with pytest.raises(Exception, match=r"master_dtype'\] must be one of \['float32', 'bfloat16'\], got 'float16'"):
+        run("toy", {"master_dtype": "float16"}, steps=1)
+    with pytest.raises(Exception, match="master_dtype='bfloat16' does not suit this model, whose parameters are"):
+        run("toy", {"master_dtype": "bfloat16"}, steps=1)  # (a float32 model)
 
 
 def test_chunk_fields_need_the_protrain_optimizer():
@@ -101,6 +161,12 @@ def test_chunk_fields_need_the_protrain_optimizer():
         model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_persist": 0}})
     )
     with pytest.raises(Exception, match="only when the model is trained with protrain_fx.optim.AdamW"):
+        compiled(**models.batch("toy"))
+    model = models.build("toy").to(torch.bfloat16)
+    compiled = torch.compile(
+        model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"master_dtype": "bfloat16"}})
+    )
+    with pytest.raises(Exception, match=r"asks for \{'master_dtype': 'bfloat16'\}, but parameters are managed"):
         compiled(**models.batch("toy"))
 
 

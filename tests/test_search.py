@@ -15,7 +15,7 @@ from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Config, CostModel, _HostRates, _Segment
 from protrain_fx.planner.search import SAFE_HEADROOM, TIE_REL, NoPlanFits, brute_force, plan_graph, rank, search
 from protrain_fx.profiler.hardware import HardwareProfile
-from protrain_fx.runtime.chunks import GRAD_BYTES_PER_ELEMENT, HOST_STATE_BYTES_PER_ELEMENT, MIN_GRAD_SLOTS
+from protrain_fx.runtime.chunks import HOST_STATES, MIN_GRAD_SLOTS
 
 GiB = 2**30
 H100_LIKE = HardwareProfile(
@@ -194,7 +194,7 @@ def test_host_memory_of_a_configuration():
     swapped block its saved activations."""
     model = synthetic(n_chunk=5)
     shard = model.shard_elems
-    assert HOST_STATE_BYTES_PER_ELEMENT + GRAD_BYTES_PER_ELEMENT == 16 and MIN_GRAD_SLOTS == 2
+    assert HOST_STATES == 3 and MIN_GRAD_SLOTS == 2
     offloaded = Config(1, 2, 0, 0)  # four offloaded chunks
     assert model.host_bytes(Config(5, 0, 0, 0)) == 0 and model.host_bytes(offloaded) == 4 * 16 * shard
     assert model.grad_slots(offloaded) == 4 and model.least_host_bytes(offloaded) == 4 * 12 * shard + 2 * 4 * shard
@@ -203,6 +203,8 @@ def test_host_memory_of_a_configuration():
         assert budgeted.grad_slots(offloaded) == slots, budget
         assert budgeted.host_bytes(offloaded) == 4 * 12 * shard + slots * 4 * shard
     assert dataclasses.replace(model, host_budget=0).grad_slots(Config(4, 1, 0, 0)) == 1  # (one chunk: its own)
+    own = dataclasses.replace(model, master_bytes=2)  # bfloat16 masters: the parameters themselves
+    assert own.host_bytes(offloaded) == 4 * 8 * shard
     swapped = Config(5, 0, 1, 0)
     assert model.host_bytes(swapped) == sum(
         model.block_saved[b] for b, m in enumerate(model.modes(swapped)) if m == "swap"
@@ -223,6 +225,26 @@ def test_memory_model_terms():
     # + the landing shard and the reduce buffer of the one offloaded chunk
     assert model.state_bytes(Config(3, 2, 0, 0)) == 3 * elems * 18 + 2 * elems * 2 + elems * 4 + elems * 4
     assert model.state_bytes(Config(1, 2, 0, 0)) == elems * 18 + 2 * elems * 2 + elems * 4 + 2 * elems * 4
+    # bfloat16 masters: the parameters are their own, gradients and states are bfloat16 (8 bytes an element), and
+    # offloaded shards land straight in their buffer
+    own = dataclasses.replace(model, master_bytes=2)
+    assert own.state_bytes(Config(4, 0, 0, 0)) == 4 * elems * (2 + 2 + 4)
+    assert own.state_bytes(Config(1, 2, 0, 0)) == elems * 8 + 2 * elems * 2 + 2 * elems * 2
+
+
+def test_bfloat16_masters_fit_more_chunks_and_update_faster():
+    """Where fp32 masters fit at most three of six chunks on the GPU, bfloat16 ones fit them all; their AdamW, measured
+    or (not measured) in proportion to the bytes, takes half the time."""
+    model = synthetic(n_chunk=6, block_saved=GiB // 8)
+    own = dataclasses.replace(model, master_bytes=2)
+    capacity = model.reserved_bytes(Config(3, 2, 0, 0))
+    assert own.reserved_bytes(Config(6, 0, 0, 0)) <= capacity < model.reserved_bytes(Config(4, 2, 0, 0))
+    assert max(c.n_persist for c, _, _ in brute_force(model, capacity)) == 3
+    assert max(c.n_persist for c, _, _ in brute_force(own, capacity)) == 6
+    hw = model.hardware
+    assert hw.device_adam_s(2) == hw.device_adam_s_per_param / 2 and hw.host_adam_s(True, True, 2) == 1e-10
+    measured = dataclasses.replace(hw, device_adam_bf16_s_per_param=3e-11, host_adam_bf16_s_per_param=1.5e-10)
+    assert measured.device_adam_s(2) == 3e-11 and measured.host_adam_s(True, False, 2) == pytest.approx(1.5e-10)
 
 
 def test_gradient_copies_slower_than_the_backward_hold_it_up():
@@ -286,8 +308,8 @@ def test_shared_gradient_shards_hold_the_backward_up_where_the_host_is_slower():
 def test_persistent_chunks_share_device_gradient_buffers_only_where_nothing_else_fits():
     """With a GPU and a host too small for any plan whose persistent chunks have an fp32 gradient each, the
     persistent chunks share MIN_GRAD_SLOTS (the search's last resort): the GPU then holds one chunk more and the
-    host one fewer. Where a plan fits without, or the model is float32 (its updates hold every gradient), or
-    the user forces the count, there is no last resort."""
+    host one fewer. Where a plan fits without, or the parameters are their own master (a float32 model, or
+    bfloat16 masters: their updates hold every gradient), or the user forces the count, there is no last resort."""
     model = synthetic(n_chunk=6)
     sharing = dataclasses.replace(model, share_device_grads=True)
     config = Config(n_persist=4, n_buffer=2)
@@ -306,6 +328,11 @@ def test_persistent_chunks_share_device_gradient_buffers_only_where_nothing_else
     fp32 = dataclasses.replace(model, element_size=4)
     with pytest.raises(NoPlanFits):
         plan_graph(fp32, forced, layout, fp32.reserved_bytes(config) - 2 * model.chunk_elems * 4, host)
+    own = dataclasses.replace(model, master_bytes=2)  # bfloat16 masters: the parameters' own, updated in step()
+    own_sharing = dataclasses.replace(own, share_device_grads=True)
+    with pytest.raises(NoPlanFits):  # (where sharing would fit)
+        bf16 = {**forced, "master_dtype": "bfloat16"}
+        plan_graph(own, bf16, layout, own_sharing.reserved_bytes(config), own.least_host_bytes(config))
     with pytest.raises(NoPlanFits):
         plan_graph(model, {**forced, "device_grad_slots": 4}, layout, capacity, host)
     held = {**forced, "n_persist": 4}

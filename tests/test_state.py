@@ -108,14 +108,17 @@ def test_whole_state_dict_loads_into_sharded_chunks(tmp_path):
     spawn_gloo(functools.partial(_resume_rank, str(tmp_path / "whole.pt"), reference[SAVED_AT:], True), 2)
 
 
-def test_bf16_resume_keeps_fp32_masters(tmp_path):
-    """A bf16 model's checkpoint holds the fp32 master weights: resuming (before the chunks are built, or into
-    them) gives the uninterrupted run's losses exactly, which bf16 weights alone would not."""
-    plan = {"n_persist": 1, "n_buffer": 2}
+@pytest.mark.parametrize("master_dtype", ["float32", "bfloat16"])
+def test_bf16_resume_keeps_the_masters(tmp_path, master_dtype):
+    """A bf16 model's checkpoint holds its master weights and AdamW states, fp32 by default (bf16 weights alone
+    would not resume exactly), bf16 with the plan's master_dtype "bfloat16": resuming (before the chunks are
+    built, or into them) gives the uninterrupted run's losses exactly."""
+    plan = {"n_persist": 1, "n_buffer": 2, "master_dtype": master_dtype}
     reference = _uninterrupted("llama", plan, dtype=torch.bfloat16)
     _train("llama", plan, 0, SAVED_AT, save=tmp_path / "ckpt", dtype=torch.bfloat16)
     saved = dcp.FileSystemReader(tmp_path / "ckpt").read_metadata().state_dict_metadata
-    assert {md.properties.dtype for key, md in saved.items() if key.startswith("model.")} == {torch.float32}
+    stored = {md.properties.dtype for key, md in saved.items() if key.startswith("model.") or "exp_avg" in key}
+    assert stored == {getattr(torch, master_dtype)}
     for prepare in (False, True):
         resumed = _train(
             "llama", plan, SAVED_AT, RESUMED, load=tmp_path / "ckpt", prepare=prepare, dtype=torch.bfloat16

@@ -28,7 +28,7 @@ from typing import Any
 
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import CostModel
-from protrain_fx.planner.plan import Plan
+from protrain_fx.planner.plan import Plan, master_bytes
 from protrain_fx.planner.search import plan_graph
 from protrain_fx.profiler.fusion import classify, rebuild
 from protrain_fx.profiler.hardware import HardwareProfile
@@ -85,6 +85,7 @@ def cost_model_from_dump(profile: GraphProfile, planning: Mapping[str, Any], lay
         block_of_param=planning["block_of_param"],
         grad_outputs=frozenset(planning["grad_outputs"]),
         fused=planning["fused"],
+        master_bytes=master_bytes(planning["forced"]),
     )
     return dataclasses.replace(costs, swap_interval=planning["swap_interval"], other_bytes=planning["other_bytes"])
 
@@ -93,7 +94,8 @@ def host_rate_as(hardware: HardwareProfile, s_per_param: float) -> HardwareProfi
     """`hardware` with its host AdamW taking `s_per_param` alone (as `predicted_vs_measured.json` reports it in
     training), its figures beside copies and the undo copy's scaled alike."""
     scale = s_per_param / hardware.host_adam_s_per_param
-    return dataclasses.replace(hardware, **{k: getattr(hardware, k) * scale for k in HOST_RATES})
+    rates = {k: getattr(hardware, k) for k in HOST_RATES}
+    return dataclasses.replace(hardware, **{k: v * scale for k, v in rates.items() if v is not None})
 
 
 def plan_from_dump(

@@ -49,9 +49,10 @@ must fit the GPU):
     b's forward transient;
   swapped block b: its saved bytes are gone from swap_interval blocks after b (runtime/swap.py's settle point)
     until the backward reaches b (prefetches beyond that run only within the budget, so add no peak);
-  states: persistent chunks (parameters, fp32 master, AdamW's two states, and their fp32 gradients: one each, or
-    `device_grad_slots` shared), chunk buffers, the landing shard and the fp32 reduce buffers of offloaded
-    chunks; with chunks the gradients the profile kept are taken out too (the runtime reduces them away per
+  states: persistent chunks (parameters, master, AdamW's two states, and their gradients: one each, or
+    `device_grad_slots` shared), chunk buffers, the landing shard and the reduce buffers of offloaded chunks,
+    all but the parameters and buffers in the master dtype (fp32, or the parameters', which then need no
+    master: the plan's `master_dtype`); with chunks the gradients the profile kept are taken out too (the runtime reduces them away per
     chunk).
 α is measured: the allocator's reserved over allocated peak in the profiling run (1 on the CPU).
 
@@ -73,23 +74,22 @@ from protrain_fx.planner.plan import interleaved_modes
 from protrain_fx.profiler.fusion import EXTERN
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile
-from protrain_fx.runtime.chunks import (
-    GRAD_BYTES_PER_ELEMENT,
-    HOST_STATE_BYTES_PER_ELEMENT,
-    MIN_GRAD_SLOTS,
-    REDUCE_BUFFERS,
-)
+from protrain_fx.runtime.chunks import HOST_STATES, MIN_GRAD_SLOTS, REDUCE_BUFFERS
 
-ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per parameter element
-GRAD_BYTES = 4  # fp32 gradient per element
-MASTER_BYTES = 4  # fp32 master per element (none when the parameters are fp32 themselves)
+ADAM_STATES = 2  # exp_avg and exp_avg_sq, each of the master dtype, per parameter element
 
 
 class _HostRates:
     """The host AdamW's seconds per parameter over time, set by which copies run then (`h2d`, `d2h`: their
     (start, end) seconds); they share the host's memory bandwidth with it (HardwareProfile.host_adam_s)."""
 
-    def __init__(self, hardware: HardwareProfile, h2d: list[tuple[float, float]], d2h: list[tuple[float, float]]):
+    def __init__(
+        self,
+        hardware: HardwareProfile,
+        h2d: list[tuple[float, float]],
+        d2h: list[tuple[float, float]],
+        master_bytes: int = 4,
+    ):
         events = sorted(
             (t, delta, way)
             for way, spans in enumerate((h2d, d2h))
@@ -97,10 +97,10 @@ class _HostRates:
             if b > a
             for t, delta in ((a, 1), (b, -1))
         )
-        self.starts, self.rates, running = [-math.inf], [hardware.host_adam_s(False, False)], [0, 0]
+        self.starts, self.rates, running = [-math.inf], [hardware.host_adam_s(False, False, master_bytes)], [0, 0]
         for t, delta, way in events:
             running[way] += delta
-            rate = hardware.host_adam_s(running[0] > 0, running[1] > 0)
+            rate = hardware.host_adam_s(running[0] > 0, running[1] > 0, master_bytes)
             if t == self.starts[-1]:
                 self.rates[-1] = rate
             else:
@@ -250,8 +250,9 @@ class CostModel:
     host_budget: int | None = None  # the host memory this rank has for offloaded chunks and swap (None: not budgeted)
     grad_slots_held: int | None = None  # the user's host_grad_slots (at most one per offloaded chunk is used)
     device_grad_slots_held: int | None = None  # the user's device_grad_slots (at most one per persistent chunk)
-    # the persistent chunks share MIN_GRAD_SLOTS fp32 gradient buffers (the search's last resort, planner/search.py)
+    # the persistent chunks share MIN_GRAD_SLOTS gradient buffers (the search's last resort, planner/search.py)
     share_device_grads: bool = False
+    master_bytes: int = 4  # bytes per element of masters, gradients and AdamW states (the plan's master_dtype)
 
     @classmethod
     def build(
@@ -266,12 +267,14 @@ class CostModel:
         other_bytes: int = 0,
         grad_outputs: frozenset[str] = frozenset(),
         fused: bool = False,
+        master_bytes: int = 4,
     ) -> CostModel:
         """The model of one graph. `block_of_param`: the block of each of the layout's slots (None outside blocks);
         `other_bytes`: what the device holds besides the activations and the states `state_bytes` counts (with a
         layout: the profile's baseline less the parameters; without: the whole baseline); `grad_outputs`: names of
         the backward nodes that are parameter gradients (with a layout, the runtime frees each after its chunk's
-        reduce); `fused`: the graphs run under a fusing compiler (inductor), see `node_s`."""
+        reduce); `fused`: the graphs run under a fusing compiler (inductor), see `node_s`; `master_bytes`: the
+        plan's master dtype's (planner/plan.py master_bytes)."""
         blocks = {b.block: b for b in profile.blocks}
         fwd, bwd = [0.0] * n_block, [0.0] * n_block
         saved = [blocks[b].saved_bytes if b in blocks else 0 for b in range(n_block)]
@@ -340,6 +343,7 @@ class CostModel:
                 world_size=layout.world_size,
                 block_chunk=tuple(block_chunk),
                 chunk_params=tuple(chunk_params),
+                master_bytes=master_bytes,
             )
         return cls(
             n_block=n_block,
@@ -397,29 +401,35 @@ class CostModel:
             peak = max(peak, held)
         return peak
 
+    @property
+    def own_master(self) -> bool:
+        """The parameters are their own master (a float32 model, or master_dtype "bfloat16"): persistent chunks
+        keep no separate master and update in optimizer.step(), holding every gradient until then."""
+        return self.master_bytes == self.element_size
+
     def state_bytes(self, config: Config) -> int:
         """Device bytes of the model states a chunk configuration keeps (runtime/chunks.py allocates these)."""
         if self.n_chunk == 0:
             return 0
-        master = 0 if self.element_size == 4 else MASTER_BYTES
+        master = 0 if self.own_master else self.master_bytes
         persistent = config.n_persist * self.chunk_elems * (self.element_size + master)
-        persistent += self.device_grad_slots(config) * self.chunk_elems * GRAD_BYTES
-        persistent += sum(self.chunk_params[: config.n_persist]) * ADAM_STATE_BYTES
+        persistent += self.device_grad_slots(config) * self.chunk_elems * self.master_bytes
+        persistent += sum(self.chunk_params[: config.n_persist]) * ADAM_STATES * self.master_bytes
         buffers = config.n_buffer * self.chunk_elems * self.element_size
         offloaded = self.n_chunk - config.n_persist
-        landing = self.shard_elems * 4 if offloaded and master else 0
+        landing = self.shard_elems * self.master_bytes if offloaded and master else 0
         # what gradients are reduced in: an offloaded chunk's always, a persistent one's across several ranks
         buffered = offloaded + (config.n_persist if self.world_size > 1 else 0)
-        reduce = min(REDUCE_BUFFERS, buffered) * self.chunk_elems * 4
+        reduce = min(REDUCE_BUFFERS, buffered) * self.chunk_elems * self.master_bytes
         return persistent + buffers + landing + reduce
 
     def host_bytes(self, config: Config, grad_slots: int | None = None) -> int:
         """Host bytes of this rank the configuration needs (runtime/chunks.py: what its host check asks for): per
-        offloaded chunk its shard's fp32 master and host AdamW states, `grad_slots` fp32 gradient shards (default
+        offloaded chunk its shard's master and host AdamW states, `grad_slots` gradient shards (default
         `grad_slots(config)`), and the swap space of the swapped blocks' activations (runtime/swap.py)."""
         offloaded = self.n_chunk - config.n_persist
         slots = self.grad_slots(config) if grad_slots is None else grad_slots
-        chunks = self.shard_elems * (offloaded * HOST_STATE_BYTES_PER_ELEMENT + slots * GRAD_BYTES_PER_ELEMENT)
+        chunks = self.shard_elems * self.master_bytes * (offloaded * HOST_STATES + slots)
         return chunks + sum(self.saving(b, m) for b, m in enumerate(self.modes(config)) if m == "swap")
 
     def grad_slots(self, config: Config) -> int:
@@ -431,11 +441,11 @@ class CostModel:
             return min(offloaded, self.grad_slots_held)
         if self.host_budget is None or not offloaded:
             return offloaded
-        room = (self.host_budget - self.host_bytes(config, 0)) // (self.shard_elems * GRAD_BYTES_PER_ELEMENT)
+        room = (self.host_budget - self.host_bytes(config, 0)) // (self.shard_elems * self.master_bytes)
         return max(min(offloaded, MIN_GRAD_SLOTS), min(offloaded, room))
 
     def device_grad_slots(self, config: Config) -> int:
-        """The fp32 gradient buffers the persistent chunks of `config` get on the device (the user's, if held):
+        """The gradient buffers the persistent chunks of `config` get on the device (the user's, if held):
         one each, or MIN_GRAD_SLOTS, which they share (runtime/chunks.py), with `share_device_grads`."""
         if self.device_grad_slots_held is not None:
             return min(config.n_persist, self.device_grad_slots_held)
@@ -465,12 +475,12 @@ class CostModel:
         return self.hardware.collective_s("all_gather", self.chunk_elems * self.element_size)
 
     def _reduce_s(self, chunk: int, n_persist: int) -> float:
-        """Seconds to reduce a chunk's fp32 gradient across ranks: an all-reduce where it is persistent (every
+        """Seconds to reduce a chunk's gradient across ranks: an all-reduce where it is persistent (every
         rank keeps all of it), a reduce-scatter to the shards otherwise."""
         if self.world_size == 1:
             return 0.0
         op = "all_reduce" if chunk < n_persist else "reduce_scatter"
-        return self.hardware.collective_s(op, self.chunk_elems * 4)
+        return self.hardware.collective_s(op, self.chunk_elems * self.master_bytes)
 
     def step_s(self, config: Config, clipped: int | None = None) -> float:
         """Predicted seconds per training step (forward, backward and optimizer) of `config`; `clipped`: a step
@@ -491,7 +501,7 @@ class CostModel:
 
     def _gpu_optim_s(self, config: Config) -> float:
         """The persistent chunks' AdamW on the device."""
-        return sum(self.chunk_params[: config.n_persist]) * self.hardware.device_adam_s_per_param
+        return sum(self.chunk_params[: config.n_persist]) * self.hardware.device_adam_s(self.master_bytes)
 
     def _block_extras(self, config: Config) -> tuple[list[float], list[int]]:
         """Per block, the seconds of its recompute (checkpointed) and the bytes it swaps (swapped)."""
@@ -533,7 +543,12 @@ class CostModel:
         loaded and the chunk before it is done, and is done no sooner than the swap-out copies beside it (their
         settle waits for them). On the CPU everything runs in line. `per`: `_per_chunk(config)`. Returns the end
         and the copies' (start, end) each way."""
-        n, persist, gather, shard = self.n_chunk, config.n_persist, self._gather_s(), self.shard_elems * 4
+        n, persist, gather, shard = (
+            self.n_chunk,
+            config.n_persist,
+            self._gather_s(),
+            self.shard_elems * self.master_bytes,
+        )
         t, up, down, h2d, d2h = 0.0, 0.0, 0.0, [], []
         if not self.overlap:
             for c in range(n):
@@ -570,7 +585,12 @@ class CostModel:
         i - slots + 1 host updates have ended (`host_ends`, from the host timeline; None: not known yet). Returns
         the end of each chunk's reduce and copy, the backward's compute end, and the copies' (start, end) each
         way."""
-        n, persist, gather, shard = self.n_chunk, config.n_persist, self._gather_s(), self.shard_elems * 4
+        n, persist, gather, shard = (
+            self.n_chunk,
+            config.n_persist,
+            self._gather_s(),
+            self.shard_elems * self.master_bytes,
+        )
         order = list(reversed(range(persist, n)))  # the non-persistent chunks, in the order the backward needs them
         buffers = max(1, config.n_buffer)
         uploaded = set(order[buffers:])  # (the others are still in their buffers from the forward)
@@ -625,7 +645,8 @@ class CostModel:
         hw, n = self.hardware, self.n_chunk
         arrival, work = list(backward["copy_end"]), [1.0] * n  # host work per parameter, in units of its AdamW
         if clipped is not None:
-            undo = hw.host_undo_s_per_param / hw.host_adam_s_per_param if hw.host_adam_s_per_param > 0 else 0.0
+            adam = hw.host_adam_s(False, False, self.master_bytes)
+            undo = hw.host_undo_s(self.master_bytes) / adam if adam > 0 else 0.0
             for c in range(config.n_persist, n):
                 if c < n - clipped:
                     arrival[c] = max(arrival[c], next_forward)
@@ -633,7 +654,7 @@ class CostModel:
                     work[c] += undo
         pending, clock, ends, spans = set(range(config.n_persist, n)), 0.0, [None] * n, []
         if pending:  # (built only where the host has work: the search visits many configurations)
-            rates = _HostRates(hw, **_step_clock(forward, backward, next_forward))
+            rates = _HostRates(hw, **_step_clock(forward, backward, next_forward), master_bytes=self.master_bytes)
         while pending:
             landed = [c for c in pending if arrival[c] <= clock]
             if not landed:

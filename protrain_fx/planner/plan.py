@@ -16,6 +16,7 @@ from typing import Any
 from protrain_fx.planner.chunking import ChunkLayout
 
 BLOCK_MODES = ("none", "checkpoint", "swap")
+MASTER_BYTES = {"float32": 4, "bfloat16": 2}  # the master dtypes a plan may name, and their size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,10 @@ class Plan:
     # with one each fits the machine, fewer, which they share, each chunk from its gradient's arrival to its
     # update (runtime/chunks.py). Forced: at most that many, at least 1
     device_grad_slots: int = 0
+    # what the master weights, gradients and AdamW states are kept in: "float32" (the default), or "bfloat16" for
+    # a bfloat16 model, whose parameters are then their own master (what torch.optim.AdamW over a bfloat16 model
+    # does: half the optimizer's bytes, with bfloat16's rounding in every update). The user's choice, never searched
+    master_dtype: str = "float32"
     predicted_step_s: float | None = None
     predicted_clipped_step_s: float | None = None  # a step with clipping (that does not apply)
     predicted_peak_bytes: int | None = None  # allocated, as torch.cuda.max_memory_allocated counts
@@ -88,6 +93,7 @@ CHUNK_FIELDS = (
     "n_clip_overlap",
     "host_grad_slots",
     "device_grad_slots",
+    "master_dtype",
 )
 ACTIVATION_FIELDS = ("n_swap", "n_checkpoint", "block_modes", "swap_interval")
 
@@ -104,6 +110,14 @@ def _grad_slots(forced: Mapping[str, Any], key: str, chunks: int, where: str) ->
     if chunks and key in forced and _int_field(forced, key, 0) < 1:
         raise ValueError(f"options['plan'][{key!r}] must be at least 1 where {where}")
     return min(chunks, _int_field(forced, key, chunks))
+
+
+def master_bytes(forced: Mapping[str, Any]) -> int:
+    """Bytes per element of the forced plan's master dtype (float32 by default)."""
+    master_dtype = forced.get("master_dtype", "float32")
+    if master_dtype not in MASTER_BYTES:
+        raise ValueError(f"options['plan']['master_dtype'] must be one of {list(MASTER_BYTES)}, got {master_dtype!r}")
+    return MASTER_BYTES[master_dtype]
 
 
 def make_plan(
@@ -130,8 +144,14 @@ def make_plan(
     if interval < 1:
         raise ValueError("options['plan']['swap_interval'] must be at least 1 (blocks)")
     activations = {"block_modes": modes, "n_checkpoint": n_checkpoint, "n_swap": n_swap, "swap_interval": interval}
+    master_bytes(forced)  # (checked)
+    master_dtype = forced.get("master_dtype", "float32")
     if layout is None:
-        chunked = {k: forced[k] for k in CHUNK_FIELDS if k != "n_persist" and _int_field(forced, k, 0)}
+        chunked = {
+            k: forced[k] for k in CHUNK_FIELDS if k not in ("n_persist", "master_dtype") and _int_field(forced, k, 0)
+        }
+        if master_dtype != "float32":
+            chunked["master_dtype"] = master_dtype
         if "n_persist" in forced and forced.get("n_chunk", 1) != 0:  # (a replayed unchunked plan has n_chunk 0)
             chunked["n_persist"] = _int_field(forced, "n_persist", 0)
         if chunked:
@@ -169,6 +189,7 @@ def make_plan(
         n_clip_overlap=n_clip_overlap,
         host_grad_slots=host_grad_slots,
         device_grad_slots=device_grad_slots,
+        master_dtype=master_dtype,
         **activations,
     )
 

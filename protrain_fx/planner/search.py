@@ -22,7 +22,7 @@ priced at nothing, but its copies, events and settle points measured a few ms a 
 buys nothing.) A field the user forces is held at its value and the rest searched.
 
 Last resort (`plan_graph`): where nothing fits, the search runs again with the persistent chunks sharing
-MIN_GRAD_SLOTS fp32 gradient buffers on the device instead of one each (`CostModel.share_device_grads`): the GPU
+MIN_GRAD_SLOTS gradient buffers on the device instead of one each (`CostModel.share_device_grads`): the GPU
 then holds more chunks and the host fewer. It is not the first choice: a step whose updates wait for
 `optimizer.step()` (clipping, accumulation) holds every persistent gradient, which such a plan has no room for.
 """
@@ -37,8 +37,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from protrain_fx.planner.chunking import ChunkLayout
-from protrain_fx.planner.cost import GRAD_BYTES, Config, CostModel
-from protrain_fx.planner.plan import Plan, make_plan
+from protrain_fx.planner.cost import Config, CostModel
+from protrain_fx.planner.plan import Plan, make_plan, master_bytes
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +224,7 @@ def plan_graph(
         costs = dataclasses.replace(costs, grad_slots_held=forced["host_grad_slots"])
     if "device_grad_slots" in forced:
         costs = dataclasses.replace(costs, device_grad_slots_held=forced["device_grad_slots"])
+    assert layout is None or costs.master_bytes == master_bytes(forced), "CostModel.build got another master_dtype"
     if "block_modes" in forced:
         modes = tuple(forced["block_modes"])
         held.update(n_swap=modes.count("swap"), n_checkpoint=modes.count("checkpoint"))
@@ -248,18 +249,18 @@ def plan_graph(
         try:
             best, runners_up = search(costs, capacity_bytes, held, costs.host_budget)
         except NoPlanFits:
-            # (a float32 model's persistent chunks update in optimizer.step(), holding every gradient: no sharing)
-            if layout is None or "device_grad_slots" in forced or costs.element_size == 4:
+            # (parameters that are their own master update in optimizer.step(), holding every gradient: no sharing)
+            if layout is None or "device_grad_slots" in forced or costs.own_master:
                 raise
             costs = dataclasses.replace(costs, share_device_grads=True)
             best, runners_up = search(costs, capacity_bytes, held, costs.host_budget)
             log.warning(
-                "no plan with an fp32 gradient buffer for each persistent chunk fits this machine: the %d "
+                "no plan with a gradient buffer for each persistent chunk fits this machine: the %d "
                 "persistent chunks share %d. Steps whose updates wait for optimizer.step() (gradient clipping, "
                 "accumulation) hold every persistent gradient and need %.2f GiB more GPU memory",
                 best[0].n_persist,
                 costs.device_grad_slots(best[0]),
-                (best[0].n_persist - costs.device_grad_slots(best[0])) * costs.chunk_elems * GRAD_BYTES / 2**30,
+                (best[0].n_persist - costs.device_grad_slots(best[0])) * costs.chunk_elems * costs.master_bytes / 2**30,
             )
 
     def to_plan(found: tuple[Config, float, int], chosen: bool) -> Plan:

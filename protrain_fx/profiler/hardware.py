@@ -10,7 +10,7 @@ device's own memory bandwidth and the least time a kernel takes; the all-gather,
 time by message size for the current world size (none with one rank); the fused AdamW time per parameter on
 the device, and on the host as the chunk runtime runs it (on its worker thread, with the link idle and beside
 copies each way, which share the host's memory bandwidth with it: the copies' rates then are measured too),
-and copying an offloaded chunk's master and AdamW states aside there (to undo a clipped update); the device's
+both over float32 masters and, on the device and on the idle host, over bfloat16 ones, and copying an offloaded chunk's master and AdamW states aside there (to undo a clipped update); the device's
 memory (nvidia-ml-py where available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the same code
 measures CPU copies, the CPU AdamW and gloo. With several ranks the measurements are reduced across ranks
 (slowest rank wins), so every rank plans from the same numbers.
@@ -48,7 +48,7 @@ ADAM_PARAMS = 64 * 2**20  # 1 GiB of fp32 state: past the caches, as a model chu
 ADAM_TENSORS = 16  # the host AdamW's parameters, as views of one chunk (per-tensor overhead counted)
 ADAM_STEPS = 3
 HOST_ADAM_STEPS = 5
-METHOD = 4  # how the profile is measured, in the cache key: a profile measured by older code is measured again
+METHOD = 5  # how the profile is measured, in the cache key: a profile measured by older code is measured again
 KERNELS = 1000  # back-to-back tiny kernels timed for the launch floor
 COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
 CPU_COLLECTIVE_BYTES = (2**20, 16 * 2**20)  # gloo on a few cores: larger messages only take long (extrapolated)
@@ -85,6 +85,10 @@ class HardwareProfile:
     device_memory_bytes: int  # total
     host_memory_bytes: int  # available when measured
     collectives: dict[str, list[tuple[int, float]]]  # op -> (message bytes, seconds), ascending; empty for 1 rank
+    # the device's and the host's AdamW (link idle) over bfloat16 masters, gradients and states (the plan's
+    # master_dtype "bfloat16"); None in a profile measured without them: in proportion to the bytes
+    device_adam_bf16_s_per_param: float | None = None
+    host_adam_bf16_s_per_param: float | None = None
 
     def collective_s(self, op: str, nbytes: int) -> float:
         """Time of one `op` of `nbytes` (per-rank message), linear between and beyond the measured sizes."""
@@ -110,13 +114,33 @@ class HardwareProfile:
             beside = getattr(self, f"{way}_beside_host_bytes_per_s") if host else alone
         return min(beside, alone)
 
-    def host_adam_s(self, h2d: bool, d2h: bool) -> float:
-        """Seconds per parameter of the host's AdamW while copies run to the device (`h2d`) and/or to the host."""
+    def device_adam_s(self, master_bytes: int = 4) -> float:
+        """Seconds per parameter of the device's fused AdamW over masters, gradients and states of `master_bytes`
+        each (4: float32, 2: bfloat16)."""
+        if master_bytes == 4:
+            return self.device_adam_s_per_param
+        measured = self.device_adam_bf16_s_per_param
+        return measured if measured is not None else self.device_adam_s_per_param * master_bytes / 4
+
+    def host_adam_s(self, h2d: bool, d2h: bool, master_bytes: int = 4) -> float:
+        """Seconds per parameter of the host's AdamW while copies run to the device (`h2d`) and/or to the host,
+        over masters, gradients and states of `master_bytes` each: bfloat16's is float32's beside the same copies
+        times the two's ratio with the link idle."""
         if h2d and d2h:
-            return self.host_adam_both_s_per_param
-        if h2d:
-            return self.host_adam_h2d_s_per_param
-        return self.host_adam_d2h_s_per_param if d2h else self.host_adam_s_per_param
+            fp32 = self.host_adam_both_s_per_param
+        elif h2d:
+            fp32 = self.host_adam_h2d_s_per_param
+        else:
+            fp32 = self.host_adam_d2h_s_per_param if d2h else self.host_adam_s_per_param
+        if master_bytes == 4:
+            return fp32
+        measured = self.host_adam_bf16_s_per_param
+        ratio = measured / self.host_adam_s_per_param if measured is not None else master_bytes / 4
+        return fp32 * ratio
+
+    def host_undo_s(self, master_bytes: int = 4) -> float:
+        """Seconds per parameter of keeping what an offloaded chunk's update changes (a copy: by its bytes)."""
+        return self.host_undo_s_per_param * master_bytes / 4
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -208,6 +232,7 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     _, memory = _device_facts(device)
     bar.update()
     device_adam = _adam_s_per_param(device)
+    device_adam_bf16 = _adam_s_per_param(device, torch.bfloat16)
     bar.update()
     measured = {
         "h2d_bytes_per_s": h2d,
@@ -217,7 +242,9 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
         "device_bytes_per_s": local,
         "kernel_s": kernel,
         "device_adam_s_per_param": device_adam,
+        "device_adam_bf16_s_per_param": device_adam_bf16,
         **_host_adam(copies, device, {"h2d": h2d, "d2h": d2h, "both": both_s}),
+        "host_adam_bf16_s_per_param": _host_adam_s_per_param(None, device, torch.bfloat16)[0],
         "host_undo_s_per_param": _host_undo_s_per_param(device),
     }
     bar.update()
@@ -271,9 +298,10 @@ def _both_ways(dev, host, host2, dev2, device: torch.device) -> Callable[[], obj
     return both
 
 
-def _adam_s_per_param(device: torch.device) -> float:
-    """torch's fused AdamW on the device, per parameter: the fastest of a few steps on ADAM_PARAMS parameters."""
-    p = torch.zeros(ADAM_PARAMS, device=device)
+def _adam_s_per_param(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
+    """torch's fused AdamW on the device, per parameter: the fastest of a few steps on ADAM_PARAMS parameters of
+    `dtype` (with gradients and states of that dtype)."""
+    p = torch.zeros(ADAM_PARAMS, device=device, dtype=dtype)
     p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
     opt.step()  # the states are allocated in the first step
@@ -300,16 +328,18 @@ def _host_adam(copies: dict[str, Callable[[], object]], device: torch.device, ra
     return measured
 
 
-def _host_adam_s_per_param(copies: Callable[[], object] | None, device: torch.device) -> tuple[float, float | None]:
+def _host_adam_s_per_param(
+    copies: Callable[[], object] | None, device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[float, float | None]:
     """torch's fused CPU AdamW per parameter as the chunk runtime runs an offloaded chunk's step: on a HostQueue
-    worker thread (one core fewer beside a GPU), over ADAM_TENSORS views of one flat pinned chunk, while this
+    worker thread (one core fewer beside a GPU), over ADAM_TENSORS views of one flat pinned chunk of `dtype`, while this
     thread repeats `copies` (pinned copies over the link, waited for) or waits. The median of a few steps, and
     the median seconds of one run of `copies` meanwhile (None without). Copies slow it: on an H100 machine
     2.0-2.3e-10 s/param alone, 2.5-2.8e-10 beside copies to the device and 3.3-3.7e-10 beside copies both ways
     (docs/benchmarks.md, issue 5); it slows copies to the device by a fifth (eleventh session)."""
     gpu = device.type == "cuda"
-    master = torch.zeros(ADAM_PARAMS, pin_memory=gpu)
-    grads = torch.full((ADAM_PARAMS,), 1e-3, pin_memory=gpu)
+    master = torch.zeros(ADAM_PARAMS, pin_memory=gpu, dtype=dtype)
+    grads = torch.full((ADAM_PARAMS,), 1e-3, pin_memory=gpu, dtype=dtype)
     views = list(master.chunk(ADAM_TENSORS))
     for view, grad in zip(views, grads.chunk(ADAM_TENSORS)):
         view.grad = grad

@@ -123,6 +123,7 @@ def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkMan
             model=model,
             grad_slots=plan.host_grad_slots,
             device_grad_slots=plan.device_grad_slots,
+            master_dtype=plan.master_dtype,
         )
     model.__dict__[MODEL_ATTR] = manager
     return manager
@@ -144,6 +145,7 @@ def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str
         "chunk_bytes": manager.layout.chunk_bytes,
         "host_grad_slots": manager.grad_slots,
         "device_grad_slots": manager.device_grad_slots,
+        "master_dtype": str(manager.master_dtype).removeprefix("torch."),
     }
     if manager.n_buffer:
         actual["n_buffer"] = manager.n_buffer
@@ -173,7 +175,7 @@ def prepare(
     the host arena, one parameter at a time, and each parameter then looks like a `device` tensor to Dynamo
     while its values live in the chunks. A model already on the GPU needs no `prepare`.
 
-    - `plan`: chunk fields, as in `options={"plan": ...}` (`n_persist`, `n_buffer`, `chunk_bytes`); by default
+    - `plan`: chunk fields, as in `options={"plan": ...}` (`n_persist`, `n_buffer`, `chunk_bytes`, `master_dtype`); by default
       every chunk is persistent. The compile's options need not repeat them.
     - `init(module)`: for a model built under `torch.device("meta")`: called on each module after its own
       parameters and buffers are allocated on the CPU (the parameter objects stay the same) to fill them,
@@ -231,6 +233,7 @@ def prepare(
         model=model,
         grad_slots=chosen.host_grad_slots,
         device_grad_slots=chosen.device_grad_slots,
+        master_dtype=chosen.master_dtype,
     )
     model.__dict__[MODEL_ATTR] = manager
     for module in model.modules():  # what is not in chunks: buffers and frozen parameters go to the device

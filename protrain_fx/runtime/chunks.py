@@ -3,6 +3,10 @@
 Layout (planner/chunking.py) decides which parameter is where; the plan decides `n_persist` and
 `n_buffer`. Then:
 
+- the master dtype (the plan's `master_dtype`): what the master weights, gradients and AdamW states are kept in.
+  float32 by default, below; with "bfloat16" on a bfloat16 model the parameters are their own master and
+  gradients and states are bfloat16 (what `torch.optim.AdamW` over a bfloat16 model keeps), as a float32
+  model's parameters are. "fp32" below is the master dtype.
 - persistent chunks (the first `n_persist`): the chunk's parameters are views of one flat device tensor
   (compute dtype), with an fp32 master copy, an fp32 gradient and AdamW states on the device, updated by
   torch's fused AdamW as soon as the chunk's gradient is final, on a stream beside the rest of the backward
@@ -54,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from protrain_fx.planner.chunking import ChunkLayout, Slot
+from protrain_fx.planner.plan import MASTER_BYTES
 from protrain_fx.progress import progress
 from protrain_fx.runtime import ops
 from protrain_fx.runtime.host import available_host_bytes, check_host_memory, meminfo_bytes, pinned_arena
@@ -67,17 +72,17 @@ NO_SYNC_ATTR = "_protrain_no_sync"  # on the model: how many `protrain_fx.no_syn
 LOADED_MASTER_ATTR = "_protrain_loaded_master"
 
 
-REDUCE_BUFFERS = 2  # fp32 chunk buffers gradients are reduced in: one copied to the host while the next fills
-# what an offloaded shard always holds of the host: its fp32 master (the parameters' only host copy) and the host
-# AdamW's two fp32 states
-HOST_STATE_BYTES_PER_ELEMENT = 4 + 4 + 4
-GRAD_BYTES_PER_ELEMENT = 4  # an fp32 gradient shard on the host: one per offloaded chunk, or fewer, shared in turn
+REDUCE_BUFFERS = 2  # master-dtype chunk buffers gradients are reduced in: one copied to the host while the next fills
+# what an offloaded shard always holds of the host, in elements of the master dtype: its master (the parameters'
+# only host copy) and the host AdamW's two states. Its gradient shard is one more (one per offloaded chunk, or
+# fewer, shared in turn)
+HOST_STATES = 3
 # the fewest shared gradient shards a plan may have: one lands while the host updates from the other
 MIN_GRAD_SLOTS = 2
 HOST_UPDATES_KEPT = 64  # host AdamW timings kept (ChunkManager.host_updates)
-# a clipped model's host updates during the backward keep each shard's fp32 master and AdamW states as they were
-# (`ChunkManager.speculates`), where that leaves UNDO_HOST_RESERVE of the host's memory available
-UNDO_BYTES_PER_ELEMENT = 4 + 8
+# a clipped model's host updates during the backward keep each shard's master and AdamW states as they were
+# (`ChunkManager.speculates`: HOST_STATES elements each), where that leaves UNDO_HOST_RESERVE of the host's memory
+# available
 UNDO_HOST_RESERVE = 0.1
 
 
@@ -157,13 +162,15 @@ class ChunkManager:
         model: nn.Module | None = None,
         grad_slots: int | None = None,
         device_grad_slots: int | None = None,
+        master_dtype: str = "float32",
     ):
         """`device` is where the chunks compute (default: the parameters' device). `source(p)` gives a
         parameter's values when they are not in `p` itself yet (a meta-device model); it is called in layout
         order, one parameter at a time. `protrain_fx.prepare` uses both. `model`: the module whose `no_sync`
         state (runtime/adopt.py) says whether a backward is the last of an accumulated step. `grad_slots`: the
         plan's `host_grad_slots`, the gradient shards the offloaded chunks share on the host (default: one each);
-        `device_grad_slots`, the plan's fp32 gradient buffers the persistent chunks share (default: one each)."""
+        `device_grad_slots`, the plan's fp32 gradient buffers the persistent chunks share (default: one each);
+        `master_dtype`, the plan's ("float32", or the parameters' own dtype where MASTER_BYTES names it)."""
         if not 0 <= n_persist <= layout.n_chunk:
             raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
         if n_persist < layout.n_chunk and n_buffer < 1:
@@ -177,6 +184,14 @@ class ChunkManager:
         self.n_buffer = n_buffer if n_persist < layout.n_chunk else 0
         self.device = torch.device(device) if device is not None else self.params[0].device
         self.dtype = self.params[0].dtype
+        if master_dtype not in MASTER_BYTES or getattr(torch, master_dtype) not in (torch.float32, self.dtype):
+            raise ValueError(
+                f"plan master_dtype={master_dtype!r} does not suit this model, whose parameters are {self.dtype}: "
+                "use 'float32' (fp32 master weights, the default), or 'bfloat16' for a bfloat16 model trained "
+                "without fp32 masters"
+            )
+        self.master_dtype = getattr(torch, master_dtype)
+        self.master_bytes = self.master_dtype.itemsize
         check_ranks_agree(layout, n_persist, n_buffer)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self._host = HostQueue(spare_core=self.device.type == "cuda")  # runs the offloaded chunks' CPU steps
@@ -252,14 +267,14 @@ class ChunkManager:
         device_grad_slots: int | None,
     ) -> None:
         n, elems, shard = self.layout.n_chunk, self.layout.chunk_elems, self.layout.shard_elems
-        fp32 = self.dtype == torch.float32
+        own = self.dtype == self.master_dtype  # the parameters are their own master
         self.flat: dict[int, torch.Tensor] = {}  # persistent: chunk -> device params
         self.master: dict[int, torch.Tensor] = {}  # chunk -> fp32 master (device: whole chunk; host: shard)
         self.grad: dict[int, torch.Tensor] = {}  # chunk -> fp32 gradient (device: whole chunk; host: shard)
         self.staging: torch.Tensor | None = None  # host fp32 shard a second gradient of one step lands in
         for c in range(self.n_persist):
             self.flat[c] = torch.zeros(elems, dtype=self.dtype, device=self.device)
-            self.master[c] = self.flat[c] if fp32 else torch.zeros(elems, dtype=torch.float32, device=self.device)
+            self.master[c] = self.flat[c] if own else torch.zeros(elems, dtype=self.master_dtype, device=self.device)
         device_slots = self.n_persist if device_grad_slots is None else device_grad_slots
         assert 0 < device_slots <= self.n_persist or device_slots == self.n_persist == 0, (
             f"{device_slots} device gradient buffers (make_plan)"
@@ -267,7 +282,9 @@ class ChunkManager:
         self.device_grad_slots = device_slots
         # the persistent chunks' fp32 gradients: one each, or fewer, shared in turn (`_take_device_grad`), each
         # free one with the event of the last update that read it (None: nothing reads it now)
-        self._device_grads = [torch.zeros(elems, dtype=torch.float32, device=self.device) for _ in range(device_slots)]
+        self._device_grads = [
+            torch.zeros(elems, dtype=self.master_dtype, device=self.device) for _ in range(device_slots)
+        ]
         self._free_device_grads: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         if self.shares_device_grads:
             self._free_device_grads = [(g, None) for g in self._device_grads]
@@ -278,14 +295,16 @@ class ChunkManager:
         assert 0 < slots <= len(offloaded) or slots == len(offloaded) == 0, f"{slots} gradient shards (make_plan)"
         self.grad_slots = slots
         check_host_memory(
-            shard * (HOST_STATE_BYTES_PER_ELEMENT * len(offloaded) + GRAD_BYTES_PER_ELEMENT * slots),
+            shard * self.master_bytes * (HOST_STATES * len(offloaded) + slots),
             "the offloaded chunks",
             f"fp32 master shards and AdamW states, and {slots} fp32 gradient shards",
             "keep more chunks on the GPU (options={'plan': {'n_persist': ...}}), use more ranks",
         )
         # the masters, then the gradient shards
-        self.arena = pinned_arena(shard * 4 * (len(offloaded) + slots), self, pin=self.device.type == "cuda")
-        parts = self.arena.view(torch.float32).split(shard) if offloaded else ()
+        self.arena = pinned_arena(
+            shard * self.master_bytes * (len(offloaded) + slots), self, pin=self.device.type == "cuda"
+        )
+        parts = self.arena.view(self.master_dtype).split(shard) if offloaded else ()
         self.master.update(zip(offloaded, parts))
         self.arena.zero_()
         # the gradient shards no chunk holds now; where there is one per chunk, each chunk holds its own for good
@@ -296,7 +315,9 @@ class ChunkManager:
             self._free_grads = []
         self.buffers = [torch.empty(elems, dtype=self.dtype, device=self.device) for _ in range(self.n_buffer)]
         # where a master shard lands on the device before its cast into a buffer (loads are serial on one stream)
-        self._landing = None if fp32 or not offloaded else torch.empty(shard, dtype=torch.float32, device=self.device)
+        self._landing = (
+            None if own or not offloaded else torch.empty(shard, dtype=self.master_dtype, device=self.device)
+        )
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None  # host-to-device chunk copies
         self._d2h_stream = torch.cuda.Stream(self.device) if cuda else None  # device-to-host gradient copies
@@ -313,10 +334,11 @@ class ChunkManager:
         self._released: list[int] = []  # released chunks still in a buffer, least recent first
         self._adopt(source)
         log.info(
-            "chunks: %d of %.1f MiB (%d persistent on %s with %d fp32 gradient buffers, %d offloaded to a %.1f MiB "
-            "host arena, %d buffers)",
+            "chunks: %d of %.1f MiB (master %s; %d persistent on %s with %d gradient buffers, %d offloaded to a %.1f "
+            "MiB host arena, %d buffers)",
             n,
             self.layout.chunk_bytes / 2**20,
+            self.master_dtype,
             self.n_persist,
             self.device,
             device_slots,
@@ -512,7 +534,7 @@ class ChunkManager:
         if self.clip_norm_type is None or self.clip_applied or not self.n_clip_overlap:
             return False
         if self._room_for_undo is None:
-            needed = UNDO_BYTES_PER_ELEMENT * self.layout.shard_elems * self.n_clip_overlap
+            needed = HOST_STATES * self.master_bytes * self.layout.shard_elems * self.n_clip_overlap
             available, total = available_host_bytes(), meminfo_bytes("MemTotal")
             self._room_for_undo = available is None or needed <= available - UNDO_HOST_RESERVE * (total or 0)
             log.info(
@@ -617,7 +639,7 @@ class ChunkManager:
             self.wait_for_update()  # the one staging shard is free once every pending copy is taken in
             if self.staging is None:
                 self.staging = torch.empty(
-                    self.layout.shard_elems, dtype=torch.float32, pin_memory=self.device.type == "cuda"
+                    self.layout.shard_elems, dtype=self.master_dtype, pin_memory=self.device.type == "cuda"
                 )
             target = self.staging
         else:
@@ -685,7 +707,7 @@ class ChunkManager:
             self.wait_for_update(giving[0])
         offloaded = self.layout.n_chunk - self.n_persist
         check_host_memory(
-            self.layout.shard_elems * GRAD_BYTES_PER_ELEMENT,
+            self.layout.shard_elems * self.master_bytes,
             f"chunk {chunk}'s gradients",
             f"an fp32 gradient shard; the plan shares {self.grad_slots} among the {offloaded} offloaded chunks, and "
             "this step holds them all: its host updates wait for optimizer.step() (gradient clipping, "
@@ -693,7 +715,7 @@ class ChunkManager:
             "train without clipping or gradient accumulation, or give the plan more host memory",
         )
         with self._grad_lock:
-            self.grad[chunk] = torch.empty(self.layout.shard_elems, dtype=torch.float32)
+            self.grad[chunk] = torch.empty(self.layout.shard_elems, dtype=self.master_dtype)
             return self.grad[chunk]
 
     def _give_back_grad(self, chunk: int) -> None:
@@ -734,11 +756,11 @@ class ChunkManager:
                 torch.cuda.current_stream(self.device).wait_event(read)
         else:
             try:
-                grad = torch.empty(self.layout.chunk_elems, dtype=torch.float32, device=self.device)
+                grad = torch.empty(self.layout.chunk_elems, dtype=self.master_dtype, device=self.device)
             except torch.OutOfMemoryError as e:
                 raise torch.OutOfMemoryError(
                     f"chunk {chunk}'s gradients need an fp32 gradient buffer of "
-                    f"{self.layout.chunk_elems * GRAD_BYTES_PER_ELEMENT / 2**30:.2f} GiB on {self.device}: the plan "
+                    f"{self.layout.chunk_elems * self.master_bytes / 2**30:.2f} GiB on {self.device}: the plan "
                     f"shares {self.device_grad_slots} among the {self.n_persist} persistent chunks (no plan with "
                     "one each fits this machine), and this step holds them all: its updates wait for "
                     "optimizer.step() (gradient clipping, accumulation, float16 loss scaling, nonfinite='skip', "
@@ -819,10 +841,14 @@ class ChunkManager:
         stream waits (on the device, the CPU goes on) until the copy to the host that last read it has ended:
         gradients waiting for the link hold no more memory than these buffers, and the backward slows down
         instead where the copies are slower than it."""
+        # (gradients reduced in a buffer: every offloaded chunk's, and persistent ones' across several ranks)
+        reduced = self.layout.n_chunk - self.n_persist + (self.n_persist if self.world_size > 1 else 0)
         i = self._next_reduce
-        self._next_reduce = (i + 1) % REDUCE_BUFFERS
+        self._next_reduce = (i + 1) % min(REDUCE_BUFFERS, reduced)
         if i == len(self._reduce_buffers):
-            self._reduce_buffers.append(torch.empty(self.layout.chunk_elems, dtype=torch.float32, device=self.device))
+            self._reduce_buffers.append(
+                torch.empty(self.layout.chunk_elems, dtype=self.master_dtype, device=self.device)
+            )
             self._reduce_read.append(None)
         read, self._reduce_read[i] = self._reduce_read[i], None
         if read is not None:

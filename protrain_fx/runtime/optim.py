@@ -2,8 +2,9 @@
 
 A `torch.optim.Optimizer` over the model's parameters, with the usual param groups, hyperparameters and
 LR schedulers. The update itself is torch's fused AdamW (`torch.optim.AdamW(fused=True)`), run on views
-of the chunks: one inner optimizer per chunk piece, whose parameters are views of the fp32 master and
-whose gradients are views of the chunk's fp32 gradient, grouped like the outer param groups.
+of the chunks: one inner optimizer per chunk piece, whose parameters are views of the master (fp32, or the
+parameters themselves: the plan's `master_dtype`) and whose gradients are views of the chunk's gradient (of
+the master's dtype), grouped like the outer param groups.
 
 - Offloaded chunks: the manager starts the CPU step of each chunk on its worker thread as soon as the
   chunk's gradient is on the host, overlapping the rest of the backward. `step()` does not wait for them:
@@ -11,7 +12,8 @@ whose gradients are views of the chunk's fp32 gradient, grouped like the outer p
   Everything that reads the weights or states (`full_state_dict`, `state_dict()`) waits for all of them.
 - Persistent chunks: the manager runs each chunk's update on the GPU as soon as its gradient is final, on a
   stream beside the rest of the backward; the compute-dtype parameters take the new fp32 master in `step()`.
-  A float32 model's parameters are its master, which the backward may still read: they update in `step()`.
+  Parameters that are their own master (a float32 model's, or any with `master_dtype` "bfloat16") may still be
+  read by the backward: they update in `step()`.
 - Updates wait for `step()` when the step must see every gradient first: float16 loss scaling (or
   `nonfinite="skip"`), and the first step. With clipping, persistent chunks wait, and the plan's last
   `n_clip_overlap` offloaded chunks update during the backward while the last clip did not apply, keeping a
@@ -199,14 +201,14 @@ class AdamW(torch.optim.Optimizer):
         return update
 
     def _snapshot(self, manager, chunk: int, inner: torch.optim.AdamW) -> None:
-        """Copy what an update of the chunk's piece changes (its fp32 master, each view's AdamW states) into a
-        buffer kept for the chunk (12 bytes per element, allocated once)."""
+        """Copy what an update of the chunk's piece changes (its master, each view's AdamW states) into a buffer
+        kept for the chunk (three elements of the master dtype per element, allocated once)."""
         master = manager.master[chunk]
         n = master.numel()
         key = (id(manager), chunk)
         kept, _ = self._snapshots.get(key, (None, None))
         if kept is None or kept.numel() != 3 * n:
-            kept = torch.empty(3 * n, dtype=torch.float32, device=master.device)
+            kept = torch.empty(3 * n, dtype=master.dtype, device=master.device)
         kept[:n].copy_(master)
         steps: dict[torch.Tensor, torch.Tensor | None] = {}
         for view in (v for group in inner.param_groups for v in group["params"]):
@@ -338,7 +340,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def state_dict(self) -> dict:
-        """torch's AdamW format: per parameter index `step`, `exp_avg`, `exp_avg_sq` (fp32, parameter-shaped, on
+        """torch's AdamW format: per parameter index `step`, `exp_avg`, `exp_avg_sq` (master dtype, parameter-shaped, on
         the CPU), and the param groups. A collective when chunks are sharded across ranks (every rank calls it
         and gets the whole state), gathered chunk by chunk."""
         managers = self._managers()
@@ -466,7 +468,7 @@ class AdamW(torch.optim.Optimizer):
                 inner.state[view] = {
                     "step": torch.as_tensor(st["step"], dtype=torch.float32).to(view.device).clone(),
                     **{
-                        k: st[k].reshape(-1)[begin:end].reshape(view.shape).to(view.device, torch.float32).clone()
+                        k: st[k].reshape(-1)[begin:end].reshape(view.shape).to(view.device, view.dtype).clone()
                         for k in ("exp_avg", "exp_avg_sq")
                     },
                 }
@@ -474,7 +476,7 @@ class AdamW(torch.optim.Optimizer):
 
 def _kept_states(kept: torch.Tensor, master: torch.Tensor, view: torch.Tensor) -> dict[str, torch.Tensor]:
     """Where `AdamW._snapshot` keeps a view's AdamW states: `kept` holds the master, then each state laid out
-    like the master (12 bytes per element)."""
+    like the master."""
     n, at = master.numel(), view.storage_offset() - master.storage_offset()
     return {
         k: kept[(i + 1) * n + at : (i + 1) * n + at + view.numel()] for i, k in enumerate(("exp_avg", "exp_avg_sq"))

@@ -200,7 +200,7 @@ def _placed(manager: ChunkManager, p: nn.Parameter, read) -> Any:
             local.append(Shard(values[at : at + n].view(md.shard_sizes), md))
             at += n
     assert at == values.numel(), f"boxes of {slot.name} do not cover its piece"
-    properties = TensorProperties(dtype=torch.float32)
+    properties = TensorProperties(dtype=values.dtype)
     global_md = ShardedTensorMetadata(metadata, torch.Size(p.shape), properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, global_md)
 
