@@ -591,24 +591,18 @@ class ChunkManager:
         if persistent and self.world_size == 1:
             # straight into the fp32 gradient; where a parameter has no gradient yet this step its slot holds a
             # stale value, which is overwritten here or never read (the optimizer skips that parameter)
-            grad, written, added = self._take_device_grad(chunk, accumulate), [], False
-            for p, g in zip(params, grads):
-                a, b = self._slot_range(self.slot_of(p))
-                seen = self.index[id(p)] in self.params_with_grad
-                grad[a:b].add_(g.reshape(-1)) if seen else grad[a:b].copy_(g.reshape(-1))
-                written.append(grad[a:b])
-                added |= seen
+            grad = self._take_device_grad(chunk, accumulate)
+            seen = [self.index[id(p)] in self.params_with_grad for p in params]
+            written = self._write_grads(grad, params, grads, seen)
             # the gradients as they came (compute dtype: fewer bytes read), or as added up (a sum may overflow)
-            self._check_finite(written if added else grads)
+            self._check_finite(written if any(seen) else grads)
             self.params_with_grad.update(self.index[id(p)] for p in params)
             self._step_persistent_early(chunk)
             return
         self.params_with_grad.update(self.index[id(p)] for p in params)
         self._land_reductions()  # (at most one in flight: the reduce buffer it holds is the next to be taken)
         flat, slot = self._reduce_buffer()
-        for p, g in zip(params, grads):
-            a, b = self._slot_range(self.slot_of(p))
-            flat[a:b].copy_(g.reshape(-1))
+        self._write_grads(flat, params, grads, [False] * len(params))
         if persistent:
             if not sync:  # this rank's sum, reduced at the step's last backward
                 self._unreduced.add(chunk)
@@ -684,6 +678,18 @@ class ChunkManager:
         if update is not None and not speculative and self.shares_grads:
             self._gives_back.add(chunk)
         self._pending[chunk] = self._host.submit(chunk, copied, take_in)
+
+    def _write_grads(
+        self, flat: torch.Tensor, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor], add: Sequence[bool]
+    ) -> list[torch.Tensor]:
+        """Each parameter's gradient into its slot of the chunk-long `flat`, copied or, where `add`, added (one
+        multi-tensor kernel for each: a chunk holds many small parameters); the slots written."""
+        views = [flat[slice(*self._slot_range(self.slot_of(p)))] for p in params]
+        for kind, op in ((False, torch._foreach_copy_), (True, torch._foreach_add_)):
+            pairs = [(v, g.reshape(-1)) for v, g, a in zip(views, grads, add) if a == kind]
+            if pairs:
+                op(*map(list, zip(*pairs)))
+        return views
 
     @property
     def shares_grads(self) -> bool:
