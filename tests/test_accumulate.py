@@ -100,6 +100,27 @@ def test_accumulated_micro_batches_equal_the_whole_batch(plan):
     assert record.plan.n_persist == plan.get("n_persist", record.plan.n_chunk)
 
 
+@pytest.mark.parametrize("plan", PLANS.values(), ids=list(PLANS))
+def test_bfloat16_masters_accumulate_as_torch_does(plan):
+    """bfloat16 masters (the plan's master_dtype) add the micro-batches' bfloat16 gradients up in bfloat16, as
+    autograd adds them into a bfloat16 model's `.grad`: bitwise the weights of eager accumulation over the same
+    micro-batches with torch's fused AdamW."""
+    ref = models.build("toy").to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {**plan, "master_dtype": "bfloat16"}})
+    train_accumulated(torch.compile(model, backend=backend, dynamic=False), model, opt)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for step in range(STEPS):
+        for part in _parts(models.batch("toy", batch_size=8, seed=step), MICRO):
+            (ref(**part) / MICRO).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    weights = protrain_fx.full_state_dict(model)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(weights[name], value), name
+
+
 def test_backward_after_the_step_started_says_how_to_accumulate():
     model = models.build("toy")
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)

@@ -27,8 +27,8 @@ PLANS = {
 STEPS = 3
 
 
-def _pair(plan, device="cpu"):
-    ref = models.build("toy").to(device)
+def _pair(plan, device="cpu", dtype=torch.float32):
+    ref = models.build("toy").to(device, dtype)
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
@@ -69,6 +69,23 @@ def test_clipping_equals_torch(plan, norm_type, max_norm):
         assert all(ref_norm > max_norm for _, ref_norm, _, _ in rows)  # it did clip: the update changed
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-8, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("plan", PLANS.values(), ids=list(PLANS))
+def test_clipping_bfloat16_masters_equals_torch_over_the_bfloat16_model(plan):
+    """bfloat16 masters (the plan's master_dtype) clip bfloat16 gradients. torch rounds each parameter's norm and
+    the total to bfloat16, we the parameters' norms only (their total and the coefficient in float64): norms,
+    clipped gradients and losses agree to bfloat16's rounding."""
+    rows, (grads, ref_grads) = _clipped_steps(
+        *_pair({**plan, "master_dtype": "bfloat16"}, dtype=torch.bfloat16), 0.05, 2.0
+    )
+    for norm, ref_norm, loss, ref_loss in rows:
+        assert (
+            ref_norm > 0.05 and norm == pytest.approx(ref_norm, rel=1e-2) and loss == pytest.approx(ref_loss, rel=1e-2)
+        )
+    for name, g in ref_grads.items():
+        assert grads[name].dtype == torch.bfloat16, name
+        torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_host_updates_overlap_the_backward_unless_clipped():
