@@ -151,8 +151,10 @@ def test_bad_chunk_plans():
         run("toy", {"n_persist": 0, "n_buffer": 0}, steps=1)
     with pytest.raises(Exception, match=r"master_dtype'\] must be one of \['float32', 'bfloat16'\], got 'float16'"):
         run("toy", {"master_dtype": "float16"}, steps=1)
-    with pytest.raises(Exception, match="master_dtype='bfloat16' does not suit this model, whose parameters are"):
+    with pytest.raises(Exception, match=r"master_dtype'\]='bfloat16' is for parameters of that dtype, and this"):
         run("toy", {"master_dtype": "bfloat16"}, steps=1)  # (a float32 model)
+    with pytest.raises(Exception, match="master_dtype='bfloat16' does not suit this model, whose parameters are"):
+        run("toy", {"master_dtype": "bfloat16"}, steps=1, dtype=torch.float16)  # (caught where the chunks are built)
 
 
 def test_chunk_fields_need_the_protrain_optimizer():

@@ -74,9 +74,11 @@ def planning_inputs(
     }
 
 
-def cost_model_from_dump(profile: GraphProfile, planning: Mapping[str, Any], layout: ChunkLayout | None) -> CostModel:
+def cost_model_from_dump(
+    profile: GraphProfile, planning: Mapping[str, Any], layout: ChunkLayout | None, forced: Mapping[str, Any]
+) -> CostModel:
     """The cost models of the graph, built by the current code from its profile and planning.json (whose chunk
-    layout is `layout`)."""
+    layout is `layout`), for the plan fields `forced` (their master dtype)."""
     costs = CostModel.build(
         profile,
         HardwareProfile.from_json(planning["hardware"]),
@@ -85,7 +87,7 @@ def cost_model_from_dump(profile: GraphProfile, planning: Mapping[str, Any], lay
         block_of_param=planning["block_of_param"],
         grad_outputs=frozenset(planning["grad_outputs"]),
         fused=planning["fused"],
-        master_bytes=master_bytes(planning["forced"]),
+        master_bytes=master_bytes(forced),
     )
     return dataclasses.replace(costs, swap_interval=planning["swap_interval"], other_bytes=planning["other_bytes"])
 
@@ -120,8 +122,8 @@ def plan_from_dump(
         hardware = host_rate_as(HardwareProfile.from_json(planning["hardware"]), host_adam_s_per_param)
         planning = {**planning, "hardware": hardware.to_json()}
     layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
-    costs = cost_model_from_dump(profile, planning, layout)
     fields = planning["forced"] if forced is None else forced
+    costs = cost_model_from_dump(profile, planning, layout, fields)
     return plan_graph(costs, fields, layout, planning["capacity_bytes"], planning["host_bytes"])
 
 

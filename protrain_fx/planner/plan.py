@@ -160,6 +160,11 @@ def make_plan(
                 "is trained with protrain_fx.optim.AdamW; create that optimizer before the first step"
             )
         return Plan(n_block=n_block, **activations)
+    if MASTER_BYTES[master_dtype] not in (4, layout.element_size):
+        raise ValueError(
+            f"options['plan']['master_dtype']={master_dtype!r} is for parameters of that dtype, and this model's "
+            f"have {layout.element_size} bytes an element: use 'float32' (the default)"
+        )
     n_persist = _int_field(forced, "n_persist", layout.n_chunk)
     if n_persist > layout.n_chunk:
         raise ValueError(f"options['plan']['n_persist']={n_persist} exceeds the model's {layout.n_chunk} chunks")
