@@ -256,9 +256,9 @@ SHARING = {
     "device": (
         {"device_grad_slots": 1},
         torch.OutOfMemoryError,
-        r"chunk \d's gradients need an fp32 gradient buffer .* shares 1 among the 4 persistent chunks .* Train "
+        r"chunk \d's gradients need a float32 gradient buffer .* shares 1 among the 4 persistent chunks .* Train "
         r"without clipping or gradient accumulation",
-        r"shares 1 fp32 gradient buffers among the persistent chunks .*",
+        r"shares 1 gradient buffers among the persistent chunks .*",
     ),
 }
 

@@ -52,8 +52,8 @@ must fit the GPU):
   states: persistent chunks (parameters, master, AdamW's two states, and their gradients: one each, or
     `device_grad_slots` shared), chunk buffers, the landing shard and the reduce buffers of offloaded chunks,
     all but the parameters and buffers in the master dtype (fp32, or the parameters', which then need no
-    master: the plan's `master_dtype`); with chunks the gradients the profile kept are taken out too (the runtime reduces them away per
-    chunk).
+    master: the plan's `master_dtype`); with chunks the gradients the profile kept are taken out too (the
+    runtime reduces them away per chunk).
 α is measured: the allocator's reserved over allocated peak in the profiling run (1 on the CPU).
 
 swap_interval: how many blocks of forward compute it takes to hide one block's swap-out copy,
@@ -543,12 +543,8 @@ class CostModel:
         loaded and the chunk before it is done, and is done no sooner than the swap-out copies beside it (their
         settle waits for them). On the CPU everything runs in line. `per`: `_per_chunk(config)`. Returns the end
         and the copies' (start, end) each way."""
-        n, persist, gather, shard = (
-            self.n_chunk,
-            config.n_persist,
-            self._gather_s(),
-            self.shard_elems * self.master_bytes,
-        )
+        n, persist, gather = self.n_chunk, config.n_persist, self._gather_s()
+        shard = self.shard_elems * self.master_bytes  # an offloaded shard's master going up, its gradient down
         t, up, down, h2d, d2h = 0.0, 0.0, 0.0, [], []
         if not self.overlap:
             for c in range(n):
@@ -585,12 +581,8 @@ class CostModel:
         i - slots + 1 host updates have ended (`host_ends`, from the host timeline; None: not known yet). Returns
         the end of each chunk's reduce and copy, the backward's compute end, and the copies' (start, end) each
         way."""
-        n, persist, gather, shard = (
-            self.n_chunk,
-            config.n_persist,
-            self._gather_s(),
-            self.shard_elems * self.master_bytes,
-        )
+        n, persist, gather = self.n_chunk, config.n_persist, self._gather_s()
+        shard = self.shard_elems * self.master_bytes  # an offloaded shard's master going up, its gradient down
         order = list(reversed(range(persist, n)))  # the non-persistent chunks, in the order the backward needs them
         buffers = max(1, config.n_buffer)
         uploaded = set(order[buffers:])  # (the others are still in their buffers from the forward)

@@ -145,7 +145,7 @@ def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str
         "chunk_bytes": manager.layout.chunk_bytes,
         "host_grad_slots": manager.grad_slots,
         "device_grad_slots": manager.device_grad_slots,
-        "master_dtype": str(manager.master_dtype).removeprefix("torch."),
+        "master_dtype": manager.master_dtype_name,
     }
     if manager.n_buffer:
         actual["n_buffer"] = manager.n_buffer
@@ -175,8 +175,8 @@ def prepare(
     the host arena, one parameter at a time, and each parameter then looks like a `device` tensor to Dynamo
     while its values live in the chunks. A model already on the GPU needs no `prepare`.
 
-    - `plan`: chunk fields, as in `options={"plan": ...}` (`n_persist`, `n_buffer`, `chunk_bytes`, `master_dtype`); by default
-      every chunk is persistent. The compile's options need not repeat them.
+    - `plan`: chunk fields, as in `options={"plan": ...}` (`n_persist`, `n_buffer`, `chunk_bytes`,
+      `master_dtype`); by default every chunk is persistent. The compile's options need not repeat them.
     - `init(module)`: for a model built under `torch.device("meta")`: called on each module after its own
       parameters and buffers are allocated on the CPU (the parameter objects stay the same) to fill them,
       just before they are copied into the chunks; so the host never holds the whole model besides the chunks.

@@ -190,6 +190,7 @@ class ChunkManager:
                 "use 'float32' (fp32 master weights, the default), or 'bfloat16' for a bfloat16 model trained "
                 "without fp32 masters"
             )
+        self.master_dtype_name = master_dtype  # (as the plan names it)
         self.master_dtype = getattr(torch, master_dtype)
         self.master_bytes = self.master_dtype.itemsize
         check_ranks_agree(layout, n_persist, n_buffer)
@@ -297,7 +298,7 @@ class ChunkManager:
         check_host_memory(
             shard * self.master_bytes * (HOST_STATES * len(offloaded) + slots),
             "the offloaded chunks",
-            f"fp32 master shards and AdamW states, and {slots} fp32 gradient shards",
+            f"{self.master_dtype_name} master shards and AdamW states, and {slots} gradient shards",
             "keep more chunks on the GPU (options={'plan': {'n_persist': ...}}), use more ranks",
         )
         # the masters, then the gradient shards
@@ -715,9 +716,9 @@ class ChunkManager:
         check_host_memory(
             self.layout.shard_elems * self.master_bytes,
             f"chunk {chunk}'s gradients",
-            f"an fp32 gradient shard; the plan shares {self.grad_slots} among the {offloaded} offloaded chunks, and "
-            "this step holds them all: its host updates wait for optimizer.step() (gradient clipping, "
-            "accumulation, float16 loss scaling, or a resumed model's first step)",
+            f"a {self.master_dtype_name} gradient shard; the plan shares {self.grad_slots} among the {offloaded} "
+            "offloaded chunks, and this step holds them all: its host updates wait for optimizer.step() (gradient "
+            "clipping, accumulation, float16 loss scaling, or a resumed model's first step)",
             "train without clipping or gradient accumulation, or give the plan more host memory",
         )
         with self._grad_lock:
@@ -765,7 +766,7 @@ class ChunkManager:
                 grad = torch.empty(self.layout.chunk_elems, dtype=self.master_dtype, device=self.device)
             except torch.OutOfMemoryError as e:
                 raise torch.OutOfMemoryError(
-                    f"chunk {chunk}'s gradients need an fp32 gradient buffer of "
+                    f"chunk {chunk}'s gradients need a {self.master_dtype_name} gradient buffer of "
                     f"{self.layout.chunk_elems * self.master_bytes / 2**30:.2f} GiB on {self.device}: the plan "
                     f"shares {self.device_grad_slots} among the {self.n_persist} persistent chunks (no plan with "
                     "one each fits this machine), and this step holds them all: its updates wait for "
@@ -794,7 +795,7 @@ class ChunkManager:
     def _taken_step_error(self, chunk: int) -> RuntimeError:
         """A backward adds to the gradient of a chunk given back by the step already taken (no zero_grad)."""
         if chunk < self.n_persist:
-            shared = f"{self.device_grad_slots} fp32 gradient buffers among the persistent chunks (the GPU"
+            shared = f"{self.device_grad_slots} gradient buffers among the persistent chunks (the GPU"
         else:
             shared = f"{self.grad_slots} gradient shards among the offloaded chunks (the host"
         return RuntimeError(

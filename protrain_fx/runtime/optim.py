@@ -340,8 +340,8 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def state_dict(self) -> dict:
-        """torch's AdamW format: per parameter index `step`, `exp_avg`, `exp_avg_sq` (master dtype, parameter-shaped, on
-        the CPU), and the param groups. A collective when chunks are sharded across ranks (every rank calls it
+        """torch's AdamW format: per parameter index `step`, `exp_avg`, `exp_avg_sq` (master dtype, parameter-shaped,
+        on the CPU), and the param groups. A collective when chunks are sharded across ranks (every rank calls it
         and gets the whole state), gathered chunk by chunk."""
         managers = self._managers()
         for manager in managers:
