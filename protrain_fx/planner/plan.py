@@ -144,8 +144,7 @@ def make_plan(
     if interval < 1:
         raise ValueError("options['plan']['swap_interval'] must be at least 1 (blocks)")
     activations = {"block_modes": modes, "n_checkpoint": n_checkpoint, "n_swap": n_swap, "swap_interval": interval}
-    master_bytes(forced)  # (checked)
-    master_dtype = forced.get("master_dtype", "float32")
+    size, master_dtype = master_bytes(forced), forced.get("master_dtype", "float32")
     if layout is None:
         chunked = {
             k: forced[k] for k in CHUNK_FIELDS if k not in ("n_persist", "master_dtype") and _int_field(forced, k, 0)
@@ -160,7 +159,7 @@ def make_plan(
                 "is trained with protrain_fx.optim.AdamW; create that optimizer before the first step"
             )
         return Plan(n_block=n_block, **activations)
-    if MASTER_BYTES[master_dtype] not in (4, layout.element_size):
+    if size not in (4, layout.element_size):
         raise ValueError(
             f"options['plan']['master_dtype']={master_dtype!r} is for parameters of that dtype, and this model's "
             f"have {layout.element_size} bytes an element: use 'float32' (the default)"

@@ -211,7 +211,7 @@ class ProfilingInterpreter(fx.Interpreter):
         record.inter_delta_bytes = max(0, peak - self._after_previous)
         self.peak_bytes = max(self.peak_bytes, peak)
         if self.run_hooks is not None:  # what it fetches is counted already (as absent)
-            self.run_hooks.before(i, {n: self.env[n] for n in node.all_input_nodes if n in self.env})
+            self.run_hooks.before(i, self.env)
         record.allocated_before = before = tracker.allocated()
         tracker.reset_peak()
         inputs = _storages([self.env[n] for n in node.all_input_nodes if n in self.env])

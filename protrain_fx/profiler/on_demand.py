@@ -222,15 +222,15 @@ class GraphRun:
                     if key in self.on_demand.params:  # dropped again after its last use in this graph
                         self.droppable[key] = t
 
-    def before(self, i: int, inputs: dict[fx.Node, Any]) -> None:
-        """`inputs`: the values node i reads, by node."""
+    def before(self, i: int, env: dict[fx.Node, Any]) -> None:
+        """`env`: the interpreter's values so far, by node (node i's inputs among them)."""
         for key in self.first_use.pop(i, ()):
             if key in self.on_demand.dropped:
                 self.on_demand.fetch(key)
         if i not in self.late_views:
             return
-        for node, value in inputs.items():
-            for leaf, t in enumerate(_tensors(value)):
+        for node in self.nodes[i].all_input_nodes:
+            for leaf, t in enumerate(_tensors(env.get(node))):
                 key = storage_key(t)
                 if key in self.on_demand.dropped:
                     self.on_demand.fetch(key)

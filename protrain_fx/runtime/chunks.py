@@ -213,6 +213,9 @@ class ChunkManager:
         self._copying: list[tuple[torch.cuda.Event, torch.Tensor]] = []
         # the fp32 buffers gradients are reduced in, used in turn, and the copy to the host that last read each
         self._reduce_buffers: list[torch.Tensor] = []
+        # as many as chunks reduce their gradients in one (every offloaded chunk, persistent ones across ranks)
+        reduced = layout.n_chunk - n_persist + (n_persist if self.world_size > 1 else 0)
+        self._n_reduce_buffers = max(1, min(REDUCE_BUFFERS, reduced))
         self._reduce_read: list[torch.cuda.Event | None] = []
         self._next_reduce = 0
         self._version: dict[int, int] = {}  # chunk -> updates published (written by the worker thread)
@@ -848,10 +851,8 @@ class ChunkManager:
         stream waits (on the device, the CPU goes on) until the copy to the host that last read it has ended:
         gradients waiting for the link hold no more memory than these buffers, and the backward slows down
         instead where the copies are slower than it."""
-        # (gradients reduced in a buffer: every offloaded chunk's, and persistent ones' across several ranks)
-        reduced = self.layout.n_chunk - self.n_persist + (self.n_persist if self.world_size > 1 else 0)
         i = self._next_reduce
-        self._next_reduce = (i + 1) % min(REDUCE_BUFFERS, reduced)
+        self._next_reduce = (i + 1) % self._n_reduce_buffers
         if i == len(self._reduce_buffers):
             self._reduce_buffers.append(
                 torch.empty(self.layout.chunk_elems, dtype=self.master_dtype, device=self.device)
