@@ -387,22 +387,25 @@ def test_fp32_chunks_under_autocast(plan):
         assert torch.equal(state[name], value), name
 
 
+@pytest.mark.parametrize("master", ["float32", "bfloat16"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_persistent_updates_during_the_backward_equal_updates_in_step(device):
+def test_persistent_updates_during_the_backward_equal_updates_in_step(device, master):
     """From the second step on, a bf16 model's persistent chunks update as soon as their gradient is final (on
-    CUDA on a stream beside the backward), and their parameters take the new fp32 master after the backward.
-    Bitwise the same weights and states as updating everything in `step()`, which clipping forces (its max_norm
-    here never scales a gradient), also where the two persistent chunks share one fp32 gradient buffer
-    (`device_grad_slots`): taken in turn during the backward, and where every update waits for `step()`, one
-    buffer more for the step alone. tests/test_chunk_distributed.py runs it on 2 ranks."""
-    updates_during_the_backward_equal_updates_in_step(device)
+    CUDA on a stream beside the backward), and their parameters take the new fp32 master after the backward;
+    with bf16 masters the parameters themselves change, after the backward's last read of them. Bitwise the
+    same weights and states as updating everything in `step()`, which clipping forces (its max_norm here never
+    scales a gradient), also where the two persistent chunks share one gradient buffer (`device_grad_slots`):
+    taken in turn during the backward, and where every update waits for `step()`, one buffer more for the step
+    alone. tests/test_chunk_distributed.py runs it on 2 ranks."""
+    updates_during_the_backward_equal_updates_in_step(device, master)
 
 
-def updates_during_the_backward_equal_updates_in_step(device: str = "cpu") -> None:
+def updates_during_the_backward_equal_updates_in_step(device: str = "cpu", master: str = "float32") -> None:
     def run(clip: bool, plan: dict):
         model = models.build("llama", seed=0).to(device, torch.bfloat16)
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_persist": 2, "n_buffer": 2, **plan}})
+        plan = {"n_persist": 2, "n_buffer": 2, "master_dtype": master, **plan}
+        backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan})
         compiled = torch.compile(model, backend=backend, dynamic=False)
         started = []
         for step in range(4):
@@ -413,6 +416,9 @@ def updates_during_the_backward_equal_updates_in_step(device: str = "cpu") -> No
             if clip:
                 protrain_fx.clip_grad_norm_(model, 1e9)
             read_before_step = protrain_fx.full_state_dict(model)
+            # a parameter that is its own master, read as it is (on CUDA: once the backward's end has waited for
+            # the updates it started)
+            read_directly = {n: p.detach().cpu() for n, p in model.named_parameters() if manager.is_persistent(p)}
             opt.step()
             # a shared buffer is free again (a step's own is let go), however the chunks were updated
             assert not manager.shares_device_grads or len(manager._free_device_grads) == 1
@@ -421,6 +427,8 @@ def updates_during_the_backward_equal_updates_in_step(device: str = "cpu") -> No
         if not clip and rank_and_world_size()[1] == 1:
             # every update started in the backward, so weights read before step() are the updated ones already
             assert all(torch.equal(read_before_step[k], v) for k, v in weights.items())
+            if master == "bfloat16":
+                assert read_directly and all(torch.equal(weights[k], v) for k, v in read_directly.items())
         return weights, opt.state_dict(), started
 
     weights, states, started = run(clip=False, plan={})

@@ -129,3 +129,39 @@ def test_offloaded_reduce_waits_for_the_last_read():
     assert nodes.index(reduce) > nodes.index(release) and reduce.args[4] == release.args[2]
     _, grad_x = bw(w, x, gy)
     torch.testing.assert_close(grad_x, gy @ w_value, rtol=0, atol=0)
+
+
+def test_own_master_reduce_waits_for_the_last_read():
+    """A persistent chunk whose parameters are their own master (a float32 model, or bfloat16 masters) updates
+    them in place at its reduce: like an offloaded chunk's, that reduce comes after the backward's last read of
+    them, ordered by data. A persistent chunk with a separate master reduces right after its last gradient."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, 4))
+    w_value = w.detach().clone()
+    layout = layout_at([ParamInfo("w", 12, None)], chunk_elems=64, element_size=4, world_size=1)
+    manager = ChunkManager([w], layout, n_persist=1, n_buffer=0)  # float32: the parameter is its own master
+    assert manager.own_master
+
+    def backward(w, x, gy):
+        return gy.t() @ x, gy @ w  # (gradient of w, gradient of x): w is read after its gradient is ready
+
+    x, gy = torch.randn(5, 4), torch.randn(5, 3)
+    slot = manager.slot_of(w)
+    for own_master in (True, False):
+        bw = make_fx(backward)(w_value, x, gy)
+        tag = ParamTag(manager.handle, 0, slot.chunk, slot.offset, slot.numel, True, own_master)
+        next(n for n in bw.graph.nodes if n.op == "placeholder").meta[TAG] = tag
+        primals = [
+            types.SimpleNamespace(name="primals_1", meta={TAG: tag}),
+            types.SimpleNamespace(name="primals_2", meta={}),
+        ]
+        bw = grad_reduce_pass(bw, types.SimpleNamespace(stage="backward", forward_placeholders=primals))
+        nodes = list(bw.graph.nodes)
+        reduce = next(n for n in nodes if n.target is torch.ops.protrain.reduce_grads.default)
+        grad_w, read = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+        if own_master:
+            assert nodes.index(reduce) > nodes.index(read) and reduce.args[4] == [read], bw.code
+        else:
+            assert nodes.index(reduce) == nodes.index(grad_w) + 1 and reduce.args[4] == [], bw.code
+        _, grad_x = bw(w, x, gy)
+        torch.testing.assert_close(grad_x, gy @ w_value, rtol=0, atol=0)

@@ -32,6 +32,10 @@ grad_reduce_pass (backward graph), for each chunk c (persistent ones too):
     after:   protrain.reduce_grads(m, c, [i1, i2], [g1, g2], [r])   # after the chunk's last gradient and the
                                                                      # outputs r of its last readers
              return (None, None, ...)             # the chunk owns its gradients; param.grad stays None
+
+A chunk's update may start at its reduce, during the backward: the readers r are an offloaded chunk's (its
+release's) and those of a persistent chunk whose parameters are their own master (`own_master`), which that
+update changes in place; none for other persistent chunks, whose update changes only their master copy.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ class ParamTag:
     offset: int
     numel: int
     persistent: bool
+    # the parameter is its chunk's master (runtime/chunks.py): a persistent chunk's update during the backward
+    # changes it, so the chunk's reduce, where that update starts, comes after the backward's reads of it
+    own_master: bool = False
 
 
 def chunk_tag_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -74,6 +81,7 @@ def chunk_tag_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             offset=slot.offset,
             numel=slot.numel,
             persistent=manager.is_persistent(param),
+            own_master=manager.own_master,
         )
     return gm
 
@@ -249,11 +257,15 @@ def grad_reduce_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if not by_chunk:
         return gm
     order = {n: i for i, n in enumerate(graph.nodes)}
-    releases = {n.args[1]: n for n in graph.find_nodes(op="call_function", target=torch.ops.protrain.release.default)}
+    # the chunk's last readers too, where its update starts at the reduce and changes what they read: an
+    # offloaded chunk's (its release waits for them), a persistent one's that is its own master
+    readers_of: dict[int, tuple[list[fx.Node], list[fx.Node]]] = {
+        n.args[1]: (list(n.args[2]), [n])
+        for n in graph.find_nodes(op="call_function", target=torch.ops.protrain.release.default)
+    }
+    readers_of.update(_own_master_readers(graph, order))
     for chunk, items in by_chunk.items():
-        # an offloaded chunk's last readers too: its update starts at the reduce, and must not change what they read
-        readers = list(releases[chunk].args[2]) if chunk in releases else []
-        after = [releases[chunk]] if chunk in releases else []
+        readers, after = readers_of.get(chunk, ([], []))
         last = max([*(g for _, _, g in items), *after], key=order.__getitem__)
         manager = primals[items[0][0]].meta[TAG].manager
         with graph.inserting_after(last):
@@ -267,6 +279,24 @@ def grad_reduce_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _own_master_readers(graph: fx.Graph, order: dict[fx.Node, int]) -> dict[int, tuple[list[fx.Node], list[fx.Node]]]:
+    """Persistent chunk whose parameters are their own master -> (the outputs of the last readers of its
+    parameters in this graph, as a release takes them; every reader and those outputs)."""
+    reads: dict[int, list[fx.Node]] = defaultdict(list)
+    for node in graph.find_nodes(op="placeholder"):
+        tag = node.meta.get(TAG)
+        if tag is not None and tag.persistent and tag.own_master:
+            reads[tag.chunk].extend(_data_readers(node))
+    if not reads:
+        return {}
+    dag = nx.DiGraph((a, n) for n in graph.nodes for a in n.all_input_nodes)
+    out = {}
+    for chunk, readers in reads.items():
+        deps = _downstream(_tensor_outputs(readers), dag, order)
+        out[chunk] = (deps, readers + deps)
+    return out
 
 
 def param_check_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:

@@ -404,7 +404,7 @@ class CostModel:
     @property
     def own_master(self) -> bool:
         """The parameters are their own master (a float32 model, or master_dtype "bfloat16"): persistent chunks
-        keep no separate master and update in optimizer.step(), holding every gradient until then."""
+        keep no separate master."""
         return self.master_bytes == self.element_size
 
     def state_bytes(self, config: Config) -> int:

@@ -249,8 +249,7 @@ def plan_graph(
         try:
             best, runners_up = search(costs, capacity_bytes, held, costs.host_budget)
         except NoPlanFits:
-            # (parameters that are their own master update in optimizer.step(), holding every gradient: no sharing)
-            if layout is None or "device_grad_slots" in forced or costs.own_master:
+            if layout is None or "device_grad_slots" in forced:
                 raise
             costs = dataclasses.replace(costs, share_device_grads=True)
             best, runners_up = search(costs, capacity_bytes, held, costs.host_budget)

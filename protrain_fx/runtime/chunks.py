@@ -10,7 +10,8 @@ Layout (planner/chunking.py) decides which parameter is where; the plan decides 
 - persistent chunks (the first `n_persist`): the chunk's parameters are views of one flat device tensor
   (compute dtype), with an fp32 master copy, an fp32 gradient and AdamW states on the device, updated by
   torch's fused AdamW as soon as the chunk's gradient is final, on a stream beside the rest of the backward
-  (the parameters take the new master after the backward). Gradients are all-reduced across ranks. Where the
+  (the parameters take the new master after the backward; parameters that are their own master change as
+  soon as the backward has read them for the last time). Gradients are all-reduced across ranks. Where the
   plan's `device_grad_slots` is below `n_persist` (no plan with a gradient each fits the machine), the
   persistent chunks share that many fp32 gradients: a chunk takes one at its first gradient of the step and
   gives it back once its update is queued; a step whose updates wait for `AdamW.step()` takes those it lacks
@@ -193,6 +194,9 @@ class ChunkManager:
         self.master_dtype_name = master_dtype  # (as the plan names it)
         self.master_dtype = getattr(torch, master_dtype)
         self.master_bytes = self.master_dtype.itemsize
+        # the parameters are their own master: a persistent chunk's update during the backward changes what the
+        # rest of the backward would read, so its graphs reduce it after those reads (passes/chunks.py)
+        self.own_master = self.dtype == self.master_dtype
         check_ranks_agree(layout, n_persist, n_buffer)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self._host = HostQueue(spare_core=self.device.type == "cuda")  # runs the offloaded chunks' CPU steps
@@ -226,8 +230,10 @@ class ChunkManager:
         self._arrivals: dict[int, int] = {}  # chunk -> gradients reduced into it this step
         self._stepped: set[int] = set()  # chunks whose update has started this step
         # persistent chunks updated during the backward (`_step_persistent_early`): their fp32 master is new, their
-        # compute-dtype parameters take it at `end_step` (the rest of the backward may still read them)
+        # compute-dtype parameters take it at `end_step` (the rest of the backward may still read them; those that
+        # are their own master are new already, the backward's reads of them being done)
         self._early: set[int] = set()
+        self._join_queued = False  # the end of this backward waits for its persistent updates (`_join_at_end`)
         self._model = weakref.ref(model) if model is not None else None
         self._unreduced: set[int] = set()  # persistent chunks whose gradient is this rank's sum only (no_sync)
         # persistent chunks' all-reduces in flight, landed in their gradient later (`_land_reductions`), so the
@@ -271,7 +277,7 @@ class ChunkManager:
         device_grad_slots: int | None,
     ) -> None:
         n, elems, shard = self.layout.n_chunk, self.layout.chunk_elems, self.layout.shard_elems
-        own = self.dtype == self.master_dtype  # the parameters are their own master
+        own = self.own_master
         self.flat: dict[int, torch.Tensor] = {}  # persistent: chunk -> device params
         self.master: dict[int, torch.Tensor] = {}  # chunk -> fp32 master (device: whole chunk; host: shard)
         self.grad: dict[int, torch.Tensor] = {}  # chunk -> fp32 gradient (device: whole chunk; host: shard)
@@ -816,13 +822,14 @@ class ChunkManager:
         """Update a persistent chunk as soon as its gradient is final (reduced across ranks), when updates need
         not wait for `AdamW.step()` (`defer_updates`): on CUDA on the optimizer stream, beside the rest of the
         backward. Only the fp32 master and states change now; the compute-dtype parameters, which the rest of the
-        backward may still read, take the new master at `end_step`. (An fp32 model's parameters are its master:
-        they update in `AdamW.step()`.) Like an offloaded chunk's update, it skips itself if a gradient of the
-        step so far is inf or NaN."""
+        backward may still read, take the new master at `end_step`. Parameters that are their own master (an fp32
+        model's, or bf16 masters) change now: their graphs reduce the chunk after the backward's last read of them
+        (passes/chunks.py). Either way the end of the backward waits for the updates on the device
+        (`_join_at_end`), so what runs after it reads the new values. Like an offloaded chunk's update, it skips
+        itself if a gradient of the step so far is inf or NaN."""
         if (
             self.optimizer is None
             or self.defer_updates  # (clipped: GPU memory is not spent on undoing them, they update in step())
-            or self.flat[chunk] is self.master[chunk]
             or not self._complete(chunk)
         ):
             return
@@ -840,11 +847,26 @@ class ChunkManager:
         with torch.cuda.stream(stream), torch.profiler.record_function("protrain::gpu_adamw_early"):
             update()
         self._give_back_device_grad(chunk, stream)
+        self._join_at_end()
 
     def _join_early_updates(self) -> None:
         """The compute stream waits (on the device) for the persistent updates started during the backward."""
         if self._optim_stream is not None and self._early:
             torch.cuda.current_stream(self.device).wait_stream(self._optim_stream)
+
+    def _join_at_end(self) -> None:
+        """Once per backward that starts persistent updates: its end joins them (autograd's final callback, as
+        FSDP's post-backward), so a read of the parameters after `backward()` and before `step()` waits for
+        them on the device. (Outside a backward, from `AdamW.step()`, `end_step` joins them.)"""
+        if self._join_queued or torch._C._current_graph_task_id() == -1:
+            return
+        self._join_queued = True
+
+        def join() -> None:
+            self._join_queued = False
+            self._join_early_updates()
+
+        torch.autograd.Variable._execution_engine.queue_callback(join)
 
     def _reduce_buffer(self) -> tuple[torch.Tensor, int]:
         """The next of REDUCE_BUFFERS fp32 chunk buffers, zeroed, and its index. Before reusing one, the compute
@@ -956,6 +978,7 @@ class ChunkManager:
         """After the optimizer step: the next backward starts a new step (gradients still add up until
         zero_grad, as in torch)."""
         self._join_early_updates()
+        self._join_queued = False  # (a backward that raised ran no final callback)
         early, self._early = sorted(self._early), set()
         for chunk in early:  # the parameters take the masters updated during the backward
             self.publish(chunk)
