@@ -13,8 +13,8 @@ the master's dtype), grouped like the outer param groups.
 - Persistent chunks: the manager runs each chunk's update on the GPU as soon as its gradient is final, on a
   stream beside the rest of the backward; the compute-dtype parameters take the new fp32 master in `step()`.
   Parameters that are their own master (a float32 model's, or any with `master_dtype` "bfloat16") change in
-  place, once the backward has read them for the last time (the graphs reduce their chunk after that read).
-  As with offloaded chunks, the parameters read between `backward()` and `step()` are the updated ones.
+  place, once the backward has read them for the last time (the graphs reduce their chunk after that read);
+  read between `backward()` and `step()`, they hold the new values, as offloaded chunks' weights do.
 - Updates wait for `step()` when the step must see every gradient first: float16 loss scaling (or
   `nonfinite="skip"`), and the first step. With clipping, persistent chunks wait, and the plan's last
   `n_clip_overlap` offloaded chunks update during the backward while the last clip did not apply, keeping a
