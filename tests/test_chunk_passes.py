@@ -99,6 +99,18 @@ def test_grad_reduce_pass_hands_gradients_over():
     )
 
 
+def reduced(bw, tag: ParamTag):
+    """A backward of (w, x, gy) returning (gradient of w, gradient of x), w tagged `tag`, through
+    grad_reduce_pass: the graph, its nodes and its reduce_grads node."""
+    primals = [
+        types.SimpleNamespace(name="primals_1", meta={TAG: tag}),
+        types.SimpleNamespace(name="primals_2", meta={}),
+    ]
+    bw = grad_reduce_pass(bw, types.SimpleNamespace(stage="backward", forward_placeholders=primals))
+    nodes = list(bw.graph.nodes)
+    return bw, nodes, next(n for n in nodes if n.target is torch.ops.protrain.reduce_grads.default)
+
+
 def test_offloaded_reduce_waits_for_the_last_read():
     """A weight's gradient can be ready before the backward's last read of the weight (gw = gy^T x needs no w,
     gx = gy w does): an offloaded chunk's reduce, where its CPU update starts, must come after that read too,
@@ -118,14 +130,8 @@ def test_offloaded_reduce_waits_for_the_last_read():
     tag = ParamTag(manager.handle, 0, slot.chunk, slot.offset, slot.numel, False)
     next(n for n in bw.graph.nodes if n.op == "placeholder").meta[TAG] = tag
     bw = chunk_gather_pass(bw, types.SimpleNamespace(manager=manager, stage="backward"))
-    primals = [
-        types.SimpleNamespace(name="primals_1", meta={TAG: tag}),
-        types.SimpleNamespace(name="primals_2", meta={}),
-    ]
-    bw = grad_reduce_pass(bw, types.SimpleNamespace(stage="backward", forward_placeholders=primals))
-    nodes = list(bw.graph.nodes)
+    bw, nodes, reduce = reduced(bw, tag)
     release = next(n for n in nodes if n.target is torch.ops.protrain.release.default)
-    reduce = next(n for n in nodes if n.target is torch.ops.protrain.reduce_grads.default)
     assert nodes.index(reduce) > nodes.index(release) and reduce.args[4] == release.args[2]
     _, grad_x = bw(w, x, gy)
     torch.testing.assert_close(grad_x, gy @ w_value, rtol=0, atol=0)
@@ -151,13 +157,7 @@ def test_own_master_reduce_waits_for_the_last_read():
         bw = make_fx(backward)(w_value, x, gy)
         tag = ParamTag(manager.handle, 0, slot.chunk, slot.offset, slot.numel, True, own_master)
         next(n for n in bw.graph.nodes if n.op == "placeholder").meta[TAG] = tag
-        primals = [
-            types.SimpleNamespace(name="primals_1", meta={TAG: tag}),
-            types.SimpleNamespace(name="primals_2", meta={}),
-        ]
-        bw = grad_reduce_pass(bw, types.SimpleNamespace(stage="backward", forward_placeholders=primals))
-        nodes = list(bw.graph.nodes)
-        reduce = next(n for n in nodes if n.target is torch.ops.protrain.reduce_grads.default)
+        bw, nodes, reduce = reduced(bw, tag)
         grad_w, read = [n for n in nodes if n.target is torch.ops.aten.mm.default]
         if own_master:
             assert nodes.index(reduce) > nodes.index(read) and reduce.args[4] == [read], bw.code
