@@ -30,7 +30,8 @@ def test_untagged_graph_unchanged():
     before = gm.code
     ctx = types.SimpleNamespace(manager=None, stage="forward", forward_placeholders=[])
     assert chunk_gather_pass(gm, ctx).code == before
-    assert grad_reduce_pass(gm, types.SimpleNamespace(stage="backward", forward_placeholders=[])).code == before
+    ctx = types.SimpleNamespace(stage="backward", forward_placeholders=[], forward_outputs=[])
+    assert grad_reduce_pass(gm, ctx).code == before
 
 
 def tagged(stage: str):
@@ -91,7 +92,9 @@ def test_grad_reduce_pass_hands_gradients_over():
         )
         for i, s in enumerate(manager.slots)
     ]
-    ctx = types.SimpleNamespace(manager=manager, stage="backward", forward_placeholders=forward_placeholders)
+    ctx = types.SimpleNamespace(
+        manager=manager, stage="backward", forward_placeholders=forward_placeholders, forward_outputs=[]
+    )
     bw = grad_reduce_pass(bw, ctx)
     assert bw(torch.ones(8, 4), torch.ones(3, 8)) == (None, None)
     assert torch.equal(manager.grad[0][:32], torch.full((32,), 2.0)) and torch.equal(
@@ -99,14 +102,15 @@ def test_grad_reduce_pass_hands_gradients_over():
     )
 
 
-def reduced(bw, tag: ParamTag):
-    """A backward of (w, x, gy) returning (gradient of w, gradient of x), w tagged `tag`, through
+def reduced(bw, tag: ParamTag, forward_outputs=()):
+    """A backward returning (gradient of w, gradient of x) of a forward of (w, x), w tagged `tag`, through
     grad_reduce_pass: the graph, its nodes and its reduce_grads node."""
     primals = [
         types.SimpleNamespace(name="primals_1", meta={TAG: tag}),
         types.SimpleNamespace(name="primals_2", meta={}),
     ]
-    bw = grad_reduce_pass(bw, types.SimpleNamespace(stage="backward", forward_placeholders=primals))
+    ctx = types.SimpleNamespace(stage="backward", forward_placeholders=primals, forward_outputs=list(forward_outputs))
+    bw = grad_reduce_pass(bw, ctx)
     nodes = list(bw.graph.nodes)
     return bw, nodes, next(n for n in nodes if n.target is torch.ops.protrain.reduce_grads.default)
 
@@ -165,3 +169,51 @@ def test_own_master_reduce_waits_for_the_last_read():
             assert nodes.index(reduce) == nodes.index(grad_w) + 1 and reduce.args[4] == [], bw.code
         _, grad_x = bw(w, x, gy)
         torch.testing.assert_close(grad_x, gy @ w_value, rtol=0, atol=0)
+
+
+def test_own_master_reduce_waits_for_reads_of_a_saved_view():
+    """Where the forward saves a view of such a parameter (w.t()) rather than the parameter, the backward reads
+    the parameter through that view: its reduce still comes after the read."""
+    w = nn.Parameter(torch.randn(3, 4))
+    layout = layout_at([ParamInfo("w", 12, None)], chunk_elems=64, element_size=4, world_size=1)
+    manager = ChunkManager([w], layout, n_persist=1, n_buffer=0)
+    slot = manager.slot_of(w)
+    tag = ParamTag(manager.handle, 0, slot.chunk, slot.offset, slot.numel, True, True)
+    x, gy = torch.randn(5, 4), torch.randn(5, 3)
+    fw = make_fx(lambda w, x: (x @ w.t(), w.t()))(w.detach(), x)
+    next(n for n in fw.graph.nodes if n.op == "placeholder").meta[TAG] = tag
+    saved = next(n for n in fw.graph.nodes if n.op == "output").args[0][1]  # the view w.t() the backward gets
+    bw = make_fx(lambda wt, x, gy: (gy.t() @ x, gy @ wt.t()))(w.detach().t(), x, gy)
+    placeholder = next(n for n in bw.graph.nodes if n.op == "placeholder")
+    for node in (saved, placeholder):  # (AOTAutograd names the two alike)
+        node._rename("saved_view")
+    assert saved.name == placeholder.name == "saved_view"
+    bw, nodes, reduce = reduced(bw, tag, [saved])
+    read = [n for n in nodes if n.target is torch.ops.aten.mm.default][1]
+    assert nodes.index(reduce) > nodes.index(read) and reduce.args[4] == [read], bw.code
+    bw, nodes, reduce = reduced(make_fx(lambda wt, x, gy: (gy.t() @ x, gy @ wt.t()))(w.detach().t(), x, gy), tag)
+    assert reduce.args[4] == [], bw.code  # (no saved view named: nothing to wait for)
+
+
+def test_release_waits_for_the_reads_of_split_pieces():
+    """A parameter split into pieces (`split` gives views, each taken by a getitem) is read where the pieces
+    are: the release comes after those reads, not after the getitems."""
+    w = nn.Parameter(torch.randn(8, 4))
+    x = torch.randn(5, 4)
+
+    def pieces(w, x):
+        a, b = w.split(4)
+        return torch.relu(x @ a.t()) + x @ b.t()
+
+    gm = make_fx(pieces)(w.detach(), x)
+    layout = layout_at([ParamInfo("w", 32, None)], chunk_elems=64, element_size=4, world_size=1)
+    manager = ChunkManager([w], layout, n_persist=0, n_buffer=1)  # offloaded: w's storage is emptied
+    slot = manager.slot_of(w)
+    next(n for n in gm.graph.nodes if n.op == "placeholder").meta[TAG] = ParamTag(
+        manager.handle, 0, slot.chunk, slot.offset, slot.numel, False
+    )
+    gm = chunk_gather_pass(gm, types.SimpleNamespace(manager=manager, stage="forward"))
+    nodes = list(gm.graph.nodes)
+    release = next(n for n in nodes if n.target is torch.ops.protrain.release.default)
+    matmuls = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    assert len(matmuls) == 2 and nodes.index(release) > max(map(nodes.index, matmuls)), gm.code

@@ -41,6 +41,7 @@ update changes in place; none for other persistent chunks, whose update changes 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import defaultdict
 
 import networkx as nx
@@ -91,6 +92,11 @@ def _readers(placeholders: list[fx.Node]) -> list[fx.Node]:
     return [u for p in placeholders for u in p.users if u.op != "output"]
 
 
+def _is_view(node: fx.Node) -> bool:
+    """A view op, or an item of one's tuple (`split`, `unbind`)."""
+    return getattr(node.target, "is_view", False) or (node.target is operator.getitem and _is_view(node.args[0]))
+
+
 def _data_readers(node: fx.Node) -> list[fx.Node]:
     """The nodes that read `node`'s data: its users, seen through view ops (a view reads nothing; what consumes
     the view does). A view of a chunk buffer must not leave the graph, since the buffer is reused."""
@@ -98,7 +104,7 @@ def _data_readers(node: fx.Node) -> list[fx.Node]:
     while todo:
         user = todo.pop()
         assert user.op != "output", f"{node.name}: a view of a chunk buffer is returned by the graph"
-        if getattr(user.target, "is_view", False):
+        if _is_view(user):
             todo.extend(user.users)
         else:
             readers.append(user)
@@ -263,7 +269,7 @@ def grad_reduce_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         n.args[1]: (list(n.args[2]), [n])
         for n in graph.find_nodes(op="call_function", target=torch.ops.protrain.release.default)
     }
-    readers_of.update(_own_master_readers(graph, order))
+    readers_of.update(_own_master_readers(graph, order, _saved_param_views(ctx.forward_outputs)))
     for chunk, items in by_chunk.items():
         readers, after = readers_of.get(chunk, ([], []))
         last = max([*(g for _, _, g in items), *after], key=order.__getitem__)
@@ -281,14 +287,33 @@ def grad_reduce_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-def _own_master_readers(graph: fx.Graph, order: dict[fx.Node, int]) -> dict[int, tuple[list[fx.Node], list[fx.Node]]]:
+def _saved_param_views(forward_outputs) -> dict[str, int]:
+    """Name of a tensor the forward saves for the backward that is a view of a persistent parameter that is its
+    own master (the partitioner mostly saves the parameter itself, which is tagged) -> its chunk."""
+    views = {}
+    for out in forward_outputs:
+        base = out
+        while _is_view(base):
+            base = base.args[0]
+        tag = base.meta.get(TAG) if base is not out and base.op == "placeholder" else None
+        if tag is not None and tag.persistent and tag.own_master:
+            views[out.name] = tag.chunk
+    return views
+
+
+def _own_master_readers(
+    graph: fx.Graph, order: dict[fx.Node, int], saved_views: dict[str, int]
+) -> dict[int, tuple[list[fx.Node], list[fx.Node]]]:
     """Persistent chunk whose parameters are their own master -> (the outputs of the last readers of its
-    parameters in this graph, as a release takes them; every reader and those outputs)."""
+    parameters in this graph, as a release takes them; every reader and those outputs). The parameters come in
+    as tagged placeholders, or as views the forward saved (`saved_views`, by name)."""
     reads: dict[int, list[fx.Node]] = defaultdict(list)
     for node in graph.find_nodes(op="placeholder"):
         tag = node.meta.get(TAG)
         if tag is not None and tag.persistent and tag.own_master:
             reads[tag.chunk].extend(_data_readers(node))
+        elif node.name in saved_views:
+            reads[saved_views[node.name]].extend(_data_readers(node))
     if not reads:
         return {}
     dag = nx.DiGraph((a, n) for n in graph.nodes for a in n.all_input_nodes)
