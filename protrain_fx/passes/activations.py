@@ -21,6 +21,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from protrain_fx.capture import is_backward
+from protrain_fx.passes.views import view_base
 
 log = logging.getLogger(__name__)
 
@@ -113,18 +114,11 @@ def _parameter_views(forward_placeholders, backward: fx.Graph) -> set[str]:
     copy, and never waits on them (waiting would hold their chunks gathered)."""
     names = {p.name for p in forward_placeholders}
     for graph in (forward_placeholders[0].graph, backward) if forward_placeholders else ():
-        names.update(n.name for n in graph.nodes if _base(n).name in names)  # in graph order: views of views too
+        names.update(n.name for n in graph.nodes if view_base(n).name in names)  # in graph order: views of views too
     return names
 
 
 SWAP = "protrain_swap"  # on a forward swap_out node: (slot, block)
-
-
-def _base(node: fx.Node) -> fx.Node:
-    """The node whose storage `node` views (itself when it is no view)."""
-    while getattr(node.target, "is_view", False) and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
 
 
 def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -154,7 +148,7 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         val = node.meta.get("val")
         if block is None or modes[block] != "swap" or not isinstance(val, torch.Tensor):
             continue
-        if _base(node).op == "placeholder":
+        if view_base(node).op == "placeholder":
             continue  # a parameter or an input (or a view of one): its memory is not the block's to free
         last = max([node, *(u for u in node.users if u.op != "output")], key=order.__getitem__)
         with graph.inserting_after(last):

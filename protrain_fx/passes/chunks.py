@@ -41,12 +41,13 @@ update changes in place; none for other persistent chunks, whose update changes 
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections import defaultdict
 
 import networkx as nx
 import torch
 from torch import fx
+
+from protrain_fx.passes.views import is_view, view_base
 
 TAG = "protrain_param"
 
@@ -92,11 +93,6 @@ def _readers(placeholders: list[fx.Node]) -> list[fx.Node]:
     return [u for p in placeholders for u in p.users if u.op != "output"]
 
 
-def _is_view(node: fx.Node) -> bool:
-    """A view op, or an item of one's tuple (`split`, `unbind`)."""
-    return getattr(node.target, "is_view", False) or (node.target is operator.getitem and _is_view(node.args[0]))
-
-
 def _data_readers(node: fx.Node) -> list[fx.Node]:
     """The nodes that read `node`'s data: its users, seen through view ops (a view reads nothing; what consumes
     the view does). A view of a chunk buffer must not leave the graph, since the buffer is reused."""
@@ -104,7 +100,7 @@ def _data_readers(node: fx.Node) -> list[fx.Node]:
     while todo:
         user = todo.pop()
         assert user.op != "output", f"{node.name}: a view of a chunk buffer is returned by the graph"
-        if _is_view(user):
+        if is_view(user):
             todo.extend(user.users)
         else:
             readers.append(user)
@@ -292,9 +288,7 @@ def _saved_param_views(forward_outputs) -> dict[str, int]:
     own master (the partitioner mostly saves the parameter itself, which is tagged) -> its chunk."""
     views = {}
     for out in forward_outputs:
-        base = out
-        while _is_view(base):
-            base = base.args[0]
+        base = view_base(out)
         tag = base.meta.get(TAG) if base is not out and base.op == "placeholder" else None
         if tag is not None and tag.persistent and tag.own_master:
             views[out.name] = tag.chunk
