@@ -277,14 +277,15 @@ class ChunkManager:
         device_grad_slots: int | None,
     ) -> None:
         n, elems, shard = self.layout.n_chunk, self.layout.chunk_elems, self.layout.shard_elems
-        own = self.own_master
         self.flat: dict[int, torch.Tensor] = {}  # persistent: chunk -> device params
         self.master: dict[int, torch.Tensor] = {}  # chunk -> fp32 master (device: whole chunk; host: shard)
         self.grad: dict[int, torch.Tensor] = {}  # chunk -> fp32 gradient (device: whole chunk; host: shard)
         self.staging: torch.Tensor | None = None  # host fp32 shard a second gradient of one step lands in
         for c in range(self.n_persist):
             self.flat[c] = torch.zeros(elems, dtype=self.dtype, device=self.device)
-            self.master[c] = self.flat[c] if own else torch.zeros(elems, dtype=self.master_dtype, device=self.device)
+            self.master[c] = (
+                self.flat[c] if self.own_master else torch.zeros(elems, dtype=self.master_dtype, device=self.device)
+            )
         device_slots = self.n_persist if device_grad_slots is None else device_grad_slots
         assert 0 < device_slots <= self.n_persist or device_slots == self.n_persist == 0, (
             f"{device_slots} device gradient buffers (make_plan)"
@@ -326,7 +327,9 @@ class ChunkManager:
         self.buffers = [torch.empty(elems, dtype=self.dtype, device=self.device) for _ in range(self.n_buffer)]
         # where a master shard lands on the device before its cast into a buffer (loads are serial on one stream)
         self._landing = (
-            None if own or not offloaded else torch.empty(shard, dtype=self.master_dtype, device=self.device)
+            None
+            if self.own_master or not offloaded
+            else torch.empty(shard, dtype=self.master_dtype, device=self.device)
         )
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None  # host-to-device chunk copies
@@ -1054,7 +1057,7 @@ class ChunkManager:
         """After an update: a persistent chunk's parameters take the fp32 master's values; an offloaded chunk's
         next gather loads the new master (a buffered copy is stale now). A persistent chunk updated during the
         backward publishes at `end_step` instead."""
-        if chunk < self.n_persist and chunk not in self._early and self.flat[chunk] is not self.master[chunk]:
+        if chunk < self.n_persist and chunk not in self._early and not self.own_master:
             self.flat[chunk].copy_(self.master[chunk])
         self._version[chunk] = self._version.get(chunk, 0) + 1
 
