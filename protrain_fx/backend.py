@@ -644,6 +644,7 @@ def _cost_terms(costs: CostModel, plan: Plan) -> dict[str, Any]:
         "state_bytes": costs.state_bytes(config),
         "other_bytes": costs.other_bytes,
         "alpha": costs.alpha,
+        "backward_matmul_share": costs.backward_matmul_share,
         "swap_interval": costs.swap_interval,
         "block_fwd_s": costs.block_fwd_s,
         "block_bwd_s": costs.block_bwd_s,

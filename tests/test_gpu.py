@@ -335,7 +335,8 @@ def test_swapped_activations_are_not_overwritten_while_copied():
 
 
 def test_hardware_profile_on_gpu(tmp_path):
-    """Pinned copies in both directions, the fused AdamW on the GPU and the CPU, the card's memory from NVML."""
+    """Pinned copies in both directions, the fused AdamW on the GPU and the CPU, the GPU's AdamW beside matmuls
+    (partly hidden, and slower than alone), the card's memory from NVML."""
     from protrain_fx.profiler.hardware import hardware_profile
 
     profile = hardware_profile(torch.device("cuda"), cache_dir=tmp_path)
@@ -344,6 +345,7 @@ def test_hardware_profile_on_gpu(tmp_path):
     assert profile.device_adam_s_per_param < profile.host_adam_s_per_param
     assert profile.host_adam_both_s_per_param > profile.host_adam_s_per_param  # copies share the host's memory
     assert profile.both_beside_host_bytes_per_s < profile.h2d_bytes_per_s  # and the AdamW slows the copies
+    assert 0 < profile.device_adam_hidden_beside_matmul < 1 and profile.device_adam_stretch_beside_matmul > 1
     # NVML's total counts memory the driver keeps for itself, which cudaMemGetInfo's total leaves out
     assert profile.device_memory_bytes == pytest.approx(torch.cuda.mem_get_info()[1], rel=0.02)
 

@@ -41,6 +41,8 @@ def test_measured_on_cpu_and_cached(small, tmp_path, monkeypatch):
         profile.d2h_concurrent_bytes_per_s, profile.d2h_bytes_per_s
     )
     assert profile.device_memory_bytes > 0 and profile.collectives == {}
+    # nothing runs beside the CPU's AdamW (the cost model runs everything in line there)
+    assert (profile.device_adam_hidden_beside_matmul, profile.device_adam_stretch_beside_matmul) == (0.0, 1.0)
     assert profile.key == hardware.cache_key(torch.device("cpu"))
     (written,) = (tmp_path / "hardware").iterdir()
 

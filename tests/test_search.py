@@ -378,9 +378,59 @@ def test_copies_beside_the_host_optimizer_run_slower():
     assert slow.step_s(persistent) == fast.step_s(persistent)
 
 
+def _beside(model: CostModel, hidden: float, stretch: float = 1.0, matmul_share: float = 1.0) -> CostModel:
+    """`model` whose device AdamW hides `hidden` of its time beside matmuls, taking `stretch` times as long there,
+    and whose backward spends `matmul_share` of its time in matmuls."""
+    hw = dataclasses.replace(
+        model.hardware, device_adam_hidden_beside_matmul=hidden, device_adam_stretch_beside_matmul=stretch
+    )
+    return dataclasses.replace(model, hardware=hw, backward_matmul_share=matmul_share)
+
+
+def test_persistent_updates_add_what_the_backward_does_not_hide():
+    """Each persistent chunk's device AdamW starts once its gradient is reduced and runs beside the rest of the
+    backward, which hides `hidden` of its time times the backward's matmul share (memory-bound kernels hide
+    none); chunk 0's runs after the backward and adds all its time. A clipped step updates in `AdamW.step()`:
+    all of it. Beside a short backward only what fits adds less."""
+    model = synthetic(n_chunk=6)
+    config = Config(n_persist=6, n_buffer=0)
+    adam = [n * model.hardware.device_adam_s(model.master_bytes) for n in model.chunk_params]
+    full = sum(adam)
+    assert _beside(model, 0.0).phases(config)["gpu_optim_s"] == pytest.approx(full)  # nothing hidden
+    assert _beside(model, 1.0).phases(config)["gpu_optim_s"] == pytest.approx(adam[0])  # all but chunk 0's
+    assert _beside(model, 1.0, matmul_share=0.25).phases(config)["gpu_optim_s"] == pytest.approx(
+        adam[0] + 0.75 * sum(adam[1:])
+    )
+    assert _beside(model, 0.8).phases(config, clipped=0)["gpu_optim_s"] == pytest.approx(full)
+    # a backward with no time left after chunk 1's gradient: chunk 1's AdamW is not hidden either
+    short = dataclasses.replace(_beside(model, 1.0), block_bwd_s=(0.0,) * model.n_block, other_bwd_s=(0.0, 0.0))
+    assert short.phases(config)["gpu_optim_s"] == pytest.approx(full)
+    # where each update takes 20 times as long beside the backward, less of it runs before the backward ends
+    slow, fast = _beside(model, 1.0, stretch=20.0), _beside(model, 1.0, stretch=1.0)
+    assert fast.phases(config)["gpu_optim_s"] < slow.phases(config)["gpu_optim_s"] < full
+    for hidden in (0.0, 0.5, 1.0):
+        beside = _beside(model, hidden)
+        for n_persist in range(model.n_chunk + 1):
+            config = Config(n_persist, 0 if n_persist == model.n_chunk else 2)
+            assert beside.step_bound_s(config) <= beside.step_s(config) * (1 + 1e-12), (hidden, config)
+
+
+def test_hidden_persistent_updates_keep_more_chunks_on_the_device():
+    """Where the backward hides the persistent chunks' device AdamW, offloading a chunk saves less than its
+    host-side costs: the search keeps every chunk on the device. Where nothing is hidden, the same model offloads
+    (the AdamW of a chunk on the host is free here, the link fast)."""
+    model = _link(synthetic(n_chunk=6, block_saved=GiB // 8), rate=1e12)
+    model = dataclasses.replace(model, hardware=dataclasses.replace(model.hardware, device_adam_s_per_param=4e-11))
+    (exposed, _, _), _ = search(_beside(model, 0.0), None)
+    (hidden, _, _), _ = search(_beside(model, 1.0), None)
+    assert exposed.n_persist < model.n_chunk
+    assert hidden.n_persist == model.n_chunk
+
+
 def test_tiny_model_keeps_everything_on_the_device():
     """No capacity limit (the CPU): the searched plan of a real tiny model changes nothing, and carries its
-    predictions and runners-up."""
+    predictions and runners-up. Its backward spends part of its time in matmuls (the share beside which the
+    device's AdamW can hide)."""
     model = models.build("llama", layers=4)
     protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
     backend = protrain_fx.ProTrainBackend({"executor": "eager"})
@@ -390,6 +440,7 @@ def test_tiny_model_keeps_everything_on_the_device():
     assert plan.n_persist == plan.n_chunk > 1 and plan.n_checkpoint == plan.n_swap == 0
     assert plan.predicted_step_s > 0 and plan.predicted_peak_bytes > 0 and plan.runners_up
     assert "predicted_peak_bytes" in str(plan)
+    assert 0 < backend.graphs[0].costs.backward_matmul_share < 1
 
 
 def _host_adam(idle: float, h2d: float, d2h: float, both: float) -> HardwareProfile:

@@ -14,6 +14,10 @@ steps each offloaded chunk once its gradient has been reduced and copied down (o
 chunk first, as runtime/host_queue.py does) and the next forward waits where it would load a chunk the host has
 not stepped yet. The host's AdamW is slower while copies run over the link (they share the host's memory
 bandwidth): its rate at each moment is the one measured beside copies running the same ways (`_HostRates`).
+T_gpu_optim is what the persistent chunks' device AdamW adds: each runs once its gradient is reduced, beside the
+rest of the backward, where it adds only the part of its time that the backward's kernels do not hide (the
+hardware profile measures how much matmuls hide; memory-bound kernels hide none), and all of it after the
+backward (`_gpu_optim_s`); with gradient clipping they wait for `AdamW.step()` and add all of it.
 With gradient clipping each host update either waits for the end of the backward, or runs as usual while also
 copying aside what it changes (to undo it if the clip applies): `phases(config, clipped=...)`. The paper sums the
 forward and backward per chunk as max(compute, communication); the runtime's copies do not keep to chunk windows
@@ -67,6 +71,7 @@ import bisect
 import dataclasses
 import itertools
 import math
+import re
 from collections.abc import Sequence
 
 from protrain_fx.planner.chunking import ChunkLayout
@@ -77,6 +82,12 @@ from protrain_fx.profiler.profile import GraphProfile, NodeProfile
 from protrain_fx.runtime.chunks import HOST_STATES, MIN_GRAD_SLOTS, REDUCE_BUFFERS
 
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, each of the master dtype, per parameter element
+# ops (profile targets) whose kernels are bound by arithmetic, not memory: matmuls, convolutions, fused attention;
+# beside them the device's AdamW, bound by memory, runs partly hidden (`CostModel._gpu_optim_s`)
+MATMUL_OPS = re.compile(
+    r"aten\.(mm|addmm|bmm|baddbmm|convolution|convolution_backward|_scaled_dot_product_\w*attention\w*"
+    r"|_flash_attention_\w+|_efficient_attention_\w+)\."
+)
 
 
 class _HostRates:
@@ -253,6 +264,7 @@ class CostModel:
     # the persistent chunks share MIN_GRAD_SLOTS gradient buffers (the search's last resort, planner/search.py)
     share_device_grads: bool = False
     master_bytes: int = 4  # bytes per element of masters, gradients and AdamW states (the plan's master_dtype)
+    backward_matmul_share: float = 0.0  # of the backward's compute time, the share in MATMUL_OPS
 
     @classmethod
     def build(
@@ -282,6 +294,7 @@ class CostModel:
         other = {("forward", "pre"): 0.0, ("forward", "post"): 0.0, ("backward", "pre"): 0.0, ("backward", "post"): 0.0}
         segments: list[_Segment] = []
         grads_held = 0
+        backward_s, matmul_s = 0.0, 0.0
         # Where each node is, -1 before the blocks to n_block after them. Forward: the highest block reached so far
         # (the views AOTAutograd adds at the end of the forward, tagged with early blocks, stay after the last
         # block); a node outside the blocks once the last block is entered is after them. Backward: the highest
@@ -307,6 +320,9 @@ class CostModel:
                 places[i] = reached
         for node, at in zip(profile.nodes, places):
             seconds = node_s(node, hardware) if fused else node.latency_s
+            if node.graph == "backward":
+                backward_s += seconds
+                matmul_s += seconds if MATMUL_OPS.match(node.target) else 0.0
             if node.block is None or at != node.block:
                 key = (node.graph, "post" if at == n_block else "pre")
                 other[key] += seconds
@@ -360,6 +376,7 @@ class CostModel:
             alpha=profile.fragmentation,
             overlap=not profile.device.startswith("cpu"),
             other_bytes=other_bytes,
+            backward_matmul_share=matmul_s / backward_s if backward_s > 0 else 0.0,
             **chunks,
         )
 
@@ -499,9 +516,35 @@ class CostModel:
         forward, backward = self._forward_timeline(config, per, link), self._backward_timeline(config, per, link)
         return forward["end"] + backward["end"] + self._gpu_optim_s(config)
 
-    def _gpu_optim_s(self, config: Config) -> float:
-        """The persistent chunks' AdamW on the device."""
-        return sum(self.chunk_params[: config.n_persist]) * self.hardware.device_adam_s(self.master_bytes)
+    def _gpu_optim_s(
+        self, config: Config, reduced: Sequence[float] | None = None, end: float = 0.0, *, early: bool = True
+    ) -> float:
+        """What the persistent chunks' AdamW on the device adds to the step. Each starts on the optimizer stream
+        once its chunk's gradient is reduced (`reduced`, per chunk: `_backward_timeline`'s copy_end), the last
+        chunk first, one at a time (runtime/chunks.py `_step_persistent_early`). Until the backward's compute ends
+        (`end`) it runs beside it, `stretch` times as long as alone, and lengthens the backward by its time alone
+        times 1 - hidden × matmul share: `hidden`, the share of it that matmuls hide (hardware profile), and the
+        matmul share, the backward's time in kernels bound by arithmetic (`MATMUL_OPS`; the rest, bound by memory
+        as the AdamW is, hides none of it). What is left of it after the backward (all of chunk 0's, reduced as it ends) adds all its
+        time. `reduced` None: as if each but chunk 0's ran beside the backward (at most that is hidden: a lower
+        bound, `step_bound_s`). `early` False (gradient clipping: updates wait for `AdamW.step()`) or no overlap
+        (the CPU): every update adds all its time."""
+        rate = self.hardware.device_adam_s(self.master_bytes)
+        alone = [self.chunk_params[c] * rate for c in range(config.n_persist)]
+        if not early or not self.overlap:
+            return sum(alone)
+        hw = self.hardware
+        exposed = 1 - hw.device_adam_hidden_beside_matmul * self.backward_matmul_share
+        added, lane = 0.0, 0.0
+        for c in reversed(range(config.n_persist)):
+            if reduced is None:
+                beside = alone[c] if c else 0.0  # (of its time alone, what runs beside the backward)
+            else:
+                start = max(reduced[c], lane)
+                beside = min(alone[c], max(0.0, end - start) / hw.device_adam_stretch_beside_matmul)
+                lane = start + beside * hw.device_adam_stretch_beside_matmul + alone[c] - beside
+            added += beside * exposed + alone[c] - beside
+        return added
 
     def _block_extras(self, config: Config) -> tuple[list[float], list[int]]:
         """Per block, the seconds of its recompute (checkpointed) and the bytes it swaps (swapped)."""
@@ -688,11 +731,11 @@ class CostModel:
                 "cpu_optim_wait_s": 0.0,
             }
         per = self._per_chunk(config)
-        gpu_optim = self._gpu_optim_s(config)
         link, host = _Link(hw), None
         for _ in range(2):
             forward = self._forward_timeline(config, per, link)
             backward = self._backward_timeline(config, per, link, host["ends"] if host else None)
+            gpu_optim = self._gpu_optim_s(config, backward["copy_end"], backward["end"], early=clipped is None)
             next_forward = backward["end"] + gpu_optim
             host = self._host_timeline(config, forward, backward, next_forward, clipped)
             link = _Link(hw, forward, backward, host["spans"], next_forward)

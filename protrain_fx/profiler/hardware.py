@@ -10,7 +10,9 @@ device's own memory bandwidth and the least time a kernel takes; the all-gather,
 time by message size for the current world size (none with one rank); the fused AdamW time per parameter on
 the device, and on the host as the chunk runtime runs it (on its worker thread, with the link idle and beside
 copies each way, which share the host's memory bandwidth with it: the copies' rates then are measured too),
-over float32 masters and, on the device and on the idle host, bfloat16 ones; and copying an offloaded chunk's
+over float32 masters and, on the device and on the idle host, bfloat16 ones; the device's AdamW on its own stream
+beside matmuls on another, as persistent chunks update beside the backward (how much of its time the matmuls
+hide, and how much longer it takes there); and copying an offloaded chunk's
 master and AdamW states aside there (to undo a clipped update); the device's memory (nvidia-ml-py where
 available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU copies, the
 CPU AdamW and gloo. With several ranks the measurements are reduced across ranks (slowest rank wins), so every
@@ -26,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -49,7 +52,9 @@ ADAM_PARAMS = 64 * 2**20  # 1 GiB of fp32 state: past the caches, as a model chu
 ADAM_TENSORS = 16  # the host AdamW's parameters, as views of one chunk (per-tensor overhead counted)
 ADAM_STEPS = 3
 HOST_ADAM_STEPS = 5
-METHOD = 5  # how the profile is measured, in the cache key: a profile measured by older code is measured again
+METHOD = 6  # how the profile is measured, in the cache key: a profile measured by older code is measured again
+BESIDE_MATMUL_DIM = 4096  # bf16 matmuls (2·DIM x DIM by DIM x DIM) the device AdamW is timed beside
+BESIDE_MATMULS = 4  # matmul time per AdamW time alone: the AdamW ends well inside them
 KERNELS = 1000  # back-to-back tiny kernels timed for the launch floor
 COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
 CPU_COLLECTIVE_BYTES = (2**20, 16 * 2**20)  # gloo on a few cores: larger messages only take long (extrapolated)
@@ -90,6 +95,10 @@ class HardwareProfile:
     # master_dtype "bfloat16"); None in a profile measured without them: in proportion to the bytes
     device_adam_bf16_s_per_param: float | None = None
     host_adam_bf16_s_per_param: float | None = None
+    # the device's AdamW on its own stream beside matmuls on another: the share of its time alone that they hide
+    # (0: they end later by all of it), and its own time there over its time alone (0 and 1: not measured)
+    device_adam_hidden_beside_matmul: float = 0.0
+    device_adam_stretch_beside_matmul: float = 1.0
 
     def collective_s(self, op: str, nbytes: int) -> float:
         """Time of one `op` of `nbytes` (per-rank message), linear between and beyond the measured sizes."""
@@ -234,6 +243,7 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     bar.update()
     device_adam = _adam_s_per_param(device)
     device_adam_bf16 = _adam_s_per_param(device, torch.bfloat16)
+    hidden, stretch = _adam_beside_matmul(device)
     bar.update()
     measured = {
         "h2d_bytes_per_s": h2d,
@@ -244,6 +254,8 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
         "kernel_s": kernel,
         "device_adam_s_per_param": device_adam,
         "device_adam_bf16_s_per_param": device_adam_bf16,
+        "device_adam_hidden_beside_matmul": hidden,
+        "device_adam_stretch_beside_matmul": stretch,
         **_host_adam(copies, device, {"h2d": h2d, "d2h": d2h, "both": both_s}),
         "host_adam_bf16_s_per_param": _host_adam_s_per_param(None, device, torch.bfloat16)[0],
         "host_undo_s_per_param": _host_undo_s_per_param(device),
@@ -314,6 +326,57 @@ def _adam_s_per_param(device: torch.device, dtype: torch.dtype = torch.float32) 
         _sync(device)
         times.append(time.perf_counter() - start)
     return min(times) / ADAM_PARAMS
+
+
+def _adam_beside_matmul(device: torch.device) -> tuple[float, float]:
+    """torch's fused AdamW over ADAM_PARAMS fp32 parameters on its own stream, started beside bf16 matmuls on the
+    current stream that take BESIDE_MATMULS times as long as it alone (the median of ADAM_STEPS tries): the share
+    of its time alone by which the two end sooner than one after the other, and its own time beside the matmuls
+    over its time alone. (0.0, 1.0) off CUDA, where nothing runs beside."""
+    if device.type != "cuda":
+        return 0.0, 1.0
+    p = torch.zeros(ADAM_PARAMS, device=device)
+    p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+    a = torch.randn(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    b = torch.randn(BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    out = torch.empty(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+
+    def elapsed(fn: Callable[[], object], stream: torch.cuda.Stream) -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+    opt.step()  # the states are allocated in the first step
+    adam = min(elapsed(opt.step, main) for _ in range(ADAM_STEPS))
+    one = min(elapsed(lambda: torch.mm(a, b, out=out), main) for _ in range(ADAM_STEPS))
+    count = max(1, math.ceil(BESIDE_MATMULS * adam / one))
+
+    def matmuls() -> None:
+        for _ in range(count):
+            torch.mm(a, b, out=out)
+
+    alone = min(elapsed(matmuls, main) for _ in range(ADAM_STEPS))
+    hidden, stretch = [], []
+    for _ in range(ADAM_STEPS):
+        begin, started, ended, done = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+        begin.record(main)
+        matmuls()  # (queued first: the AdamW starts once they run, as an update starts inside the backward)
+        side.wait_event(begin)
+        with torch.cuda.stream(side):
+            started.record(side)
+            opt.step()
+            ended.record(side)
+        done.record(main)
+        torch.cuda.synchronize(device)
+        both = max(begin.elapsed_time(done), begin.elapsed_time(ended)) / 1e3
+        hidden.append(min(1.0, max(0.0, 1 - (both - alone) / adam)))
+        stretch.append(max(1.0, started.elapsed_time(ended) / 1e3 / adam))
+    return statistics.median(hidden), statistics.median(stretch)
 
 
 def _host_adam(copies: dict[str, Callable[[], object]], device: torch.device, rates: dict[str, float]) -> dict:
@@ -420,15 +483,19 @@ def _collective_calls(shard: torch.Tensor, whole: torch.Tensor, world_size: int)
 
 
 def _slowest_rank(measured: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Every rank's numbers replaced by the worst rank's: the lowest rates and memory, the highest times."""
+    """Every rank's numbers replaced by the worst rank's: the lowest rates, memory and shares hidden, the highest
+    times."""
     _, world_size = rank_and_world_size()
     if world_size == 1:
         return measured
     keys = sorted(measured)
-    # each entry flipped so that MAX picks the worst (rates inverted, memory negated, times as they are); each
-    # flip is its own inverse
-    flip = {"rate": lambda v: 1 / v, "memory": lambda v: -v, "time": lambda v: v}
-    kind = {k: "rate" if k.endswith("_per_s") else "memory" if k.endswith("_bytes") else "time" for k in keys}
+    # each entry flipped so that MAX picks the worst (rates inverted, memory and shares negated, times as they
+    # are); each flip is its own inverse
+    flip = {"rate": lambda v: 1 / v, "less": lambda v: -v, "time": lambda v: v}
+    kind = {
+        k: "rate" if k.endswith("_per_s") else "less" if k.endswith(("_bytes", "_hidden_beside_matmul")) else "time"
+        for k in keys
+    }
     values = torch.tensor([flip[kind[k]](float(measured[k])) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return {k: flip[kind[k]](v) for k, v in zip(keys, values.tolist())}
