@@ -19,7 +19,7 @@ from bench.plot import plot
 from bench.predict import from_dump, predict
 from bench.sweep import maxsize, scaling, sweep
 from bench.table import table
-from bench.worker import RESULT_PREFIX, SYSTEMS, emit, train
+from bench.worker import RESULT_PREFIX, SYSTEMS, emit, train, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 def compare(args: argparse.Namespace) -> int:
     """Run every selected system in its own worker process; print the table, write the JSON."""
     systems = parse_systems(args.systems)
-    results = [_run_worker(system, args) for system in systems]
+    results = [{"system": s, "skipped": unavailable(s)} if unavailable(s) else _run_worker(s, args) for s in systems]
     ratio = _ratio(results)
 
     print(format_table(results))
@@ -68,12 +68,21 @@ def compare(args: argparse.Namespace) -> int:
 
 
 def parse_systems(text: str) -> list[str]:
-    """The comma-separated `--systems`, checked."""
+    """The comma-separated `--systems`, checked. Those that cannot run on this machine (`unavailable`) are logged
+    as skipped, with why; `compare` reports them so, the other commands leave them out."""
     systems = [s.strip() for s in text.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         raise SystemExit(f"unknown system(s) {unknown} in --systems; choose from {list(SYSTEMS)}")
+    for system in systems:
+        if why := unavailable(system):
+            log.warning("%s skipped: %s", system, why)
     return systems
+
+
+def runnable(systems: list[str]) -> list[str]:
+    """Those of `systems` this machine can run."""
+    return [s for s in systems if not unavailable(s)]
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -110,6 +119,8 @@ def format_table(results: list[dict]) -> str:
 def _row(r: dict) -> tuple[str, ...]:
     if "error" in r:
         return r["system"], "FAILED: " + " ".join(r["error"].split())  # one line, whatever the message
+    if "skipped" in r:
+        return r["system"], "SKIPPED: " + r["skipped"]
     gpu = "-" if r["peak_gpu_bytes"] is None else f"{r['peak_gpu_bytes'] / GiB:.2f}"
     speed = f"{r['tokens_per_s']:.1f}", f"{r['step_time_s'] * 1e3:.1f}"
     tflops = f"{r['tflops']:.1f}" + (f" ({r['tflops_recompute']:.1f})" if r["tflops_recompute"] > r["tflops"] else "")
@@ -136,7 +147,7 @@ def _run_worker(system: str, args: argparse.Namespace, nproc: int = 1) -> dict:
 
 
 def _ratio(results: list[dict]) -> float | None:
-    by_system = {r["system"]: r for r in results if "error" not in r}
+    by_system = {r["system"]: r for r in results if "tokens_per_s" in r}
     if "protrain" in by_system and "compile" in by_system:
         return by_system["protrain"]["tokens_per_s"] / by_system["compile"]["tokens_per_s"]
     return None

@@ -27,11 +27,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"no decoder layers found in {type(model).__name__}")
 
 
+def parameter_count(module: nn.Module) -> int:
+    """The module's parameter elements, whole also where DeepSpeed's ZeRO-3 has partitioned them (its
+    parameters then hold nothing between uses and say their size in `ds_numel`)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+
+
 def step_flops(model: nn.Module, tokens: int, recomputed_blocks: int = 0) -> tuple[float, float]:
     """(6 N tokens, the same with the recomputed blocks' second forward counted) for one training step."""
-    params = sum(p.numel() for p in model.parameters())
+    params = parameter_count(model)
     layers = decoder_layers(model)
-    per_block = sum(p.numel() for p in layers[0].parameters()) if len(layers) else 0
+    per_block = parameter_count(layers[0]) if len(layers) else 0
     base = 6.0 * params * tokens
     return base, base + 2.0 * per_block * recomputed_blocks * tokens
 

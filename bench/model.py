@@ -49,6 +49,49 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed:
     return model.to(device, dtype=dtype).train()
 
 
+def build_deepspeed_model(
+    spec: ModelSpec, dtype: torch.dtype, seed: int, *, batch: int, lr: float, clip: float, checkpoint: bool
+):
+    """The same model under DeepSpeed ZeRO-3 with its parameters and AdamW offloaded to the host: (engine,
+    optimizer). The parameters are partitioned as they are built (`deepspeed.zero.Init`), so the whole model is
+    never on the GPU; DeepSpeed computes in `dtype` (bf16 or fp16, with its loss scaling) and keeps fp32 masters
+    and AdamW states on the host, where its CPU Adam (a C++ op DeepSpeed compiles on first use) updates them.
+    `clip` > 0: DeepSpeed clips the gradient norm to it in `engine.step()`. `checkpoint`: Hugging Face's activation
+    checkpointing of every decoder layer. Initialised by Hugging Face's own init from `seed`, not as `build_model`
+    does, so losses compare only roughly. Needs a process group; on a machine without CUDA DeepSpeed's CPU
+    accelerator runs it (a smoke run: nothing is offloaded there)."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_config = _config(spec)
+    # imported before zero.Init, which patches tensor construction: the model's module imports torch._dynamo, whose
+    # import does not survive the patch
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
+    host = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        "zero_optimization": {"stage": 3, "offload_param": host, "offload_optimizer": host},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},  # (torch's AdamW default)
+        "gradient_clipping": clip,
+        "steps_per_print": 2**31 - 1,  # (no progress lines of its own)
+    }
+    torch.manual_seed(seed)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = AutoModelForCausalLM.from_config(model_config)
+    if checkpoint:  # (transformers 5 renamed it)
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine, optimizer
+
+
 def build_fsdp2_model(
     spec: ModelSpec, device: torch.device, param_dtype: torch.dtype, seed: int, *, checkpoint: bool
 ) -> nn.Module:

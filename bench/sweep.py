@@ -35,9 +35,9 @@ LADDER = [
 
 
 def sweep(args: argparse.Namespace) -> int:
-    from bench.cli import _git_commit, _run_worker, parse_systems
+    from bench.cli import _git_commit, _run_worker, parse_systems, runnable
 
-    systems, batches = parse_systems(args.systems), [int(b) for b in args.batches.split(",")]
+    systems, batches = runnable(parse_systems(args.systems)), [int(b) for b in args.batches.split(",")]
     results = {
         s: {b: _run_worker(s, argparse.Namespace(**{**vars(args), "batch": b})) for b in batches} for s in systems
     }
@@ -57,9 +57,9 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def scaling(args: argparse.Namespace) -> int:
-    from bench.cli import _git_commit, _run_worker, parse_systems
+    from bench.cli import _git_commit, _run_worker, parse_systems, runnable
 
-    systems, counts = parse_systems(args.systems), [int(n) for n in args.gpus.split(",")]
+    systems, counts = runnable(parse_systems(args.systems)), [int(n) for n in args.gpus.split(",")]
     not_parallel = [s for s in systems if s in ("protrain", "compile", "compile-amp", "eager")]
     if not_parallel:
         raise SystemExit(f"{not_parallel} train each rank alone (no gradient reduction): scaling measures none of them")
@@ -81,11 +81,11 @@ def scaling(args: argparse.Namespace) -> int:
 
 
 def maxsize(args: argparse.Namespace) -> int:
-    from bench.cli import _git_commit, parse_systems
+    from bench.cli import _git_commit, parse_systems, runnable
 
     ladder = [_spec(args, *sizes) for sizes in ladder_of(args.ladder)]
     report, rows = {"commit": _git_commit(), "systems": {}}, [("system", "largest trained", "params B", "tried")]
-    for system in parse_systems(args.systems):
+    for system in runnable(parse_systems(args.systems)):
         results: dict[int, dict] = {}  # id(spec) -> its worker's result
         largest, tried = bisect_largest(
             ladder, lambda spec, system=system, results=results: _trains(system, spec, args, results)

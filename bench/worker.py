@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import json
 import logging
 import math
@@ -31,16 +32,18 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from bench.flops import decoder_layers, matmul_tflops, step_flops
-from bench.model import DTYPES, ModelSpec, build_fsdp2_model, build_model, random_batches
+from bench.flops import decoder_layers, matmul_tflops, parameter_count, step_flops
+from bench.model import DTYPES, ModelSpec, build_deepspeed_model, build_fsdp2_model, build_model, random_batches
 from bench.text import text_batches
 
 log = logging.getLogger(__name__)
 
 FSDP2_SYSTEMS = ("fsdp2-offload", "fsdp2-offload-ac")  # FSDP2 with CPU offload (-ac: and activation checkpointing)
+# DeepSpeed ZeRO-3 with parameters and AdamW on the host (-ac: and activation checkpointing), where it is installed
+DEEPSPEED_SYSTEMS = ("deepspeed-offload", "deepspeed-offload-ac")
 # compile-amp: torch.compile over fp32 weights (the masters) under bf16/fp16 autocast, with fp32 AdamW: the
 # numerics of protrain's default fp32 masters, where compile trains the weights in the compute dtype itself
-SYSTEMS = ("protrain", "protrain-chunks", "compile", "compile-amp", "eager", *FSDP2_SYSTEMS)
+SYSTEMS = ("protrain", "protrain-chunks", "compile", "compile-amp", "eager", *FSDP2_SYSTEMS, *DEEPSPEED_SYSTEMS)
 RESULT_PREFIX = "BENCH_RESULT "  # marks the worker's result line on stdout; anything else there is ignored
 LR = 1e-4
 
@@ -72,6 +75,13 @@ class Result:
     clip: float = 0.0  # the gradient norm clipped to before each step (0: none)
 
 
+def unavailable(system: str) -> str | None:
+    """Why `system` cannot run on this machine, None where it can: DeepSpeed's needs its package."""
+    if system in DEEPSPEED_SYSTEMS and importlib.util.find_spec("deepspeed") is None:
+        return "the deepspeed package is not installed (pip install deepspeed)"
+    return None
+
+
 def wrap(
     model: nn.Module, system: str, plan: dict | None = None, dump_dir: str | None = None, executor: str = "inductor"
 ) -> nn.Module:
@@ -84,7 +94,7 @@ def wrap(
         return torch.compile(model, backend="protrain", options={"plan": plan or {}, **dump})
     if system in ("compile", "compile-amp"):
         return torch.compile(model)
-    if system == "eager" or system in FSDP2_SYSTEMS:
+    if system == "eager" or system in FSDP2_SYSTEMS or system in DEEPSPEED_SYSTEMS:
         return model
     raise ValueError(f"unknown system {system!r}; choose from {list(SYSTEMS)}")
 
@@ -109,11 +119,12 @@ def train(
     backward and step."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
-    distributed = system in FSDP2_SYSTEMS or int(os.environ.get("WORLD_SIZE", 1)) > 1  # (torchrun sets it)
+    sharded = system in FSDP2_SYSTEMS or system in DEEPSPEED_SYSTEMS
+    distributed = sharded or int(os.environ.get("WORLD_SIZE", 1)) > 1  # (torchrun sets it)
     with _process_group(device) if distributed else contextlib.nullcontext():
         world = dist.get_world_size() if dist.is_initialized() else 1
-        model, opt = _model_and_optimizer(system, spec, device, DTYPES[dtype], seed)
-        params = sum(p.numel() for p in model.parameters())
+        model, opt = _model_and_optimizer(system, spec, device, DTYPES[dtype], seed, batch=batch, clip=clip)
+        params = parameter_count(model)
         log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
         step_model = wrap(model, system, plan, dump_dir, executor)
         forward = _forward(system, step_model, device, DTYPES[dtype])
@@ -141,8 +152,8 @@ def train(
 
         breakdown = _breakdown(forward, opt, batches[-BREAKDOWN_STEPS:], device, backward)
         plan_in_force = _plan_in_force(system, step_model)
-        recomputed = _recomputed_blocks(system, plan_in_force, model)
-        flops, flops_recompute = step_flops(model, batch * spec.seq, recomputed)
+        recomputed = _recomputed_blocks(system, plan_in_force, _module(system, model))
+        flops, flops_recompute = step_flops(_module(system, model), batch * spec.seq, recomputed)
         compute_dtype = DTYPES[dtype] if cuda else torch.float32  # (bf16 matmuls on a CPU are not its peak)
         peak = matmul_tflops(device, compute_dtype)
 
@@ -191,7 +202,10 @@ def _forward(system: str, step_model: nn.Module, device: torch.device, dtype: to
 
 
 def _backward(system: str, model: nn.Module, clip: float):
-    """`backward(loss)`: the backward pass, then, with `clip` > 0, the system's gradient-norm clipping."""
+    """`backward(loss)`: the backward pass, then, with `clip` > 0, the system's gradient-norm clipping (DeepSpeed's
+    engine: its own backward, and it clips in its step)."""
+    if system in DEEPSPEED_SYSTEMS:
+        return model.backward
     if clip <= 0:
         return lambda loss: loss.backward()
     if system.startswith("protrain"):
@@ -254,11 +268,11 @@ def _hardware_profile(system: str, device: torch.device) -> dict | None:
 
 
 def _recomputed_blocks(system: str, plan: dict | None, model: nn.Module) -> int:
-    """Blocks whose forward runs again in the backward: protrain's plan, or every block under FSDP2 with
-    activation checkpointing."""
+    """Blocks whose forward runs again in the backward: protrain's plan, or every block under FSDP2 or DeepSpeed
+    with activation checkpointing."""
     if plan is not None:
         return plan["n_checkpoint"]
-    return len(decoder_layers(model)) if system == "fsdp2-offload-ac" else 0
+    return len(decoder_layers(model)) if system.endswith("-ac") else 0
 
 
 def emit(result: dict) -> None:
@@ -267,8 +281,15 @@ def emit(result: dict) -> None:
 
 
 def _model_and_optimizer(
-    system: str, spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int
+    system: str, spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int, *, batch: int, clip: float
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model to train and what the loop calls `step()` and `zero_grad()` on (DeepSpeed: its engine, whose step
+    updates and clears the gradients)."""
+    if system in DEEPSPEED_SYSTEMS:
+        engine, _ = build_deepspeed_model(
+            spec, dtype, seed, batch=batch, lr=LR, clip=clip, checkpoint=system.endswith("-ac")
+        )
+        return engine, _EngineStep(engine)
     if system in FSDP2_SYSTEMS:
         model = build_fsdp2_model(spec, device, dtype, seed, checkpoint=system == "fsdp2-offload-ac")
         try:  # over the sharded fp32 parameters on the host: torch's fused CPU AdamW (torch >= 2.4)
@@ -285,6 +306,25 @@ def _model_and_optimizer(
     return model, torch.optim.AdamW(model.parameters(), lr=LR, **fused_or_foreach)
 
 
+class _EngineStep:
+    """A DeepSpeed engine as the training loop's optimizer: `step()` is the engine's, which also clears the
+    gradients, so `zero_grad` has nothing to do."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+def _module(system: str, model: nn.Module) -> nn.Module:
+    """The Hugging Face model itself (DeepSpeed's engine holds it as `module`)."""
+    return model.module if system in DEEPSPEED_SYSTEMS else model
+
+
 @contextlib.contextmanager
 def _process_group(device: torch.device) -> Iterator[None]:
     """A process group for FSDP2, unless one exists: torchrun's environment if set, else this one process alone."""
@@ -293,9 +333,12 @@ def _process_group(device: torch.device) -> Iterator[None]:
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    for name in ("RANK", "LOCAL_RANK"):  # (torchrun's, which DeepSpeed reads too)
+        os.environ.setdefault(name, "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
     try:
         yield

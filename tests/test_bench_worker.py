@@ -56,7 +56,9 @@ def test_compile_amp_keeps_fp32_weights_and_computes_in_bf16():
 
     from bench.worker import _forward, _model_and_optimizer
 
-    model, opt = _model_and_optimizer("compile-amp", ModelSpec(**TINY), torch.device("cpu"), torch.bfloat16, 0)
+    model, opt = _model_and_optimizer(
+        "compile-amp", ModelSpec(**TINY), torch.device("cpu"), torch.bfloat16, 0, batch=2, clip=0.0
+    )
     seen = []
     linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
     linear.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
@@ -65,3 +67,50 @@ def test_compile_amp_keeps_fp32_weights_and_computes_in_bf16():
     opt.step()
     assert seen == [torch.bfloat16] and {p.dtype for p in model.parameters()} == {torch.float32}
     assert {t.dtype for st in opt.state.values() for k, t in st.items() if k != "step"} == {torch.float32}
+
+
+def test_deepspeed_is_skipped_with_a_message_where_it_is_not_installed(monkeypatch, tmp_path, capsys):
+    """Without the deepspeed package its systems are not run: `compare` reports them skipped, with why, and does
+    not fail; the other commands leave them out."""
+    import importlib.util
+    import json
+
+    from bench.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a)
+    )
+    out = tmp_path / "compare.json"
+    assert main(["compare", "--systems", "deepspeed-offload,deepspeed-offload-ac", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.count("SKIPPED: the deepspeed package is not installed (pip install deepspeed)") == 2
+    results = json.loads(out.read_text())["results"]
+    assert [r["system"] for r in results] == ["deepspeed-offload", "deepspeed-offload-ac"]
+    assert all("pip install deepspeed" in r["skipped"] for r in results)
+
+
+def test_deepspeed_trains(tmp_path):
+    """Where deepspeed is installed, ZeRO-3 with parameters and AdamW on the host trains, each system in its own
+    worker process as `compare` runs them (on the CPU: DeepSpeed's CPU accelerator), clipping in its own step,
+    and counts its partitioned parameters whole."""
+    pytest.importorskip("deepspeed")
+    import json
+
+    import transformers
+
+    from bench.cli import main
+    from bench.model import _config
+
+    out = tmp_path / "compare.json"
+    sizes = [arg for name, value in TINY.items() for arg in (f"--{name}", str(value))]
+    run = ["--batch", "2", "--steps", "2", "--warmup", "1", "--dtype", "bfloat16", "--clip", "1.0"]
+    assert (
+        main(["compare", "--systems", "deepspeed-offload,deepspeed-offload-ac", *sizes, *run, "--out", str(out)]) == 0
+    )
+    plain, checkpointed = json.loads(out.read_text())["results"]
+    whole = transformers.AutoModelForCausalLM.from_config(_config(ModelSpec(**TINY))).num_parameters()
+    for result in (plain, checkpointed):
+        assert all(math.isfinite(x) for x in result["losses"]) and result["losses"][-1] < result["losses"][0]
+        assert result["params"] == whole and result["clip"] == 1.0
+    assert plain["tflops_recompute"] == plain["tflops"] and checkpointed["tflops_recompute"] > checkpointed["tflops"]
