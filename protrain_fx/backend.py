@@ -526,7 +526,7 @@ class _Partitioner(CustomPartitionerFn):
                 key=lambda n: n.args[1],
             )
             with eager():  # the partitioner runs under AOTAutograd's fake mode
-                swap.allocate([(n.meta["val"].shape, n.meta["val"].dtype) for n in outs])
+                swap.allocate([n.meta["val"] for n in outs])
             record.swap = swap
         if manager is not None:
             if record.grad_source is None:  # (kept by a re-plan, which compiles outside Dynamo)

@@ -157,6 +157,29 @@ def test_every_swapped_tensor_is_read_until_its_copy_is_settled(layout):
         assert max((u for u in source.users if u.op != "output"), key=order.__getitem__) is settled[n.args[1]]
 
 
+@pytest.mark.parametrize("kind", ["toy", "llama"])
+def test_swapped_tensors_come_back_with_the_strides_the_backward_was_built_for(kind, monkeypatch):
+    """A saved tensor need not be contiguous (a transposed view, heads split from a fused projection). Its host
+    slot keeps its strides where it is dense, and its stride order where it is not (`torch.empty_like`), and
+    `swap_in` gives back a device tensor of those strides: what the graphs' metadata, from which the compiler
+    builds the backward, says it gets."""
+    from protrain_fx.runtime.swap import SwapSpace
+
+    returned = []
+    swap_in = SwapSpace.swap_in
+    monkeypatch.setattr(SwapSpace, "swap_in", lambda self, slot: returned.append(swap_in(self, slot)) or returned[-1])
+    _, _, backend, compiled = _compiled(kind, {"plan": {"n_swap": 3}})
+    models.loss_of(kind, compiled(**models.batch(kind))).backward()
+    record = next(g for g in backend.graphs if g.swap is not None)
+    outs = record.forward.graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default)
+    for n in outs:
+        saved, slot = n.args[2].meta["val"], record.swap.slots[n.args[1]]
+        assert slot.stride() == n.meta["val"].stride() == torch.empty_like(saved, device="meta").stride(), n.name
+    assert any(not record.swap.slots[n.args[1]].is_contiguous() for n in outs)  # (some are not contiguous)
+    backs = record.backward.graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_in.default)
+    assert sorted(t.stride() for t in returned) == sorted(n.meta["val"].stride() for n in backs) and backs
+
+
 def test_measured_swap_interval():
     """Unforced, the interval comes from the profile and this machine's measured copy rate."""
     _, _, backend, compiled = _compiled("toy", {"plan": {"n_swap": 1}})

@@ -232,8 +232,12 @@ def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         first = min(ph.users, key=order.__getitem__)
         with graph.inserting_before(first):
             back = graph.call_function(torch.ops.protrain.swap_in.default, (out.args[0], slot, ph))
-        back.meta["val"] = ph.meta.get("val")
-        ph.meta["val"] = out.meta["val"]
+        host = out.meta["val"]  # (the slot's strides: the saved tensor's where it is dense)
+        with host.fake_mode:
+            back.meta["val"] = torch.empty_strided(
+                host.shape, host.stride(), dtype=host.dtype, device=ph.meta["val"].device
+            )
+        ph.meta["val"] = host
         ph.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
         by_block.setdefault(block, []).append((slot, back))
     handle = next(iter(swapped.values())).args[0]

@@ -129,7 +129,7 @@ def swap_out(space: int, slot: int, t: torch.Tensor) -> torch.Tensor:
 
 @swap_out.register_fake
 def _(space: int, slot: int, t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    return torch.empty_like(t, device="cpu")  # (t's strides where it is dense, as its slot has: SwapSpace.allocate)
 
 
 @torch.library.custom_op("protrain::step_mark", mutates_args=())
@@ -173,7 +173,7 @@ def swap_in(space: int, slot: int, host: torch.Tensor) -> torch.Tensor:
 
 @swap_in.register_fake
 def _(space: int, slot: int, host: torch.Tensor) -> torch.Tensor:
-    return torch.empty(host.shape, dtype=host.dtype, device=_manager(space).device)
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=_manager(space).device)
 
 
 @torch.library.custom_op("protrain::after", mutates_args=())

@@ -58,9 +58,11 @@ class SwapSpace:
         self._in_flight: dict[int, tuple[object, torch.Tensor]] = {}  # slot -> (copy event, device tensor)
         self._fetched: dict[int, tuple[torch.Tensor, object]] = {}  # slot -> (device tensor, event of its copy)
 
-    def allocate(self, specs: Sequence[tuple[torch.Size, torch.dtype]]) -> None:
-        """Compile time: one slot per swapped tensor (shape, dtype), all in one host arena."""
-        sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
+    def allocate(self, specs: Sequence[torch.Tensor]) -> None:
+        """Compile time: one slot per swapped tensor, all in one host arena. `specs`: a (fake) tensor per slot with
+        the slot's shape, dtype and strides: the swapped tensor's own where it is dense (a transpose, say), so that
+        it comes back with the strides the compiled backward was built for (`swap_out_pass`: `torch.empty_like`)."""
+        sizes = [spec.numel() * spec.dtype.itemsize for spec in specs]
         aligned = [-(-n // 64) * 64 for n in sizes]  # 64-byte slot boundaries
         check_host_memory(
             sum(aligned),
@@ -70,8 +72,8 @@ class SwapSpace:
         )
         self.arena = pinned_arena(sum(aligned), self, pin=self.device.type == "cuda")
         at = 0
-        for (shape, dtype), n, step in zip(specs, sizes, aligned):
-            self.slots.append(self.arena[at : at + n].view(dtype).view(shape))
+        for spec, n, step in zip(specs, sizes, aligned):
+            self.slots.append(self.arena[at : at + n].view(spec.dtype).as_strided(spec.shape, spec.stride()))
             at += step
         log.info("swap space: %d tensors, %.1f MiB of host memory", len(specs), self.arena.numel() / 2**20)
 
@@ -131,7 +133,7 @@ class SwapSpace:
 
     def _fetch(self, slot: int) -> None:
         host = self.slots[slot]
-        t = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        t = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
         stream = self._h2d
         if stream is not None:
             self._retire()
