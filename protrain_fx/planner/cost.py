@@ -525,10 +525,10 @@ class CostModel:
         (`end`) it runs beside it, `stretch` times as long as alone, and lengthens the backward by its time alone
         times 1 - hidden × matmul share: `hidden`, the share of it that matmuls hide (hardware profile), and the
         matmul share, the backward's time in kernels bound by arithmetic (`MATMUL_OPS`; the rest, bound by memory
-        as the AdamW is, hides none of it). What is left of it after the backward (all of chunk 0's, reduced as it ends) adds all its
-        time. `reduced` None: as if each but chunk 0's ran beside the backward (at most that is hidden: a lower
-        bound, `step_bound_s`). `early` False (gradient clipping: updates wait for `AdamW.step()`) or no overlap
-        (the CPU): every update adds all its time."""
+        as the AdamW is, hides none of it). What is left of it after the backward (all of chunk 0's, reduced as
+        the backward ends) adds all its time. `reduced` None: as if each but chunk 0's ran beside the backward (at
+        most that is hidden: a lower bound, `step_bound_s`). `early` False (gradient clipping: updates wait for
+        `AdamW.step()`) or no overlap (the CPU): every update adds all its time."""
         rate = self.hardware.device_adam_s(self.master_bytes)
         alone = [self.chunk_params[c] * rate for c in range(config.n_persist)]
         if not early or not self.overlap:

@@ -10,13 +10,13 @@ device's own memory bandwidth and the least time a kernel takes; the all-gather,
 time by message size for the current world size (none with one rank); the fused AdamW time per parameter on
 the device, and on the host as the chunk runtime runs it (on its worker thread, with the link idle and beside
 copies each way, which share the host's memory bandwidth with it: the copies' rates then are measured too),
-over float32 masters and, on the device and on the idle host, bfloat16 ones; the device's AdamW on its own stream
-beside matmuls on another, as persistent chunks update beside the backward (how much of its time the matmuls
-hide, and how much longer it takes there); and copying an offloaded chunk's
-master and AdamW states aside there (to undo a clipped update); the device's memory (nvidia-ml-py where
-available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU copies, the
-CPU AdamW and gloo. With several ranks the measurements are reduced across ranks (slowest rank wins), so every
-rank plans from the same numbers.
+over float32 masters and, on the device and on the idle host, bfloat16 ones; the device's AdamW on its own
+stream beside matmuls on another, as persistent chunks update beside the backward (how much of its time the
+matmuls hide, and how much longer it takes there); and copying an offloaded chunk's master and AdamW states aside
+on the host (to undo a clipped update); the device's memory (nvidia-ml-py where available, else
+`torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU copies, the CPU AdamW and
+gloo. With several ranks the measurements are reduced across ranks (slowest rank wins), so every rank plans from
+the same numbers.
 
 The cache key is the device name, its memory, the world size, the torch version and METHOD (how it is
 measured); a file measured under another key is measured again.
