@@ -44,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def compare(args: argparse.Namespace) -> int:
     """Run every selected system in its own worker process; print the table, write the JSON."""
-    systems = parse_systems(args.systems)
-    results = [{"system": s, "skipped": unavailable(s)} if unavailable(s) else _run_worker(s, args) for s in systems]
+    results = []
+    for system in parse_systems(args.systems):
+        why = unavailable(system)
+        results.append({"system": system, "skipped": why} if why else _run_worker(system, args))
     ratio = _ratio(results)
 
     print(format_table(results))

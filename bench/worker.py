@@ -119,7 +119,7 @@ def train(
     backward and step."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
-    sharded = system in FSDP2_SYSTEMS or system in DEEPSPEED_SYSTEMS
+    sharded = system in FSDP2_SYSTEMS or system in DEEPSPEED_SYSTEMS  # (they need a process group)
     distributed = sharded or int(os.environ.get("WORLD_SIZE", 1)) > 1  # (torchrun sets it)
     with _process_group(device) if distributed else contextlib.nullcontext():
         world = dist.get_world_size() if dist.is_initialized() else 1
