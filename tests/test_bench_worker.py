@@ -75,7 +75,7 @@ def test_deepspeed_is_skipped_with_a_message_where_it_is_not_installed(monkeypat
     import importlib.util
     import json
 
-    from bench.cli import main
+    from bench.cli import main, runnable
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -88,6 +88,7 @@ def test_deepspeed_is_skipped_with_a_message_where_it_is_not_installed(monkeypat
     results = json.loads(out.read_text())["results"]
     assert [r["system"] for r in results] == ["deepspeed-offload", "deepspeed-offload-ac"]
     assert all("pip install deepspeed" in r["skipped"] for r in results)
+    assert runnable(["deepspeed-offload", "eager", "deepspeed-offload-ac"]) == ["eager"]  # (sweep, maxsize, scaling)
 
 
 def test_deepspeed_trains(tmp_path):

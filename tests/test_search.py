@@ -402,7 +402,7 @@ def test_persistent_updates_add_what_the_backward_does_not_hide():
         adam[0] + 0.75 * sum(adam[1:])
     )
     assert _beside(model, 0.8).phases(config, clipped=0)["gpu_optim_s"] == pytest.approx(full)
-    # a backward with no time left after chunk 1's gradient: chunk 1's AdamW is not hidden either
+    # a backward with no compute: no update runs beside it
     short = dataclasses.replace(_beside(model, 1.0), block_bwd_s=(0.0,) * model.n_block, other_bwd_s=(0.0, 0.0))
     assert short.phases(config)["gpu_optim_s"] == pytest.approx(full)
     # where each update takes 20 times as long beside the backward, less of it runs before the backward ends
