@@ -62,6 +62,7 @@ from protrain_fx.runtime.adopt import (
     model_layout,
     model_manager,
     plan_fields_of,
+    updates_wait,
     wants_chunks,
 )
 from protrain_fx.runtime.chunks import MANAGER_ATTR
@@ -587,9 +588,10 @@ class _Partitioner(CustomPartitionerFn):
             costs.block_saved, costs.block_fwd_s, hardware, uploads_share_link=shared
         )
         # what the profile's baseline held besides activations and the chunk states the model counts itself
-        held = 0
+        held, waits = 0, False
         if layout is not None:
             graph_params = [self.example_inputs[e.index] for e in record.param_map.values()]
+            waits = manager.skips_nonfinite if manager is not None else updates_wait(graph_params)
             if manager is not None:
                 # the profile counts the offloaded parameters as held (profiler/on_demand.py); the persistent ones
                 # are in their chunks: on the GPU among all the chunk states, on the CPU (whose tracker counts the
@@ -605,7 +607,10 @@ class _Partitioner(CustomPartitionerFn):
             else:  # the CPU tracker counts the graph's inputs
                 held = _nbytes(graph_params)
         costs = dataclasses.replace(
-            costs, swap_interval=interval, other_bytes=max(0, record.profile.baseline_bytes - held)
+            costs,
+            swap_interval=interval,
+            other_bytes=max(0, record.profile.baseline_bytes - held),
+            updates_wait=waits,
         )
         record.costs = costs
         start = time.perf_counter()
@@ -627,6 +632,7 @@ class _Partitioner(CustomPartitionerFn):
             fused=fused,
             swap_interval=costs.swap_interval,
             other_bytes=costs.other_bytes,
+            updates_wait=costs.updates_wait,
             capacity_bytes=record.capacity,
             host_bytes=host,
             hardware=hardware,

@@ -77,6 +77,18 @@ def test_fp16_loss_scaling_matches_reference(plan):
         assert torch.equal(state[name], value), name
 
 
+@pytest.mark.parametrize("dtype, waits", [(torch.float16, True), (torch.bfloat16, False)])
+def test_fp16_plans_time_every_update_in_step(dtype, waits):
+    """With loss scaling (float16, by default) a gradient overflow skips the whole step, so every update waits
+    for `AdamW.step()`: the plan is timed so (planner/cost.py `updates_wait`). bfloat16 updates as gradients
+    land."""
+    model = models.build("llama").to(dtype)
+    protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": PLANS["offloaded"]})
+    models.loss_of("llama", torch.compile(model, backend=backend)(**models.batch("llama"))).float().backward()
+    assert backend.graphs[0].costs.updates_wait == waits
+
+
 @pytest.mark.parametrize("plan", PLANS, ids=list(PLANS))
 def test_fp16_clipping_matches_torch(plan):
     """scaler.unscale_(opt), then protrain_fx.clip_grad_norm_: the norm of the unscaled gradients, and training

@@ -415,6 +415,17 @@ def test_persistent_updates_add_what_the_backward_does_not_hide():
             assert beside.step_bound_s(config) <= beside.step_s(config) * (1 + 1e-12), (hidden, config)
 
 
+def test_updates_that_wait_for_the_step_are_timed_as_a_clipped_step():
+    """Where every update waits for `AdamW.step()` (loss scaling skips a step with an overflow), a step is timed
+    as a clipped one none of whose offloaded chunks update during the backward: longer than one where they do."""
+    model = _beside(synthetic(n_chunk=6), 0.5)
+    waiting = dataclasses.replace(model, updates_wait=True)
+    for config in (Config(6, 0), Config(3, 2)):
+        assert waiting.step_s(config) == pytest.approx(model.step_s(config, clipped=0))
+        assert waiting.step_s(config) > model.step_s(config)
+        assert waiting.step_bound_s(config) <= waiting.step_s(config)
+
+
 def test_hidden_persistent_updates_keep_more_chunks_on_the_device():
     """Where the backward hides the persistent chunks' device AdamW, offloading a chunk saves less than its
     host-side costs: the search keeps every chunk on the device. Where nothing is hidden, the same model offloads

@@ -54,6 +54,7 @@ def planning_inputs(
     fused: bool,
     swap_interval: int,
     other_bytes: int,
+    updates_wait: bool,
     capacity_bytes: int | None,
     host_bytes: int | None,
     hardware: HardwareProfile,
@@ -68,6 +69,7 @@ def planning_inputs(
         "fused": fused,
         "swap_interval": swap_interval,
         "other_bytes": other_bytes,
+        "updates_wait": updates_wait,
         "capacity_bytes": capacity_bytes,
         "host_bytes": host_bytes,
         "hardware": hardware.to_json(),
@@ -89,7 +91,12 @@ def cost_model_from_dump(
         fused=planning["fused"],
         master_bytes=master_bytes(forced),
     )
-    return dataclasses.replace(costs, swap_interval=planning["swap_interval"], other_bytes=planning["other_bytes"])
+    return dataclasses.replace(
+        costs,
+        swap_interval=planning["swap_interval"],
+        other_bytes=planning["other_bytes"],
+        updates_wait=planning.get("updates_wait", False),  # (a dump written before it was kept: as then)
+    )
 
 
 def host_rate_as(hardware: HardwareProfile, s_per_param: float) -> HardwareProfile:

@@ -17,7 +17,9 @@ bandwidth): its rate at each moment is the one measured beside copies running th
 T_gpu_optim is what the persistent chunks' device AdamW adds: each runs once its gradient is reduced, beside the
 rest of the backward, where it adds only the part of its time that the backward's kernels do not hide (the
 hardware profile measures how much matmuls hide; memory-bound kernels hide none), and all of it after the
-backward (`_gpu_optim_s`); with gradient clipping they wait for `AdamW.step()` and add all of it.
+backward (`_gpu_optim_s`); with gradient clipping they wait for `AdamW.step()` and add all of it. Where every
+update waits for `AdamW.step()` (an optimizer that skips steps with an inf or NaN gradient: float16's loss
+scaling), every step is timed as a clipped one none of whose offloaded chunks update during the backward.
 With gradient clipping each host update either waits for the end of the backward, or runs as usual while also
 copying aside what it changes (to undo it if the clip applies): `phases(config, clipped=...)`. The paper sums the
 forward and backward per chunk as max(compute, communication); the runtime's copies do not keep to chunk windows
@@ -265,6 +267,10 @@ class CostModel:
     share_device_grads: bool = False
     master_bytes: int = 4  # bytes per element of masters, gradients and AdamW states (the plan's master_dtype)
     backward_matmul_share: float = 0.0  # of the backward's compute time, the share in MATMUL_OPS
+    # every update waits for `AdamW.step()`, as where non-finite gradients skip the step (loss scaling, by default
+    # with float16; runtime/chunks.py `defer_updates`): every step is timed as a clipped one none of whose
+    # offloaded chunks update during the backward
+    updates_wait: bool = False
 
     @classmethod
     def build(
@@ -713,8 +719,11 @@ class CostModel:
         The timelines are laid out twice: first with every copy at the link's idle rate, then with each at the
         rate beside what the first found running where it starts (copies the other way, the host's AdamW). The
         next forward is laid out once more with each chunk's upload waiting for its host update: the time that
-        adds is the wait."""
+        adds is the wait. Where every update waits for `AdamW.step()` (`updates_wait`), `clipped` is 0 whatever
+        is asked."""
         hw = self.hardware
+        if self.updates_wait:
+            clipped = 0
         if self.n_chunk == 0:
             recompute, swapped = self._block_extras(config)
             hidden = (sum(self.block_fwd_s), sum(self.block_bwd_s)) if self.overlap else (0.0, 0.0)

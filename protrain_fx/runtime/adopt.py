@@ -22,7 +22,13 @@ from torch import nn
 from protrain_fx.capture import FrameRoots, block_index, find_block_family
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
 from protrain_fx.planner.plan import Plan, make_plan
-from protrain_fx.runtime.chunks import NO_SYNC_ATTR, ChunkManager, rank_and_world_size, replaced_param_error
+from protrain_fx.runtime.chunks import (
+    NO_SYNC_ATTR,
+    ChunkManager,
+    rank_and_world_size,
+    replaced_param_error,
+    skips_nonfinite,
+)
 from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.optim import OPTIMIZER_ATTR
 
@@ -67,6 +73,13 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 def wants_chunks(params: Sequence[nn.Parameter]) -> bool:
     return any(OPTIMIZER_ATTR in p.__dict__ for p in params)
+
+
+def updates_wait(params: Sequence[nn.Parameter]) -> bool:
+    """Whether chunks of `params` will update only in `AdamW.step()`, where their optimizer skips a step with an
+    inf or NaN gradient (`skips_nonfinite`), before any chunk is built."""
+    owner = next((p.__dict__[OPTIMIZER_ATTR] for p in params if OPTIMIZER_ATTR in p.__dict__), None)
+    return bool(params) and skips_nonfinite(owner() if owner is not None else None, params[0].dtype)
 
 
 def _ordered_params(roots: FrameRoots, record, example_inputs: Sequence[Any]) -> list[tuple[str, nn.Parameter]]:

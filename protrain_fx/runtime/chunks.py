@@ -119,6 +119,14 @@ def across_ranks(what: str) -> Iterator[None]:
         ) from e
 
 
+def skips_nonfinite(optimizer, dtype: torch.dtype) -> bool:
+    """Whether `optimizer` (a protrain_fx.optim.AdamW, or None) skips a step with an inf or NaN gradient instead of
+    raising, over parameters of `dtype`: its `nonfinite` policy; by default for float16 (loss scaling), not for
+    bfloat16 or float32. Such a step's updates all wait for `AdamW.step()`."""
+    policy = optimizer.nonfinite if optimizer is not None else None
+    return policy == "skip" or (policy is None and dtype == torch.float16)
+
+
 def check_ranks_agree(layout: ChunkLayout, n_persist: int, n_buffer: int) -> None:
     """Every rank must lay out the same parameters the same way and plan alike; raise on all ranks if not
     (a disagreement would otherwise hang in the first collective of unequal size)."""
@@ -521,10 +529,8 @@ class ChunkManager:
 
     @property
     def skips_nonfinite(self) -> bool:
-        """A step with an inf or NaN gradient is skipped (on every rank), not an error: the optimizer's
-        `nonfinite` policy; by default for float16 (loss scaling), not for bfloat16 or float32."""
-        policy = self.optimizer.nonfinite if self.optimizer is not None else None
-        return policy == "skip" or (policy is None and self.loss_scaled)
+        """A step with an inf or NaN gradient is skipped (on every rank), not an error (`skips_nonfinite`)."""
+        return skips_nonfinite(self.optimizer, self.dtype)
 
     @property
     def defer_updates(self) -> bool:
