@@ -591,7 +591,7 @@ class _Partitioner(CustomPartitionerFn):
         held, waits = 0, False
         if layout is not None:
             graph_params = [self.example_inputs[e.index] for e in record.param_map.values()]
-            waits = manager.skips_nonfinite if manager is not None else updates_wait(graph_params)
+            waits = updates_wait(graph_params)
             if manager is not None:
                 # the profile counts the offloaded parameters as held (profiler/on_demand.py); the persistent ones
                 # are in their chunks: on the GPU among all the chunk states, on the CPU (whose tracker counts the

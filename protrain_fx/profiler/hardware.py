@@ -243,7 +243,7 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     bar.update()
     device_adam = _adam_s_per_param(device)
     device_adam_bf16 = _adam_s_per_param(device, torch.bfloat16)
-    hidden, stretch = _adam_beside_matmul(device)
+    hidden, stretch = _adam_beside_matmul(device, device_adam * ADAM_PARAMS)
     bar.update()
     measured = {
         "h2d_bytes_per_s": h2d,
@@ -328,11 +328,12 @@ def _adam_s_per_param(device: torch.device, dtype: torch.dtype = torch.float32) 
     return min(times) / ADAM_PARAMS
 
 
-def _adam_beside_matmul(device: torch.device) -> tuple[float, float]:
-    """torch's fused AdamW over ADAM_PARAMS fp32 parameters on its own stream, started beside bf16 matmuls on the
-    current stream that take BESIDE_MATMULS times as long as it alone (the median of ADAM_STEPS tries): the share
-    of its time alone by which the two end sooner than one after the other, and its own time beside the matmuls
-    over its time alone. (0.0, 1.0) off CUDA, where nothing runs beside."""
+def _adam_beside_matmul(device: torch.device, adam: float) -> tuple[float, float]:
+    """torch's fused AdamW over ADAM_PARAMS fp32 parameters (`adam` seconds alone, `_adam_s_per_param`) on its own
+    stream, started beside bf16 matmuls on the current stream that take BESIDE_MATMULS times as long as it alone
+    (the median of ADAM_STEPS tries): the share of its time alone by which the two end sooner than one after the
+    other, and its own time beside the matmuls over its time alone. (0.0, 1.0) off CUDA, where nothing runs
+    beside."""
     if device.type != "cuda":
         return 0.0, 1.0
     p = torch.zeros(ADAM_PARAMS, device=device)
@@ -352,7 +353,6 @@ def _adam_beside_matmul(device: torch.device) -> tuple[float, float]:
         return begin.elapsed_time(end) / 1e3
 
     opt.step()  # the states are allocated in the first step
-    adam = min(elapsed(opt.step, main) for _ in range(ADAM_STEPS))
     one = min(elapsed(lambda: torch.mm(a, b, out=out), main) for _ in range(ADAM_STEPS))
     count = max(1, math.ceil(BESIDE_MATMULS * adam / one))
 

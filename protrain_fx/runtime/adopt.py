@@ -76,8 +76,8 @@ def wants_chunks(params: Sequence[nn.Parameter]) -> bool:
 
 
 def updates_wait(params: Sequence[nn.Parameter]) -> bool:
-    """Whether chunks of `params` will update only in `AdamW.step()`, where their optimizer skips a step with an
-    inf or NaN gradient (`skips_nonfinite`), before any chunk is built."""
+    """Whether chunks of `params` update only in `AdamW.step()`, where their optimizer skips a step with an inf
+    or NaN gradient (`skips_nonfinite`; known before any chunk is built)."""
     owner = next((p.__dict__[OPTIMIZER_ATTR] for p in params if OPTIMIZER_ATTR in p.__dict__), None)
     return bool(params) and skips_nonfinite(owner() if owner is not None else None, params[0].dtype)
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from protrain_fx.runtime.chunks import MANAGER_ATTR, across_ranks
+from protrain_fx.runtime.chunks import MANAGER_ATTR, across_ranks, skips_nonfinite
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ class AdamW(torch.optim.Optimizer):
         if self._found_inf(managers):
             for manager in managers:
                 manager.end_step()
-            skip = self.nonfinite == "skip" or (self.nonfinite is None and any(m.loss_scaled for m in managers))
+            skip = any(skips_nonfinite(self, m.dtype) for m in managers)
             if not skip:
                 raise FloatingPointError(
                     "a gradient of this step is inf or NaN (on this rank or another): training stopped before the "
