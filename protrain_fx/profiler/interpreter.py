@@ -64,10 +64,8 @@ def _storages(values: Any, dropped: dict[int, int] | None = None) -> dict[int, i
 # returns: a loss's unused logits get a zero gradient of their full size that stays for the whole backward.
 ENGINE_FREES_OUTPUT_GRADS = hasattr(torch.autograd.function.BackwardCFunction, "apply_boxed")
 
-# ~0.1 s at H100/H200 clocks: enough for the CPU to queue a graph's kernels ahead of the GPU, unless queueing
-# them takes the CPU longer (then `TimedGraph` sleeps longer in its next runs)
+# ~0.1 s at H100/H200 clocks: enough for the CPU to queue a graph's kernels ahead of the GPU
 _PREFILL_CYCLES = 200_000_000
-_PREFILL_MARGIN = 1.5  # a graph the CPU queued in t seconds gets t times this of sleep ahead of its next runs
 # ~1 ms: after tensors are dropped or brought back on demand, time for the CPU to catch up with the GPU
 _REFILL_CYCLES = 2_000_000
 
@@ -118,11 +116,6 @@ class TimedGraph:
     With a `Replay` (tensors held on demand) the drops and fetches it learned run between the nodes, each
     followed by a fresh mark, so that they stay out of the node times; after a copy from the host the GPU's
     queue is refilled.
-
-    On CUDA the GPU sleeps before the first mark while the CPU queues the graph. Where the CPU took longer to
-    queue it than the GPU slept, the GPU may have waited for the CPU in the graph's later nodes, which would
-    count in their times: the next run sleeps longer (`_PREFILL_MARGIN` times the CPU's time), and the profile
-    keeps each node's least time over the runs.
     """
 
     def __init__(
@@ -162,7 +155,6 @@ class TimedGraph:
                 marks += 1
                 self.records.append(_new_record(node, graph_kind, block_map))
         self.module = fx.GraphModule(gm, graph)
-        self.prefill_cycles = _PREFILL_CYCLES
 
     def _between(self, drops, fetches) -> None:
         from_host = self.replay.between(drops, fetches)  # a copy from the host leaves the GPU's queue empty
@@ -171,29 +163,13 @@ class TimedGraph:
 
     def boxed_run(self, args: list[Any]) -> Any:
         self.clock.marks.clear()  # (a TimedGraph may run again)
-        asleep = None
         if self.clock.cuda:
-            asleep = torch.cuda.Event(enable_timing=True)
-            asleep.record()
-            torch.cuda._sleep(self.prefill_cycles)
+            torch.cuda._sleep(_PREFILL_CYCLES)
         self.clock.mark()
-        queued = time.perf_counter()
         out = self.module(args)
-        queued = time.perf_counter() - queued
         seconds = self.clock.intervals()
         for record, (start, end) in zip(self.records, self.spans):
             record.latency_s = sum(seconds[start:end])
-        if asleep is not None:
-            slept = asleep.elapsed_time(self.clock.marks[0]) / 1e3
-            if queued > slept > 0:  # (the GPU may have caught up with the CPU)
-                self.prefill_cycles = int(self.prefill_cycles * _PREFILL_MARGIN * queued / slept)
-                log.info(
-                    "profiling: the CPU queued %d nodes in %.3f s, the GPU slept %.3f s ahead of them; the next run "
-                    "sleeps longer",
-                    len(self.records),
-                    queued,
-                    slept,
-                )
         return out
 
 
