@@ -312,13 +312,14 @@ def test_swap_next_to_offloaded_chunks(gpu_memory_bytes):
 
 
 def test_swapped_activations_are_not_overwritten_while_copied():
-    """Activations large enough that their copies to the host outlast the kernels after them (16 MiB each: batch 8,
-    sequence 1024, hidden 1024): inductor must not hand a swapped tensor's memory to a later kernel while its
-    copy may still read it. The gradients of the all-swapped plan equal those of the plan without swapping
-    (the same kernels; the bound leaves room for fusion differences only)."""
+    """Activations large enough that their copies to the host outlast the kernels after them (32 MiB each: batch 8,
+    sequence 1024, hidden 1024, float32): inductor must not hand a swapped tensor's memory to a later kernel while
+    its copy may still read it. The gradients of the all-swapped plan equal those of the plan without swapping up
+    to fusion differences (1.5e-6 of the norm on an H200; in bfloat16 both are 1.4% from a float32 reference, too
+    coarse to see a tensor overwritten in part)."""
     import copy
 
-    model = _llama(hidden=1024, layers=4)
+    model = _llama(hidden=1024, layers=4).float()
     ids = torch.randint(0, 32000, (8, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     grads = {}
     for name, plan in (("plain", UNCHANGED["plan"]), ("swapped", {"n_swap": 4, "n_checkpoint": 0})):
@@ -331,7 +332,7 @@ def test_swapped_activations_are_not_overwritten_while_copied():
         grads[name] = [p.grad.float() for p in m.parameters()]
         assert (backend.graphs[0].swap is not None) == (name == "swapped")
     for (name, _), a, b in zip(model.named_parameters(), grads["plain"], grads["swapped"]):
-        assert (b - a).norm() <= 1e-2 * a.norm(), name
+        assert (b - a).norm() <= 1e-4 * a.norm(), name
 
 
 def test_hardware_profile_on_gpu(tmp_path):

@@ -64,7 +64,9 @@ def _storages(values: Any, dropped: dict[int, int] | None = None) -> dict[int, i
 # returns: a loss's unused logits get a zero gradient of their full size that stays for the whole backward.
 ENGINE_FREES_OUTPUT_GRADS = hasattr(torch.autograd.function.BackwardCFunction, "apply_boxed")
 
-# ~0.1 s at H100/H200 clocks: enough for the CPU to queue a graph's kernels ahead of the GPU
+# ~0.1 s at H100/H200 clocks: time for the CPU to fill CUDA's launch queue ahead of the GPU. A longer sleep queues
+# no more (the CPU then waits for room in the queue: about 500 nodes with their marks on an H200), so nodes that the
+# GPU runs faster than the CPU queues them are timed at the CPU's pace (18-28 us a node there)
 _PREFILL_CYCLES = 200_000_000
 # ~1 ms: after tensors are dropped or brought back on demand, time for the CPU to catch up with the GPU
 _REFILL_CYCLES = 2_000_000
