@@ -158,7 +158,8 @@ def setup_share(row: dict) -> float | None:
 
 def from_dump(args: argparse.Namespace) -> int:
     """`python -m bench from-dump DUMPS...`: every graph dumped below DUMPS planned again by the current planner
-    (protrain_fx/debug/from_dump.py), beside its dumped prediction and, where the dump has it, its measured steps.
+    (protrain_fx/debug/from_dump.py), beside its dumped prediction and, where the dump has it, its measured steps
+    (a run that clipped its gradients against the clipped step's prediction, as runtime/monitor.py sets them).
     `--host-as-measured`: where training measured the host AdamW, the dumped plan is timed again with the host
     that fast (what is left of the error is not the host's rate)."""
     from protrain_fx.debug.from_dump import PLANNING_FILE, plan_from_dump
@@ -192,14 +193,16 @@ def from_dump(args: argparse.Namespace) -> int:
             fields = forced
         now = plan_from_dump(folder, fields, host_adam_s_per_param=host)
         step, peak = pvm.get("measured_step_s"), pvm.get("measured_peak_bytes")
+        key = "predicted_clipped_step_s" if pvm.get("clipped") else "predicted_step_s"  # as runtime/monitor.py
+        predicted_then, predicted_now = then[key], getattr(now, key)
         lines.append(
             (
                 str(folder),
                 f"{_fields(then)} / {_fields(vars(now))}",
-                f"{then['predicted_step_s'] * 1e3:.1f}",
-                f"{now.predicted_step_s * 1e3:.1f}",
+                f"{predicted_then * 1e3:.1f}",
+                f"{predicted_now * 1e3:.1f}",
                 "-" if step is None else f"{step * 1e3:.1f}",
-                _pct(None if step is None else now.predicted_step_s / step - 1),
+                _pct(None if step is None else predicted_now / step - 1),
                 _gib(now.predicted_peak_bytes),
                 _gib(peak),
                 _pct(None if not peak else now.predicted_peak_bytes / peak - 1),

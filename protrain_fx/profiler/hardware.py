@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from protrain_fx.config import default_cache_dir
+from protrain_fx.profiler.quiet import wait_until_children_quiet
 from protrain_fx.progress import progress
 from protrain_fx.runtime.chunks import across_ranks, rank_and_world_size
 from protrain_fx.runtime.eager import eager
@@ -223,6 +224,8 @@ def measure(device: torch.device, key: dict | None = None) -> HardwareProfile:
 
 def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     pin = device.type == "cuda"
+    if pin:  # (inductor's compile workers would take the host's cores from its AdamW: profiler/quiet.py)
+        wait_until_children_quiet()
     n = COPY_BYTES // 4
     host = torch.empty(n, pin_memory=pin)
     host2 = torch.empty(n, pin_memory=pin)

@@ -37,6 +37,7 @@ from protrain_fx.profiler.fusion import classify
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
 from protrain_fx.profiler.on_demand import CALL_OPS, AbsentCounting, GraphRun, OnDemand, Replay, storage_key
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
+from protrain_fx.profiler.quiet import wait_until_children_quiet
 from protrain_fx.progress import progress
 from protrain_fx.runtime.chunks import rank_and_world_size
 from protrain_fx.runtime.eager import eager
@@ -271,6 +272,8 @@ def profile_iteration(
     )
     bar.update()
     reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    if device.type == "cuda":  # (inductor's compile workers start as the compile begins: profiler/quiet.py)
+        wait_until_children_quiet()
     for run in range(TIMED_RUNS):
         timed, *_ = _iteration(fw, bw, primals, block_map, device, None, on_demand, timed_graphs)
         bar.update()

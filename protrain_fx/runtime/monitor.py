@@ -4,7 +4,10 @@ With a dump directory, the forward graph starts with `protrain.step_mark(monitor
 step's start. After `warmup` steps it starts measuring (the peak memory counter is reset then), and after
 `steps` more it writes `predicted_vs_measured.json` next to `plan.json`: the predicted and measured step time
 (the median time between forward starts, on CUDA by events on the compute stream), peak allocated bytes and peak
-reserved bytes (CUDA only; the CPU has no allocator to ask), with their relative errors. Where chunks are
+reserved bytes (CUDA only; the CPU has no allocator to ask), with their relative errors. The step time of a model
+whose gradients are clipped (`protrain_fx.clip_grad_norm_`) is set beside the plan's `predicted_clipped_step_s`,
+a step whose clip does not apply (`"clipped": true`); one whose clip applies defers every update to
+`AdamW.step()`, which no prediction times. Where chunks are
 offloaded, also the host AdamW's median seconds per parameter over the measured steps' updates, beside the
 hardware profile's figures (alone and beside copies both ways) the plan was timed with; on CUDA a rate far outside
 them is logged as a warning: the profile, cached and reused, may have been measured while the machine was busy.
@@ -93,15 +96,19 @@ class StepMonitor:
     def _write(self) -> None:
         step_s, peak = self.measured()
         plan = self.plan
+        manager = self.manager()
+        clipped = manager is not None and manager.clip_norm_type is not None
+        predicted = plan.predicted_clipped_step_s if clipped else plan.predicted_step_s
 
         def error(predicted, measured):
             return None if predicted is None or not measured else (predicted - measured) / measured
 
         report = {
             "steps": self.steps,
-            "predicted_step_s": plan.predicted_step_s,
+            "clipped": clipped,
+            "predicted_step_s": predicted,
             "measured_step_s": step_s,
-            "step_error": error(plan.predicted_step_s, step_s),
+            "step_error": error(predicted, step_s),
             "predicted_peak_bytes": plan.predicted_peak_bytes,
             "measured_peak_bytes": peak,
             "peak_error": error(plan.predicted_peak_bytes, peak),
