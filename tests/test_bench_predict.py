@@ -60,11 +60,13 @@ def test_summary_counts_the_plans_within_the_targets():
     ]
 
 
-def _toy_dump(tmp_path):
-    """A dump of the toy model trained with one of three chunks persistent, long enough for the step monitor."""
-    model = models.build("toy", layers=3)
+def _toy_dump(tmp_path, master="float32"):
+    """A dump of the toy model trained with one of three chunks persistent, long enough for the step monitor
+    (with bfloat16 masters: the model in bfloat16)."""
+    model = models.build("toy", layers=3).to(getattr(torch, master))
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
-    options = {"executor": "eager", "dump_dir": str(tmp_path), "plan": {"n_persist": 1, "n_buffer": 2}}
+    plan = {"n_persist": 1, "n_buffer": 2, "master_dtype": master}
+    options = {"executor": "eager", "dump_dir": str(tmp_path), "plan": plan}
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
     for step in range(9):  # the step monitor reports after 8
         compiled(**models.batch("toy", seed=step)).backward()
@@ -85,14 +87,24 @@ def test_from_dump_plans_dumped_graphs_again(tmp_path, capsys):
         from_dump(argparse.Namespace(dumps=[str(tmp_path / "rank0" / "graph0" / "nothing")], plan=""))
 
 
-def test_a_dump_is_timed_again_at_the_host_rate_training_measured(tmp_path, capsys):
+@pytest.mark.parametrize("master", ["float32", "bfloat16"])
+def test_a_dump_is_timed_again_at_the_host_rate_training_measured(tmp_path, capsys, master):
     """`--host-as-measured`: the plan that ran, timed with the host AdamW as fast as training measured it. On the
-    CPU everything runs in line, so a host 10x slower adds nine times the host's share of the step."""
+    CPU everything runs in line, so a host 10x slower adds nine times the host's share of the step. The rates
+    are those of the plan's master dtype: bfloat16 masters' AdamW has its own (profiler/hardware.py)."""
     from protrain_fx.debug.from_dump import plan_from_dump
+    from protrain_fx.planner.plan import MASTER_BYTES
+    from protrain_fx.profiler.hardware import HardwareProfile
 
-    folder = _toy_dump(tmp_path)
-    measured = json.loads((folder / "predicted_vs_measured.json").read_text())["measured_host_adam_s_per_param"]
-    profiled = json.loads((folder / "planning.json").read_text())["hardware"]["host_adam_s_per_param"]
+    folder = _toy_dump(tmp_path, master)
+    report = json.loads((folder / "predicted_vs_measured.json").read_text())
+    measured = report["measured_host_adam_s_per_param"]
+    hardware = HardwareProfile.from_json(json.loads((folder / "planning.json").read_text())["hardware"])
+    profiled = hardware.host_adam_s(False, False, MASTER_BYTES[master])
+    assert report["profiled_host_adam_s_per_param"] == [
+        profiled,
+        hardware.host_adam_s(True, True, MASTER_BYTES[master]),
+    ]
     base, slow = (plan_from_dump(folder, host_adam_s_per_param=r) for r in (profiled, 10 * profiled))
     assert base.predicted_step_s == pytest.approx(plan_from_dump(folder).predicted_step_s)
     assert slow.predicted_step_s > base.predicted_step_s

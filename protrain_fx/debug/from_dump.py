@@ -99,10 +99,11 @@ def cost_model_from_dump(
     )
 
 
-def host_rate_as(hardware: HardwareProfile, s_per_param: float) -> HardwareProfile:
-    """`hardware` with its host AdamW taking `s_per_param` alone (as `predicted_vs_measured.json` reports it in
-    training), its figures beside copies and the undo copy's scaled alike."""
-    scale = s_per_param / hardware.host_adam_s_per_param
+def host_rate_as(hardware: HardwareProfile, s_per_param: float, master_bytes: int = 4) -> HardwareProfile:
+    """`hardware` with its host AdamW over masters of `master_bytes` taking `s_per_param` alone (as
+    `predicted_vs_measured.json` reports it in training), its other figures (the other dtype's, beside copies,
+    the undo copy's) scaled alike."""
+    scale = s_per_param / hardware.host_adam_s(False, False, master_bytes)
     rates = {k: getattr(hardware, k) for k in HOST_RATES}
     return dataclasses.replace(hardware, **{k: v * scale for k, v in rates.items() if v is not None})
 
@@ -125,11 +126,12 @@ def plan_from_dump(
     if (folder / GRAPHS_FILE).is_file():
         profile = classified_again(profile, json.loads((folder / GRAPHS_FILE).read_text()))
     planning = json.loads((folder / PLANNING_FILE).read_text())
+    fields = planning["forced"] if forced is None else forced
     if host_adam_s_per_param is not None:
-        hardware = host_rate_as(HardwareProfile.from_json(planning["hardware"]), host_adam_s_per_param)
+        hardware = HardwareProfile.from_json(planning["hardware"])
+        hardware = host_rate_as(hardware, host_adam_s_per_param, master_bytes(fields))
         planning = {**planning, "hardware": hardware.to_json()}
     layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
-    fields = planning["forced"] if forced is None else forced
     costs = cost_model_from_dump(profile, planning, layout, fields)
     return plan_graph(costs, fields, layout, planning["capacity_bytes"], planning["host_bytes"])
 

@@ -9,7 +9,7 @@ whose gradients are clipped (`protrain_fx.clip_grad_norm_`) is set beside the pl
 a step whose clip does not apply (`"clipped": true`); one whose clip applies defers every update to
 `AdamW.step()`, which no prediction times. Where chunks are
 offloaded, also the host AdamW's median seconds per parameter over the measured steps' updates, beside the
-hardware profile's figures (alone and beside copies both ways) the plan was timed with; on CUDA a rate far outside
+hardware profile's figures for the plan's master dtype (alone and beside copies both ways) the plan was timed with; on CUDA a rate far outside
 them is logged as a warning: the profile, cached and reused, may have been measured while the machine was busy.
 """
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from protrain_fx.config import default_cache_dir
-from protrain_fx.planner.plan import Plan
+from protrain_fx.planner.plan import MASTER_BYTES, Plan
 from protrain_fx.runtime import ops
 
 if TYPE_CHECKING:
@@ -127,7 +127,8 @@ class StepMonitor:
         if not updates or self.hardware is None:
             return {}
         measured = statistics.median(seconds / params for params, seconds in updates)
-        alone, both = self.hardware.host_adam_s_per_param, self.hardware.host_adam_both_s_per_param
+        master = MASTER_BYTES[self.plan.master_dtype]  # (bfloat16 masters update at their own rate)
+        alone, both = self.hardware.host_adam_s(False, False, master), self.hardware.host_adam_s(True, True, master)
         if self.device.type == "cuda" and not alone / HOST_RATE_SLACK <= measured <= both * HOST_RATE_SLACK:
             log.warning(
                 "the host AdamW took %.3g s/param in training; the hardware profile the plan was timed with has "
