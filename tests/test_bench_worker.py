@@ -21,7 +21,7 @@ def test_every_family_trains_eagerly(family):
 
 
 def test_recomputed_blocks_count_in_tflops():
-    result = train("protrain-chunks", ModelSpec(**TINY), plan={"n_checkpoint": 1}, **RUN)
+    result = train("protrain-chunks", ModelSpec(**TINY), plan={"n_checkpoint": 1}, executor="eager", **RUN)
     # one of two blocks recomputed: its forward (2 N_block per token) on top of 6 N
     assert result.tflops < result.tflops_recompute < result.tflops * (1 + 1 / 3)
     assert result.plan["n_checkpoint"] == 1 and result.plan["predicted_step_s"] > 0  # the plan is in the report
@@ -43,7 +43,9 @@ def test_clipped_runs_train_alike(monkeypatch):
             module, name, lambda *a, _clip=clip, _name=module.__name__, **k: calls.append(_name) or _clip(*a, **k)
         )
     run = {**RUN, "steps": 3}
-    eager, chunks = (train(system, ModelSpec(**TINY), clip=1e-3, **run) for system in ("eager", "protrain-chunks"))
+    eager, chunks = (
+        train(system, ModelSpec(**TINY), clip=1e-3, executor="eager", **run) for system in ("eager", "protrain-chunks")
+    )
     steps = len(eager.losses) + 3  # (and the 3 steps of the breakdown)
     assert calls == ["torch.nn.utils"] * steps + ["protrain_fx"] * steps, calls
     assert chunks.clip == 1e-3 and chunks.losses == pytest.approx(eager.losses, rel=1e-4)

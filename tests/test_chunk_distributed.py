@@ -180,17 +180,16 @@ def test_optimizer_state_dict_across_ranks():
 def _early_updates_worker(rank: int, world: int, rendezvous: str, errors):
     from test_chunk_parity import updates_during_the_backward_equal_updates_in_step
 
-    def both_masters():
-        for master in ("float32", "bfloat16"):
-            updates_during_the_backward_equal_updates_in_step("cpu", master)
-
-    _gloo_rank(rank, world, rendezvous, errors, both_masters)
+    _gloo_rank(
+        rank, world, rendezvous, errors, lambda: updates_during_the_backward_equal_updates_in_step("cpu", "bfloat16")
+    )
 
 
 def test_persistent_updates_during_the_backward_across_ranks():
     """Persistent chunks' updates start as their all-reduce lands (during the backward), offloaded shards' as
-    their reduce-scatter does: the same weights and states as deferring every update to `step()`, with fp32
-    masters or bf16 ones (the parameters themselves)."""
+    their reduce-scatter does: the same weights and states as deferring every update to `step()`, with bf16
+    masters (the parameters themselves, updated in place; fp32 masters are tested on one rank in
+    test_chunk_parity.py, and train across ranks like eager in test_ranks_train_like_eager)."""
     _spawn(_early_updates_worker, 2)
 
 

@@ -197,7 +197,7 @@ def test_inference_on_offloaded_chunks(executor):
     """Under no_grad AOTAutograd compiles an inference graph and runs no partitioner; the backend gives it the
     chunk passes, so it reads offloaded parameters through gather and release: eager's logits, before and
     after a training step (which republishes the chunks), with inductor's CPU kernels to 1e-5."""
-    ref = models.build("llama", layers=3)
+    ref = models.build("llama", layers=2)
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
