@@ -20,13 +20,13 @@ PARENT = (
 )
 
 
-def test_waits_while_a_grandchild_spins_and_not_after():
+def test_waits_while_grandchildren_spin_and_not_after():
     child = subprocess.Popen([sys.executable, "-c", PARENT.format(spin=SPIN.format(seconds=1.5))])
     try:
-        time.sleep(0.3)  # (both started: the grandchild spinning)
+        time.sleep(0.3)  # (all started: the grandchildren spinning)
         used = quiet.descendants_cpu_s()
         waited = quiet.wait_until_children_quiet()
-        assert quiet.descendants_cpu_s() > used  # the grandchild's seconds count
+        assert quiet.descendants_cpu_s() > used  # the grandchildren's seconds count
         assert 0.6 <= waited <= 5.0
     finally:
         child.wait()

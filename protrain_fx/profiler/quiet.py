@@ -73,7 +73,8 @@ def wait_until_children_quiet(timeout_s: float = QUIET_TIMEOUT_S) -> float:
         before = now
     if waited > 2 * QUIET_WINDOW_S:
         log.info(
-            "profiling waited %.1f s for the processes this one started (inductor's compile workers) to go quiet%s",
+            "waited %.1f s before timing, for the processes this one started (inductor's compile workers) to go "
+            "quiet%s",
             waited,
             "" if busy < QUIET_CORES else f"; after {timeout_s:.0f} s they still use {busy:.1f} cores",
         )

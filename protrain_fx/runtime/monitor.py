@@ -7,10 +7,10 @@ step's start. After `warmup` steps it starts measuring (the peak memory counter 
 reserved bytes (CUDA only; the CPU has no allocator to ask), with their relative errors. The step time of a model
 whose gradients are clipped (`protrain_fx.clip_grad_norm_`) is set beside the plan's `predicted_clipped_step_s`,
 a step whose clip does not apply (`"clipped": true`); one whose clip applies defers every update to
-`AdamW.step()`, which no prediction times. Where chunks are
-offloaded, also the host AdamW's median seconds per parameter over the measured steps' updates, beside the
-hardware profile's figures for the plan's master dtype (alone and beside copies both ways) the plan was timed with; on CUDA a rate far outside
-them is logged as a warning: the profile, cached and reused, may have been measured while the machine was busy.
+`AdamW.step()`, which no prediction times. Where chunks are offloaded, also the host AdamW's median seconds per
+parameter over the measured steps' updates, beside the hardware profile's figures for the plan's master dtype
+(alone and beside copies both ways) the plan was timed with; on CUDA a rate far outside them is logged as a
+warning: the profile, cached and reused, may have been measured while the machine was busy.
 """
 
 from __future__ import annotations
