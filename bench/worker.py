@@ -152,8 +152,9 @@ def train(
 
         breakdown = _breakdown(forward, opt, batches[-BREAKDOWN_STEPS:], device, backward)
         plan_in_force = _plan_in_force(system, step_model)
-        recomputed = _recomputed_blocks(system, plan_in_force, _module(system, model))
-        flops, flops_recompute = step_flops(_module(system, model), batch * spec.seq, recomputed)
+        module = _module(system, model)
+        recomputed = _recomputed_blocks(system, plan_in_force, module)
+        flops, flops_recompute = step_flops(module, batch * spec.seq, recomputed)
         compute_dtype = DTYPES[dtype] if cuda else torch.float32  # (bf16 matmuls on a CPU are not its peak)
         peak = matmul_tflops(device, compute_dtype)
 
