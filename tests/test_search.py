@@ -13,7 +13,17 @@ import torch
 import protrain_fx
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Config, CostModel, _HostRates, _Segment
-from protrain_fx.planner.search import SAFE_HEADROOM, TIE_REL, NoPlanFits, brute_force, plan_graph, rank, search
+from protrain_fx.planner.search import (
+    HOST_SLOWDOWN,
+    SAFE_HEADROOM,
+    TIE_REL,
+    NoPlanFits,
+    brute_force,
+    plan_graph,
+    rank,
+    search,
+    slow_host,
+)
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.runtime.chunks import HOST_STATES, MIN_GRAD_SLOTS
 
@@ -136,6 +146,28 @@ def test_ties_go_to_the_least_rewritten_plan_with_headroom_to_spare():
     assert rank(fits, 42)[0] == swapped  # (neither leaves SAFE_HEADROOM: the lower peak)
     assert rank(fits, 100)[1] == [swapped, slower]
     assert rank(fits, 100, alpha=2.0)[0] == swapped  # (headroom is of the reserved bytes: peak times alpha)
+
+
+def test_plans_are_ranked_also_with_a_slower_host():
+    """The search ranks by the mean of each plan's step time at the profiled host rate and at HOST_SLOWDOWN times
+    it: here the plan fastest at the profiled rate has the slower host hold its next forward up, and loses to
+    one that is a little slower at the profiled rate and less so beside a slower host. The plan predicts the
+    profiled host's step time, and gives the slower host's beside it."""
+    model = synthetic(seed=1)
+    capacity = _capacities(model)[3]
+    slow = slow_host(model)
+    fastest = min(brute_force(model, capacity), key=lambda f: model.step_s(f[0]))[0]  # at the profiled rate
+    layout = ChunkLayout(chunk_elems=model.chunk_elems, element_size=2, world_size=1, slots=(), n_chunk=model.n_chunk)
+    plan = plan_graph(model, {}, layout, capacity)
+    best = Config(plan.n_persist, plan.n_buffer, plan.n_swap, plan.n_checkpoint)
+    assert best != fastest
+    assert model.step_s(fastest) < model.step_s(best) < model.step_s(fastest) * 1.05
+    assert slow.step_s(best) < slow.step_s(fastest)
+    assert plan.predicted_step_s == pytest.approx(model.step_s(best))
+    assert plan.predicted_slow_host_step_s == pytest.approx(slow.step_s(best))
+    assert slow.hardware.host_adam_s(True, True) == pytest.approx(
+        HOST_SLOWDOWN * model.hardware.host_adam_s(True, True)
+    )
 
 
 def test_forced_fields_are_held():

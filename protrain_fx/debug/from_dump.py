@@ -36,12 +36,6 @@ from protrain_fx.profiler.profile import GraphProfile
 
 PLANNING_FILE = "planning.json"
 GRAPHS_FILE = "graphs.json"
-# the hardware profile's host work, seconds per parameter (AdamW alone and beside copies, the undo copy)
-HOST_RATES = tuple(
-    f.name
-    for f in dataclasses.fields(HardwareProfile)
-    if f.name.startswith("host_") and f.name.endswith("_s_per_param")
-)
 
 
 def planning_inputs(
@@ -103,9 +97,7 @@ def host_rate_as(hardware: HardwareProfile, s_per_param: float, master_bytes: in
     """`hardware` with its host AdamW over masters of `master_bytes` taking `s_per_param` alone (as
     `predicted_vs_measured.json` reports it in training), its other figures (the other dtype's, beside copies,
     the undo copy's) scaled alike."""
-    scale = s_per_param / hardware.host_adam_s(False, False, master_bytes)
-    rates = {k: getattr(hardware, k) for k in HOST_RATES}
-    return dataclasses.replace(hardware, **{k: v * scale for k, v in rates.items() if v is not None})
+    return hardware.host_slower(s_per_param / hardware.host_adam_s(False, False, master_bytes))
 
 
 def plan_from_dump(

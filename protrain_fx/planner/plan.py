@@ -48,6 +48,8 @@ class Plan:
     # does: half the optimizer's bytes, with bfloat16's rounding in every update). The user's choice, never searched
     master_dtype: str = "float32"
     predicted_step_s: float | None = None
+    # with the host's work planner/search.py's HOST_SLOWDOWN times as long as profiled: what plans are ranked by
+    predicted_slow_host_step_s: float | None = None
     predicted_clipped_step_s: float | None = None  # a step with clipping (that does not apply)
     predicted_peak_bytes: int | None = None  # allocated, as torch.cuda.max_memory_allocated counts
     predicted_reserved_bytes: int | None = None  # the peak times the fragmentation α: what must fit the GPU
@@ -77,7 +79,7 @@ def _cell(name: str, value: Any) -> str:
         return "-"
     if name == "block_modes":  # one letter a block: n(one), c(heckpoint), s(wap)
         return "".join(m[0] for m in value) or "-"
-    if name in ("predicted_step_s", "predicted_clipped_step_s"):
+    if name in ("predicted_step_s", "predicted_slow_host_step_s", "predicted_clipped_step_s"):
         return f"{value * 1e3:.1f} ms"
     if name in ("predicted_peak_bytes", "predicted_reserved_bytes", "chunk_bytes"):
         return f"{value / 2**20:.1f} MiB"

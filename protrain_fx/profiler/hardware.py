@@ -153,6 +153,13 @@ class HardwareProfile:
         """Seconds per parameter of keeping what an offloaded chunk's update changes (a copy: by its bytes)."""
         return self.host_undo_s_per_param * master_bytes / 4
 
+    def host_slower(self, scale: float) -> HardwareProfile:
+        """This profile with all its host work (the AdamW alone and beside copies, either dtype, the undo copy)
+        taking `scale` times as long."""
+        host = [f.name for f in dataclasses.fields(self) if f.name.startswith("host_") and f.name.endswith("_param")]
+        rates = {k: getattr(self, k) for k in host}
+        return dataclasses.replace(self, **{k: v * scale for k, v in rates.items() if v is not None})
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
