@@ -90,7 +90,7 @@ def runnable(systems: list[str]) -> list[str]:
 def worker(args: argparse.Namespace) -> int:
     spec = ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
     try:
-        names = ("batch", "steps", "warmup", "dtype", "seed", "data", "executor", "clip")
+        names = ("batch", "steps", "warmup", "dtype", "seed", "data", "executor", "clip", "gpu_memory_gib")
         run = {name: getattr(args, name) for name in names}
         result = train(args.system, spec, plan=json.loads(args.plan), dump_dir=args.dump_dir or None, **run)
     except Exception as e:
@@ -138,7 +138,7 @@ def _run_worker(system: str, args: argparse.Namespace, nproc: int = 1) -> dict:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
     cmd = [*(launch if nproc > 1 else [sys.executable, "-m"]), "bench", "worker", "--system", system]
     cmd += ["--dtype", args.dtype, "--plan", args.plan, "--data", args.data, "--executor", args.executor]
-    cmd += ["--dump-dir", args.dump_dir, "--clip", str(args.clip)]
+    cmd += ["--dump-dir", args.dump_dir, "--clip", str(args.clip), "--gpu-memory-gib", str(args.gpu_memory_gib)]
     cmd += [arg for name in flags for arg in (f"--{name}", str(getattr(args, name)))]
     log.info("running %s", shlex.join(cmd))
     proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)  # stderr (tqdm, logs) passes through
@@ -192,6 +192,13 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="clip the gradient norm to this before each optimizer step (protrain_fx.clip_grad_norm_ or torch's); "
         "0: no clipping (default)",
+    )
+    sizes.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=0.0,
+        help="GiB of the GPU each system may use (torch.cuda.set_per_process_memory_fraction; protrain plans for "
+        "it), e.g. 79.6 for an 80 GB H100 on a larger GPU; 0: all of it (default)",
     )
     sizes.add_argument("--dump-dir", default="", help="protrain's dump directory (protrain systems; '' for none)")
     sizes.add_argument(

@@ -83,15 +83,22 @@ def unavailable(system: str) -> str | None:
 
 
 def wrap(
-    model: nn.Module, system: str, plan: dict | None = None, dump_dir: str | None = None, executor: str = "inductor"
+    model: nn.Module,
+    system: str,
+    plan: dict | None = None,
+    dump_dir: str | None = None,
+    executor: str = "inductor",
+    gpu_memory_bytes: int | None = None,
 ) -> nn.Module:
-    dump = {"dump_dir": dump_dir} if dump_dir else {}
+    options: dict = {"dump_dir": dump_dir} if dump_dir else {}
     if executor != "inductor":  # (the eager FX executor: CPU smoke runs)
-        dump["executor"] = executor
+        options["executor"] = executor
+    if gpu_memory_bytes:  # (also where torch has no get_per_process_memory_fraction for the planner to read)
+        options["gpu_memory_bytes"] = gpu_memory_bytes
     if system == "protrain":
-        return torch.compile(model, backend="protrain", options=dump)  # everything searched
+        return torch.compile(model, backend="protrain", options=options)  # everything searched
     if system == "protrain-chunks":  # model states in chunks (protrain_fx.optim.AdamW), plan forced by --plan
-        return torch.compile(model, backend="protrain", options={"plan": plan or {}, **dump})
+        return torch.compile(model, backend="protrain", options={"plan": plan or {}, **options})
     if system in ("compile", "compile-amp"):
         return torch.compile(model)
     if system == "eager" or system in FSDP2_SYSTEMS or system in DEEPSPEED_SYSTEMS:
@@ -113,12 +120,16 @@ def train(
     dump_dir: str | None = None,
     executor: str = "inductor",
     clip: float = 0.0,
+    gpu_memory_gib: float = 0.0,
 ) -> Result:
     """Train `warmup + steps` AdamW steps of the model under `system` and measure them. `data`: "random"
     tokens or byte tokens of real "text" (bench/text.py). `clip` > 0: clip the gradient norm to it between
-    backward and step."""
+    backward and step. `gpu_memory_gib` > 0: the GPU memory the system may use (`limit_gpu_memory`)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
+    limit = int(gpu_memory_gib * 2**30)
+    if limit > 0:
+        limit_gpu_memory(device, limit)
     sharded = system in FSDP2_SYSTEMS or system in DEEPSPEED_SYSTEMS  # (they need a process group)
     distributed = sharded or int(os.environ.get("WORLD_SIZE", 1)) > 1  # (torchrun sets it)
     with _process_group(device) if distributed else contextlib.nullcontext():
@@ -126,7 +137,7 @@ def train(
         model, opt = _model_and_optimizer(system, spec, device, DTYPES[dtype], seed, batch=batch, clip=clip)
         params = parameter_count(model)
         log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
-        step_model = wrap(model, system, plan, dump_dir, executor)
+        step_model = wrap(model, system, plan, dump_dir, executor, limit)
         forward = _forward(system, step_model, device, DTYPES[dtype])
         backward = _backward(system, model, clip)
         if data == "text":
@@ -188,6 +199,19 @@ def train(
 
 
 BREAKDOWN_STEPS = 3
+
+
+def limit_gpu_memory(device: torch.device, nbytes: int) -> None:
+    """Let this process's caching allocator hold at most `nbytes` of `device` (a smaller GPU on a larger one,
+    for every system alike; protrain's planner reads the limit as its capacity: profiler/hardware.py
+    device_capacity)."""
+    if device.type != "cuda":
+        raise ValueError("--gpu-memory-gib limits a CUDA device's memory; this run has none")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    if nbytes > total:
+        raise ValueError(f"--gpu-memory-gib asks for {nbytes / 2**30:.1f} GiB; this GPU has {total / 2**30:.1f}")
+    torch.cuda.set_per_process_memory_fraction(nbytes / total, index)
 
 
 def _forward(system: str, step_model: nn.Module, device: torch.device, dtype: torch.dtype):

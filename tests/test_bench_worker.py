@@ -117,3 +117,32 @@ def test_deepspeed_trains(tmp_path):
         assert all(math.isfinite(x) for x in result["losses"]) and result["losses"][-1] < result["losses"][0]
         assert result["params"] == whole and result["clip"] == 1.0
     assert plain["tflops_recompute"] == plain["tflops"] and checkpointed["tflops_recompute"] > checkpointed["tflops"]
+
+
+def test_gpu_memory_limit_needs_a_gpu():
+    with pytest.raises(ValueError, match="limits a CUDA device's memory"):
+        train("eager", ModelSpec(**TINY), gpu_memory_gib=1.0, **RUN)
+
+
+@pytest.mark.gpu
+def test_gpu_memory_limit_holds_every_system_and_protrain_plans_for_it(tmp_path):
+    """`gpu_memory_gib`: the caching allocator may hold that much of the GPU, and protrain searches its plan
+    under it (planning.json's capacity), as on a GPU of that size."""
+    import json
+
+    import torch
+
+    import protrain_fx  # noqa: F401  (registers the "protrain" backend)
+
+    limit = 3 * 2**30
+    try:
+        result = train("protrain", ModelSpec(**TINY), gpu_memory_gib=3.0, dump_dir=str(tmp_path), **RUN)
+        total = torch.cuda.get_device_properties(0).total_memory
+        assert torch.cuda.get_per_process_memory_fraction(0) == pytest.approx(limit / total)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)  # (the GPU tests after this one have all of it)
+    [planning] = tmp_path.rglob("planning.json")
+    assert json.loads(planning.read_text())["capacity_bytes"] == limit
+    assert math.isfinite(result.loss_last)
+    with pytest.raises(ValueError, match="this GPU has"):
+        train("eager", ModelSpec(**TINY), gpu_memory_gib=total / 2**30 + 1, **RUN)
