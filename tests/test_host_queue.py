@@ -1,7 +1,8 @@
-"""The host worker runs, among the tasks whose copy has landed, the lowest chunk first, and keeps nothing
-once a task ran."""
+"""The host worker runs, among the tasks whose copy has landed, the lowest chunk first, keeps nothing once a task
+ran, and beside a GPU runs on this rank's share of the cores."""
 
 import gc
+import os
 import threading
 import weakref
 
@@ -11,7 +12,25 @@ import torch
 
 import protrain_fx
 from protrain_fx.runtime.chunks import MANAGER_ATTR
-from protrain_fx.runtime.host_queue import HostQueue
+from protrain_fx.runtime.host_queue import HostQueue, host_threads
+
+
+def test_beside_a_gpu_the_worker_runs_on_this_ranks_share_of_the_cores(monkeypatch):
+    """Two ranks of a 32-core machine under torchrun, which sets torch's thread count to 1 in each: the worker
+    runs torch's CPU kernels on 16 cores less the one left to the thread launching GPU work."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert host_threads() == 16
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (torchrun's OMP_NUM_THREADS=1)
+    try:
+        seen = []
+        queue = HostQueue(spare_core=True)
+        queue.submit(0, None, lambda: seen.append(torch.get_num_threads())).result(timeout=10)
+        queue.close()
+        assert seen == [15]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_lowest_landed_chunk_first_and_errors_reach_the_waiter():

@@ -53,7 +53,7 @@ ADAM_PARAMS = 64 * 2**20  # 1 GiB of fp32 state: past the caches, as a model chu
 ADAM_TENSORS = 16  # the host AdamW's parameters, as views of one chunk (per-tensor overhead counted)
 ADAM_STEPS = 3
 HOST_ADAM_STEPS = 5
-METHOD = 6  # how the profile is measured, in the cache key: a profile measured by older code is measured again
+METHOD = 7  # how the profile is measured, in the cache key: a profile measured by older code is measured again
 BESIDE_MATMUL_DIM = 4096  # bf16 matmuls (2·DIM x DIM by DIM x DIM) the device AdamW is timed beside
 BESIDE_MATMULS = 4  # matmul time per AdamW time alone: the AdamW ends well inside them
 KERNELS = 1000  # back-to-back tiny kernels timed for the launch floor
@@ -570,4 +570,5 @@ def least_on_every_rank(values: list[int | None], device: torch.device) -> list[
         mine = torch.tensor([unset if v is None else v for v in values], dtype=torch.int64, device=where)
         with across_ranks("the all-reduce of the GPU and host capacities the plan is searched under"):
             dist.all_reduce(mine, op=dist.ReduceOp.MIN)
-    return [None if v == unset else v for v in mine.tolist()]
+        least = mine.tolist()  # (a device-to-host copy: out of a fake mode, as planning inside the partitioner is)
+    return [None if v == unset else v for v in least]

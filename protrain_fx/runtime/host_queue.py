@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import itertools
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -21,10 +22,10 @@ import torch
 
 class HostQueue:
     def __init__(self, name: str = "protrain-cpu-adam", *, spare_core: bool = False):
-        """`spare_core`: run torch's CPU kernels on one core fewer (a process-wide setting), leaving it to the
-        thread that launches GPU work; with every core in the worker's parallel regions, that thread preempts
-        one of them and the whole region waits for it. For training on a GPU, where the main thread computes
-        nothing on the CPU."""
+        """`spare_core`: for training on a GPU, where the main thread computes nothing on the CPU: torch's CPU
+        kernels run on this rank's share of the cores (`host_threads`) but one, left to the thread that
+        launches GPU work; with every core in the worker's parallel regions, that thread preempts one of them
+        and the whole region waits for it. Without it (the CPU as the device) torch's thread count stands."""
         self._spare_core = spare_core
         self._cv = threading.Condition()
         self._tasks: dict[int, tuple[int, object, Callable[[], None], concurrent.futures.Future]] = {}
@@ -63,7 +64,7 @@ class HostQueue:
 
     def _run(self) -> None:
         if self._spare_core:
-            torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+            torch.set_num_threads(host_threads() - 1 or 1)
         while (task := self._next()) is not None:
             _, copied, fn, future = task
             del task
@@ -76,6 +77,15 @@ class HostQueue:
             else:  # handed to whoever waits for this chunk
                 future.set_exception(error)
             del future, error
+
+
+def host_threads() -> int:
+    """The cores this rank may use on the host: those the process may run on, shared among this machine's ranks
+    (torchrun's LOCAL_WORLD_SIZE). Not torch's thread count, which torchrun sets to 1 (OMP_NUM_THREADS) in every
+    rank it starts: the host AdamW of a 5.5B model on two ranks then ran on one core each, 2.5 times as long a
+    step as on one rank (docs/benchmarks.md, twenty-first session)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def _execute(copied, fn: Callable[[], None]) -> BaseException | None:
