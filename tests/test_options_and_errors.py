@@ -71,7 +71,12 @@ def test_plan_json_replays(tmp_path):
     again = protrain_fx.ProTrainBackend({"executor": "eager", "plan": str(plan_file)})
     torch.compile(models.build("toy"), backend=again)(**models.batch("toy")).backward()
     decisions = lambda p: dataclasses.replace(  # noqa: E731
-        p, predicted_step_s=None, predicted_clipped_step_s=None, predicted_peak_bytes=None, runners_up=()
+        p,
+        predicted_step_s=None,
+        predicted_slow_host_step_s=None,
+        predicted_clipped_step_s=None,
+        predicted_peak_bytes=None,
+        runners_up=(),
     )
     assert decisions(again.graphs[0].plan) == decisions(backend.graphs[0].plan)
     assert again.graphs[0].plan.runners_up == ()  # every field given: not searched
