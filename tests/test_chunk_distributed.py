@@ -30,15 +30,22 @@ def _worker(rank: int, world: int, rendezvous: str, kind: str, plan: dict, error
         torch.cuda.set_device(device)
     _join(backend, rank, world, rendezvous)
     try:
-        from test_chunk_parity import run
+        from test_chunk_parity import chunk_states, device_bytes_held, run
 
         import protrain_fx
+        from protrain_fx.planner.cost import Config
+        from protrain_fx.runtime.adopt import model_manager
 
         # a power of two averages without rounding; on GPUs the eager reference steps with CUDA's fused AdamW and
         # the offloaded chunks with the CPU's, whose roundings differ by an ulp
         exact = world & (world - 1) == 0 and backend == "gloo"
         dtype = getattr(torch, plan.get("master_dtype", "float32"))  # (bfloat16 masters: a bfloat16 model)
-        ref, model, _ = run(kind, plan, steps=4, exact=exact, device=device, dtype=dtype)
+        optimizers = []
+        ref, model, compiler = run(kind, plan, steps=4, exact=exact, device=device, dtype=dtype, optimizers=optimizers)
+        # the device holds what the planner counts, across ranks each reduce buffer's shard too
+        manager, costs = model_manager(model), compiler.graphs[0].costs
+        held = device_bytes_held(manager, chunk_states(manager, optimizers[1]))
+        assert held == costs.state_bytes(Config(manager.n_persist, manager.n_buffer)), f"rank {rank}: {held} bytes"
         state = protrain_fx.full_state_dict(model)  # a collective: every rank calls it
         for name, value in ref.state_dict().items():
             value = value.cpu()

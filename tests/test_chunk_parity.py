@@ -109,21 +109,33 @@ def test_the_cost_model_counts_what_the_chunks_hold(master_dtype):
     manager, costs = model_manager(model), backend.graphs[0].costs
     config = Config(manager.n_persist, manager.n_buffer)
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
-    states = {
-        c: [t for st in optimizers[1].live_states(manager, c).values() for k, t in st.items() if k != "step"]
-        for c in range(manager.layout.n_chunk)
-    }
-    persistent = range(manager.n_persist)
-    device = [*manager.flat.values(), *manager._device_grads, *manager.buffers, *manager._reduce_buffers]
-    device += [manager.master[c] for c in persistent if manager.master[c] is not manager.flat[c]]
-    device += [manager._landing] if manager._landing is not None else []
-    held = nbytes(device) + sum(nbytes(states[c]) for c in persistent)
-    assert costs.master_bytes == manager.master_bytes and held == costs.state_bytes(config)
+    states = chunk_states(manager, optimizers[1])
+    assert costs.master_bytes == manager.master_bytes
+    assert device_bytes_held(manager, states) == costs.state_bytes(config)
     offloaded = range(manager.n_persist, manager.layout.n_chunk)
     host = manager.arena.numel() + sum(nbytes(states[c]) for c in offloaded)
     # (the model counts a shard's AdamW states over its padding too: one rank's shard of several ranks' may hold it)
     padding = sum(manager.layout.shard_elems - costs.chunk_params[c] for c in offloaded)
     assert host == costs.host_bytes(config) - padding * 2 * manager.master_bytes
+
+
+def chunk_states(manager, optimizer) -> dict[int, list[torch.Tensor]]:
+    """Each chunk's AdamW state tensors (the step counts left out)."""
+    return {
+        c: [t for st in optimizer.live_states(manager, c).values() for k, t in st.items() if k != "step"]
+        for c in range(manager.layout.n_chunk)
+    }
+
+
+def device_bytes_held(manager, states) -> int:
+    """The device bytes of the model states `manager` holds: its chunks, gradient, chunk and reduce buffers
+    (with their shards across ranks), masters, and the persistent chunks' AdamW `states` (chunk -> tensors)."""
+    persistent = range(manager.n_persist)
+    device = [*manager.flat.values(), *manager._device_grads, *manager.buffers, *manager._reduce_buffers]
+    device += manager._reduce_shards
+    device += [manager.master[c] for c in persistent if manager.master[c] is not manager.flat[c]]
+    device += [manager._landing] if manager._landing is not None else []
+    return sum(t.numel() * t.element_size() for t in [*device, *(t for c in persistent for t in states[c])])
 
 
 def test_offloaded_parameters_hold_no_storage_and_arena_is_exact():

@@ -444,6 +444,8 @@ class CostModel:
         # what gradients are reduced in: an offloaded chunk's always, a persistent one's across several ranks
         buffered = offloaded + (config.n_persist if self.world_size > 1 else 0)
         reduce = min(REDUCE_BUFFERS, buffered) * self.chunk_elems * self.master_bytes
+        if self.world_size > 1 and offloaded:  # each buffer's shard the offloaded chunks' gradients are scattered to
+            reduce += min(REDUCE_BUFFERS, buffered) * self.shard_elems * self.master_bytes
         return persistent + buffers + landing + reduce
 
     def host_bytes(self, config: Config, grad_slots: int | None = None) -> int:

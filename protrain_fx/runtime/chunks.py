@@ -220,11 +220,10 @@ class ChunkManager:
         # (parameters, seconds) of the latest host AdamW updates (not those that also copy aside what they change):
         # what the host takes in training, set beside the hardware profile's figure (runtime/monitor.py)
         self.host_updates: collections.deque[tuple[int, float]] = collections.deque(maxlen=HOST_UPDATES_KEPT)
-        # device gradients being copied to the host, with the event that ends the copy: held until it has ended
-        # (the allocator must not hand their memory out while the copy reads it), dropped as soon as it has
-        self._copying: list[tuple[torch.cuda.Event, torch.Tensor]] = []
-        # the fp32 buffers gradients are reduced in, used in turn, and the copy to the host that last read each
+        # the fp32 buffers gradients are reduced in, used in turn, and the copy to the host that last read each (of
+        # the buffer, or across ranks of its shard: `_reduce_shards`, this rank's part of the sum, reduce-scattered)
         self._reduce_buffers: list[torch.Tensor] = []
+        self._reduce_shards: list[torch.Tensor] = []
         # as many as chunks reduce their gradients in one (every offloaded chunk, persistent ones across ranks)
         reduced = layout.n_chunk - n_persist + (n_persist if self.world_size > 1 else 0)
         self._n_reduce_buffers = max(1, min(REDUCE_BUFFERS, reduced))
@@ -432,7 +431,6 @@ class ChunkManager:
         """The chunk's parameters, whole, in a device buffer (copied in unless still resident or prefetched)."""
         assert chunk >= self.n_persist, f"chunk {chunk} is persistent: its parameters are read directly"
         self._in_use.add(chunk)
-        self._drop_copied()  # (the last gradients of the backward before are copied down by now, mostly)
         self.wait_for_update(chunk)
         if chunk in self._released:
             self._released.remove(chunk)
@@ -638,7 +636,7 @@ class ChunkManager:
             return
         if self.world_size > 1:
             with across_ranks(f"the reduce-scatter of chunk {chunk}'s gradients"):
-                shard = self._reduce_scatter(flat) / self.world_size
+                shard = self._reduce_scatter(flat, self._reduce_shards[slot]).div_(self.world_size)
         else:
             shard = flat
         self._check_finite([shard])  # (a rank's shard holds every rank's contribution to its elements)
@@ -676,11 +674,7 @@ class ChunkManager:
             # hyperparameters and gradients as of now; skipped if a gradient of the step so far is not finite
             update = self.optimizer.chunk_update(self, chunk, found_inf=found, snapshot=speculative)
 
-        self._drop_copied()
-        if shard is flat:
-            self._reduce_read[slot] = copied  # the buffer is reused once this copy has ended
-        elif copied is not None:
-            self._copying.append((copied, shard))
+        self._reduce_read[slot] = copied  # the buffer (and its shard) is reused once this copy has ended
 
         def take_in() -> None:
             """On the worker thread, once the copy has landed."""
@@ -879,32 +873,34 @@ class ChunkManager:
 
     def _reduce_buffer(self) -> tuple[torch.Tensor, int]:
         """The next of REDUCE_BUFFERS fp32 chunk buffers, zeroed, and its index. Before reusing one, the compute
-        stream waits (on the device, the CPU goes on) until the copy to the host that last read it has ended:
-        gradients waiting for the link hold no more memory than these buffers, and the backward slows down
-        instead where the copies are slower than it."""
+        stream waits (on the device, the CPU goes on) until the copy to the host that last read it (or, across
+        ranks, its shard) has ended: gradients waiting for the link hold no more memory than these buffers, and
+        the backward slows down instead where the copies are slower than it. (Shards made anew for each chunk
+        and held until their copy ended put two ranks of the 5.5B model 4.3 GiB over their plan:
+        docs/benchmarks.md, twenty-first session.)"""
         i = self._next_reduce
         self._next_reduce = (i + 1) % self._n_reduce_buffers
         if i == len(self._reduce_buffers):
             self._reduce_buffers.append(
                 torch.empty(self.layout.chunk_elems, dtype=self.master_dtype, device=self.device)
             )
+            if self.world_size > 1 and self.n_persist < self.layout.n_chunk:  # offloaded chunks' shards land here
+                self._reduce_shards.append(
+                    torch.empty(self.layout.shard_elems, dtype=self.master_dtype, device=self.device)
+                )
             self._reduce_read.append(None)
         read, self._reduce_read[i] = self._reduce_read[i], None
         if read is not None:
             torch.cuda.current_stream(self.device).wait_event(read)
         return self._reduce_buffers[i].zero_(), i
 
-    def _drop_copied(self) -> None:
-        """Let go of the device gradients whose copy to the host has ended."""
-        self._copying = [(event, t) for event, t in self._copying if not event.query()]
-
-    def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        """Sum of `flat` over ranks, this rank's shard of it (gloo has no reduce-scatter: all-reduce, then slice)."""
+    def _reduce_scatter(self, flat: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+        """`shard`, made this rank's shard of the sum of `flat` over ranks (gloo has no reduce-scatter:
+        all-reduce, then copy)."""
         if dist.get_backend() == "gloo":
             dist.all_reduce(flat)
             lo, hi = self._shard_bounds()
-            return flat[lo:hi]
-        shard = torch.empty(self.layout.shard_elems, dtype=flat.dtype, device=self.device)
+            return shard.copy_(flat[lo:hi])
         dist.reduce_scatter_tensor(shard, flat)
         return shard
 
@@ -998,7 +994,6 @@ class ChunkManager:
         if self.has_grad:  # (zero_grad before the first backward does not end the first step)
             self._first_step = False
         self.found_inf.zero_()
-        self._drop_copied()
 
     def wait_for_update(self, chunk: int | None = None) -> None:
         """Block until the CPU optimizer step of `chunk` (of every chunk if None) is done; a persistent chunk's
