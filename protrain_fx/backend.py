@@ -46,7 +46,7 @@ from protrain_fx.capture import (
 )
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import Dumper
-from protrain_fx.debug.from_dump import GRAPHS_FILE, PLANNING_FILE, planning_inputs
+from protrain_fx.debug.from_dump import GRAPHS_FILE, PLANNING_FILE, planning_inputs, retimed
 from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, PassContext, run_passes
 from protrain_fx.planner.cost import Config, CostModel, swap_interval
 from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, Plan, master_bytes
@@ -503,8 +503,13 @@ class _Partitioner(CustomPartitionerFn):
             swap = SwapSpace(device, budget_bytes=budget, upload_stream=manager.upload_stream if manager else None)
         # (a graph of no model, a loss after a graph break, has nothing to keep its monitor alive: none there)
         hardware = record.costs.hardware if record.costs is not None else None
+        retime = (
+            functools.partial(retimed, record.costs, record.planning, record.plan)
+            if record.costs is not None and record.planning is not None
+            else None
+        )
         monitor = (
-            StepMonitor(device, record.plan, dumper, manager=manager, hardware=hardware)
+            StepMonitor(device, record.plan, dumper, manager=manager, hardware=hardware, retime=retime)
             if dumper and roots.model is not None
             else None
         )

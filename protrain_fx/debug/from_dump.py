@@ -93,11 +93,14 @@ def cost_model_from_dump(
     )
 
 
-def host_rate_as(hardware: HardwareProfile, s_per_param: float, master_bytes: int = 4) -> HardwareProfile:
-    """`hardware` with its host AdamW over masters of `master_bytes` taking `s_per_param` alone (as
-    `predicted_vs_measured.json` reports it in training), its other figures (the other dtype's, beside copies,
-    the undo copy's) scaled alike."""
-    return hardware.host_slower(s_per_param / hardware.host_adam_s(False, False, master_bytes))
+def retimed(costs: CostModel, planning: Mapping[str, Any], plan: Plan, hardware: HardwareProfile) -> Plan:
+    """`plan` timed again, nothing searched, by `costs` (the cost model it was searched with) on `hardware`,
+    under the capacities of `planning` (planning.json's inputs): e.g. with the host AdamW as fast as training
+    measured it (`HardwareProfile.host_adam_as`), to tell the host's part of an error from the rest."""
+    decisions = {k: v for k, v in plan.to_json().items() if not k.startswith("predicted_") and k != "runners_up"}
+    layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
+    costs = dataclasses.replace(costs, hardware=hardware)
+    return plan_graph(costs, decisions, layout, planning["capacity_bytes"], planning["host_bytes"])
 
 
 def plan_from_dump(
@@ -106,7 +109,8 @@ def plan_from_dump(
     """The plan of the graph dumped in `graph_dir` (a `rank<r>/graph<k>` folder of a dump), searched by the
     current planner under the dumped capacities; `forced`: plan fields to force instead of the dumped ones;
     `host_adam_s_per_param`: the host AdamW's rate to plan with instead of the dumped hardware profile's
-    (`host_rate_as`), e.g. the one training measured, to tell the host's part of an error from the rest."""
+    (`HardwareProfile.host_adam_as`), e.g. the one training measured, to tell the host's part of an error from the
+    rest."""
     folder = Path(graph_dir)
     missing = [f for f in ("profile.json", PLANNING_FILE) if not (folder / f).is_file()]
     if missing:
@@ -121,7 +125,7 @@ def plan_from_dump(
     fields = planning["forced"] if forced is None else forced
     if host_adam_s_per_param is not None:
         hardware = HardwareProfile.from_json(planning["hardware"])
-        hardware = host_rate_as(hardware, host_adam_s_per_param, master_bytes(fields))
+        hardware = hardware.host_adam_as(host_adam_s_per_param, master_bytes(fields))
         planning = {**planning, "hardware": hardware.to_json()}
     layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
     costs = cost_model_from_dump(profile, planning, layout, fields)

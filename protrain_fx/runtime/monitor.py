@@ -10,7 +10,9 @@ a step whose clip does not apply (`"clipped": true`); one whose clip applies def
 `AdamW.step()`, which no prediction times. Where chunks are offloaded, also the host AdamW's median seconds per
 parameter over the measured steps' updates, beside the hardware profile's figures for the plan's master dtype
 (alone and beside copies both ways) the plan was timed with; on CUDA a rate far outside them is logged as a
-warning: the profile, cached and reused, may have been measured while the machine was busy.
+warning: the profile, cached and reused, may have been measured while the machine was busy. Given how to time
+the plan again (`retime`: debug/from_dump.py `retimed`), also the plan's step time with the host as fast as
+measured, and its error: what is left of the error is not the host's rate.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import statistics
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,13 +53,14 @@ class StepMonitor:
         *,
         manager=None,
         hardware: HardwareProfile | None = None,
+        retime: Callable[[HardwareProfile], Plan] | None = None,
         warmup: int = WARMUP_STEPS,
         steps: int = MEASURED_STEPS,
     ):
         """`manager`: the model's ChunkManager (held weakly), whose host updates are timed; `hardware`: the
-        profile the plan was timed with."""
+        profile the plan was timed with; `retime`: the plan timed again on another hardware profile."""
         self.device = torch.device(device)
-        self.plan, self.dumper, self.hardware = plan, dumper, hardware
+        self.plan, self.dumper, self.hardware, self.retime = plan, dumper, hardware, retime
         self.manager = weakref.ref(manager) if manager is not None else lambda: None
         self.warmup, self.steps = warmup, steps
         self.marks: list = []
@@ -117,6 +121,12 @@ class StepMonitor:
             "reserved_error": error(plan.predicted_reserved_bytes, self.measured_reserved()),
         }
         report.update(self._host_adam())
+        host = report.get("measured_host_adam_s_per_param")
+        if host is not None and self.retime is not None:
+            again = self.retime(self.hardware.host_adam_as(host, MASTER_BYTES[plan.master_dtype]))
+            at_host = again.predicted_clipped_step_s if clipped else again.predicted_step_s
+            report["predicted_step_s_at_measured_host"] = at_host
+            report["step_error_at_measured_host"] = error(at_host, step_s)
         self.dumper.write_json("predicted_vs_measured.json", report)
         log.info("predicted vs measured: %s", report)
 
