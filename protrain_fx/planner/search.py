@@ -127,8 +127,8 @@ def search(
     host_bytes: int | None = None,
 ):
     """The best configuration as (Config, step seconds as ranked: `ranked_step_s`, peak bytes), and the runners-up
-    likewise. `host_bytes`:
-    the host memory this rank has for offloaded chunks and swap space (None: not budgeted). Raises NoPlanFits."""
+    likewise. `host_bytes`: the host memory this rank has for offloaded chunks and swap space (None: not
+    budgeted). Raises NoPlanFits."""
     forced = dict(forced or {})
     model = dataclasses.replace(model, host_budget=host_bytes)
     fitting: list[tuple[Config, int]] = []
@@ -217,7 +217,8 @@ def brute_force(
     forced: Mapping[str, Any] | None = None,
     host_bytes: int | None = None,
 ):
-    """Every configuration (step times as ranked: `ranked_step_s`), no pruning: what `search` must agree with (tests)."""
+    """Every configuration (step times as ranked: `ranked_step_s`), no pruning: what `search` must agree with
+    (tests)."""
     forced = dict(forced or {})
     model = dataclasses.replace(model, host_budget=host_bytes)
     configs = set(itertools.chain.from_iterable(candidates(model, forced)))

@@ -64,7 +64,7 @@ class HostQueue:
 
     def _run(self) -> None:
         if self._spare_core:
-            torch.set_num_threads(host_threads() - 1 or 1)
+            torch.set_num_threads(max(1, host_threads() - 1))
         while (task := self._next()) is not None:
             _, copied, fn, future = task
             del task
