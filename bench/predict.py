@@ -162,7 +162,7 @@ def from_dump(args: argparse.Namespace) -> int:
     (a run that clipped its gradients against the clipped step's prediction, as runtime/monitor.py sets them).
     `--host-as-measured`: where training measured the host AdamW, the dumped plan is timed again with the host
     that fast (what is left of the error is not the host's rate)."""
-    from protrain_fx.debug.from_dump import PLANNING_FILE, plan_from_dump
+    from protrain_fx.debug.from_dump import PLANNING_FILE, decisions, plan_from_dump
 
     forced = json.loads(args.plan) if args.plan else None
     folders = sorted({f.parent for d in args.dumps for f in Path(d).glob(f"**/{PLANNING_FILE}")})
@@ -186,11 +186,8 @@ def from_dump(args: argparse.Namespace) -> int:
         measured = folder / "predicted_vs_measured.json"
         pvm = json.loads(measured.read_text()) if measured.is_file() else {}
         host = pvm.get("measured_host_adam_s_per_param") if args.host_as_measured else None
-        if forced is None and host is not None:  # the plan that ran, timed again
-            dumped = json.loads((folder / PLANNING_FILE).read_text())["forced"]
-            fields = {**dumped, **{k: then[k] for k in SEARCHED}}
-        else:
-            fields = forced
+        # the plan that ran, timed again (as the step monitor's `predicted_step_s_at_measured_host`)
+        fields = decisions(then) if forced is None and host is not None else forced
         now = plan_from_dump(folder, fields, host_adam_s_per_param=host)
         step, peak = pvm.get("measured_step_s"), pvm.get("measured_peak_bytes")
         key = "predicted_clipped_step_s" if pvm.get("clipped") else "predicted_step_s"  # as runtime/monitor.py

@@ -58,7 +58,7 @@ def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
     """The dump has plan.json, and after a few steps predicted_vs_measured.json (with the host AdamW's rate in
     training beside the hardware profile's, chunks being offloaded, and the plan's step time at that rate);
     plan.json given back as options={"plan": path} is the same plan, not searched again."""
-    from protrain_fx.debug.from_dump import plan_from_dump
+    from protrain_fx.debug.from_dump import decisions, plan_from_dump
 
     model = models.build("llama", layers=3)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
@@ -84,8 +84,7 @@ def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
     ]
     # the plan timed again with the host as fast as measured, as `bench from-dump --host-as-measured` times it
     host = report["measured_host_adam_s_per_param"]
-    decisions = {k: v for k, v in dumped.items() if not k.startswith("predicted_") and k != "runners_up"}
-    again = plan_from_dump(graph_dir, decisions, host_adam_s_per_param=host)
+    again = plan_from_dump(graph_dir, decisions(dumped), host_adam_s_per_param=host)
     assert report["predicted_step_s_at_measured_host"] == pytest.approx(again.predicted_step_s)
     assert report["predicted_step_s_at_measured_host"] != pytest.approx(report["predicted_step_s"])
     expected = (again.predicted_step_s - report["measured_step_s"]) / report["measured_step_s"]

@@ -93,14 +93,19 @@ def cost_model_from_dump(
     )
 
 
+def decisions(plan: Mapping[str, Any]) -> dict[str, Any]:
+    """A plan's fields (as plan.json holds them) but its predictions and runners-up: forced, they time it again
+    with nothing searched."""
+    return {k: v for k, v in plan.items() if not k.startswith("predicted_") and k != "runners_up"}
+
+
 def retimed(costs: CostModel, planning: Mapping[str, Any], plan: Plan, hardware: HardwareProfile) -> Plan:
     """`plan` timed again, nothing searched, by `costs` (the cost model it was searched with) on `hardware`,
     under the capacities of `planning` (planning.json's inputs): e.g. with the host AdamW as fast as training
     measured it (`HardwareProfile.host_adam_as`), to tell the host's part of an error from the rest."""
-    decisions = {k: v for k, v in plan.to_json().items() if not k.startswith("predicted_") and k != "runners_up"}
     layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
     costs = dataclasses.replace(costs, hardware=hardware)
-    return plan_graph(costs, decisions, layout, planning["capacity_bytes"], planning["host_bytes"])
+    return plan_graph(costs, decisions(plan.to_json()), layout, planning["capacity_bytes"], planning["host_bytes"])
 
 
 def plan_from_dump(
