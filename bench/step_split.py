@@ -8,6 +8,8 @@ The model is `bench.model`'s LLaMA-style model (`--preset`: 1b, the default, or 
 adds a `torch.profiler` table of two more steps, sorted by CPU time; `--trace` profiles two more steps into a
 chrome trace at PATH and prints how much of the copies and of the host AdamW overlaps GPU kernels, and per phase
 how long the GPU idled and the rates the copies reached beside each other and the host AdamW (`bench.trace`).
+Under `torchrun --nproc_per_node=N -m bench.step_split ...` every rank trains its own batch in one NCCL process
+group (the plan's chunks sharded across ranks, as `bench scaling` runs protrain); rank 0 prints and traces.
 `--loop` runs the phases back to back as a training loop does, synchronized once per step at its end (as `bench`'s
 worker times steps): the phases stay annotated for --trace, but only the whole step is timed, and --trace adds how
 long the GPU idled before each step's first kernel (`bench.trace.step_lead_in`).
@@ -16,10 +18,13 @@ long the GPU idled before each step's first kernel (`bench.trace.step_lead_in`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 
 import torch
+import torch.distributed as dist
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -48,6 +53,26 @@ def main() -> None:
         "--trace-match", default="protrain::cpu_adamw", help="CPU events of --trace's analysis (name substring)"
     )
     args = parser.parse_args()
+    with _ranks():
+        _run(args)
+
+
+@contextlib.contextmanager
+def _ranks():
+    """An NCCL process group of torchrun's ranks, each on its own GPU; nothing with one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        yield
+        return
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace) -> None:
+    lead = not dist.is_initialized() or dist.get_rank() == 0  # (the rank that prints and traces)
     spec = PRESETS[args.preset]
     model = build_model(spec, torch.device("cuda"), torch.bfloat16, 0)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-4)
@@ -74,13 +99,20 @@ def main() -> None:
         return [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
 
     for i in range(args.steps):
-        if args.loop:
-            print(f"step {i}: {step()[0]:.1f} ms")
+        times = step()
+        if not lead:
             continue
-        fwd, bwd, step_ms, zero = step()
+        if args.loop:
+            print(f"step {i}: {times[0]:.1f} ms")
+            continue
+        fwd, bwd, step_ms, zero = times
         print(
             f"step {i}: forward {fwd:.1f} ms, backward {bwd:.1f} ms, opt.step {step_ms:.1f} ms, zero_grad {zero:.1f} ms"
         )
+    if not lead:  # (the other ranks run the traced steps too: the collectives need them)
+        for _ in range(2 * (bool(args.profile) + bool(args.trace))):
+            step()
+        return
     if args.profile:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()

@@ -168,6 +168,7 @@ def train(
         flops, flops_recompute = step_flops(module, batch * spec.seq, recomputed)
         compute_dtype = DTYPES[dtype] if cuda else torch.float32  # (bf16 matmuls on a CPU are not its peak)
         peak = matmul_tflops(device, compute_dtype)
+        hardware = _hardware_profile(system, device)  # (in the process group: its world size is the cache key's)
 
     diverged = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
     if diverged is not None:
@@ -193,7 +194,7 @@ def train(
         breakdown_s=breakdown,
         world_size=world,
         plan=plan_in_force,
-        hardware=_hardware_profile(system, device),
+        hardware=hardware,
         clip=clip,
     )
 
