@@ -1,6 +1,7 @@
 """The hardware profile: measured on the CPU (copies, CPU AdamW, gloo), cached by key, re-measured on demand."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -43,6 +44,7 @@ def test_measured_on_cpu_and_cached(small, tmp_path, monkeypatch):
     assert profile.device_memory_bytes > 0 and profile.collectives == {}
     # nothing runs beside the CPU's AdamW (the cost model runs everything in line there)
     assert (profile.device_adam_hidden_beside_matmul, profile.device_adam_stretch_beside_matmul) == (0.0, 1.0)
+    assert (profile.collective_stretch_beside_matmul, profile.matmul_delay_beside_collective) == (1.0, 0.0)
     assert profile.key == hardware.cache_key(torch.device("cpu"))
     (written,) = (tmp_path / "hardware").iterdir()
 
@@ -58,6 +60,19 @@ def test_measured_on_cpu_and_cached(small, tmp_path, monkeypatch):
     written.write_text(json.dumps(stale))
     with pytest.raises(AssertionError, match="measured again"):
         hardware_profile(torch.device("cpu"), cache_dir=tmp_path)
+
+
+def test_a_profile_measured_by_one_of_several_local_ranks_is_not_read_by_a_rank_alone(small, tmp_path, monkeypatch):
+    """Its host AdamW ran on the rank's share of the cores: four ranks' bench workers, their process group gone,
+    once cached a world-size-1 profile with the host a fifth as fast as a rank alone found it, and the next run on
+    one GPU planned from it (docs/benchmarks.md, twenty-second session)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    shared = hardware_profile(torch.device("cpu"), cache_dir=tmp_path)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    alone = hardware_profile(torch.device("cpu"), cache_dir=tmp_path)
+    assert (shared.key["host_threads"], alone.key["host_threads"]) == (2, 8)
+    assert len(list((tmp_path / "hardware").iterdir())) == 2  # measured again, cached under its own key
 
 
 def test_measured_with_real_tensors_under_a_fake_mode(small, tmp_path, monkeypatch):

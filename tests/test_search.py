@@ -447,6 +447,36 @@ def test_persistent_updates_add_what_the_backward_does_not_hide():
             assert beside.step_bound_s(config) <= beside.step_s(config) * (1 + 1e-12), (hidden, config)
 
 
+def _two_ranks(seconds: float, stretch: float = 1.0, delay: float = 0.0) -> CostModel:
+    """`synthetic()` sharded over two ranks, whose every collective of a chunk takes `seconds` alone, `stretch`
+    times as long beside the compute, which it makes end `delay` of that later."""
+    model = synthetic(n_chunk=6)
+    points = [(2**20, seconds * 2**20 / (model.chunk_elems * 4)), (model.chunk_elems * 4, seconds)]
+    hw = dataclasses.replace(
+        model.hardware,
+        collectives=dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), points),
+        collective_stretch_beside_matmul=stretch,
+        matmul_delay_beside_collective=delay,
+    )
+    return dataclasses.replace(model, hardware=hw, world_size=2, shard_elems=model.chunk_elems // 2)
+
+
+def test_collectives_hold_the_compute_up_as_the_runtime_runs_them():
+    """An offloaded chunk's reduce-scatter holds the compute stream until it ends (runtime/chunks.py). A persistent
+    chunk's all-reduce runs on its own stream beside the next chunk's backward, which it slows by its time there
+    times the delay the profile measured (chunk 0's has no backward left beside it), and once landed costs two
+    passes over the fp32 gradient on the compute stream, which one rank does not make. On two H200s the
+    compute's kernels took 48 ms longer in a 5.5B step beside 89 ms of collectives (twenty-second session)."""
+    fast, slow = _two_ranks(0.0), _two_ranks(0.002)
+    offloaded, persistent = Config(n_persist=0, n_buffer=6), Config(n_persist=6, n_buffer=0)
+    assert slow.phases(offloaded)["backward_s"] == pytest.approx(fast.phases(offloaded)["backward_s"] + 6 * 0.002)
+    one_rank = synthetic(n_chunk=6).phases(persistent)["backward_s"]
+    passes = 2 * fast.chunk_elems * 4 / fast.hardware.device_bytes_per_s
+    assert slow.phases(persistent)["backward_s"] == pytest.approx(one_rank + 5 * passes)
+    beside = _two_ranks(0.002, stretch=2.0, delay=0.5).phases(persistent)["backward_s"]
+    assert beside == pytest.approx(one_rank + 5 * (passes + 0.002 * 2.0 * 0.5))
+
+
 def test_updates_that_wait_for_the_step_are_timed_as_a_clipped_step():
     """Where every update waits for `AdamW.step()` (loss scaling skips a step with an overflow), a step is timed
     as a clipped one none of whose offloaded chunks update during the backward: longer than one where they do."""

@@ -493,19 +493,38 @@ class CostModel:
 
     # ----- time --------------------------------------------------------------------------------------
 
-    def _gather_s(self) -> float:
-        """The all-gather of one non-persistent chunk's parameters (after its shard's upload, on the same stream)."""
+    def _gather_s(self) -> tuple[float, float]:
+        """The all-gather of one non-persistent chunk's parameters (after its shard's upload, on the same stream),
+        beside the compute: its seconds there, and the seconds it adds to the compute (`_beside_compute`)."""
         if self.world_size == 1:
-            return 0.0
-        return self.hardware.collective_s("all_gather", self.chunk_elems * self.element_size)
+            return 0.0, 0.0
+        return self._beside_compute(self.hardware.collective_s("all_gather", self.chunk_elems * self.element_size))
 
     def _reduce_s(self, chunk: int, n_persist: int) -> float:
-        """Seconds to reduce a chunk's gradient across ranks: an all-reduce where it is persistent (every
+        """Seconds to reduce a chunk's gradient across ranks, alone: an all-reduce where it is persistent (every
         rank keeps all of it), a reduce-scatter to the shards otherwise."""
         if self.world_size == 1:
             return 0.0
         op = "all_reduce" if chunk < n_persist else "reduce_scatter"
         return self.hardware.collective_s(op, self.chunk_elems * self.master_bytes)
+
+    def _all_reduce_s(self) -> tuple[float, float]:
+        """A persistent chunk's gradient all-reduce across ranks, on its own stream beside the next chunk's
+        backward: its seconds there, and the seconds it adds to the compute, with the passes over the reduce
+        buffer the runtime makes on the compute stream once it has landed (the division by the world size, the
+        copy into the chunk's gradient: read and write each; with one rank the gradient is written in place)."""
+        if self.world_size == 1:
+            return 0.0, 0.0
+        lane, slower = self._beside_compute(self._reduce_s(0, 1))
+        return lane, slower + 2 * self.chunk_elems * self.master_bytes / self.hardware.device_bytes_per_s
+
+    def _beside_compute(self, seconds: float) -> tuple[float, float]:
+        """A collective that takes `seconds` alone, run beside the compute: its time there, and how much later the
+        compute ends for it (both share the device's cores and memory: `HardwareProfile.collective_stretch_beside_matmul` and
+        `matmul_delay_beside_collective`)."""
+        hw = self.hardware
+        beside = seconds * hw.collective_stretch_beside_matmul
+        return beside, beside * hw.matmul_delay_beside_collective
 
     def step_s(self, config: Config, clipped: int | None = None) -> float:
         """Predicted seconds per training step (forward, backward and optimizer) of `config`; `clipped`: a step
@@ -594,7 +613,7 @@ class CostModel:
         loaded and the chunk before it is done, and is done no sooner than the swap-out copies beside it (their
         settle waits for them). On the CPU everything runs in line. `per`: `_per_chunk(config)`. Returns the end
         and the copies' (start, end) each way."""
-        n, persist, gather = self.n_chunk, config.n_persist, self._gather_s()
+        n, persist, (gather, slower) = self.n_chunk, config.n_persist, self._gather_s()
         shard = self.shard_elems * self.master_bytes  # an offloaded shard's master going up, its gradient down
         t, up, down, h2d, d2h = 0.0, 0.0, 0.0, [], []
         if not self.overlap:
@@ -604,13 +623,14 @@ class CostModel:
             return {"end": t, "h2d": h2d, "d2h": d2h}
         buffers, end, loaded, following = max(1, config.n_buffer), [0.0] * n, {}, persist
         for c in range(n):
+            gathers = 0  # all-gathers started beside this chunk's compute
             while following < n and following - buffers < max(c, persist):  # a buffer is free for it
                 freed = end[following - buffers] if following - buffers >= persist else 0.0
                 start = max(up, freed, ready[following] if ready is not None else 0.0)
                 up = loaded[following] = link.copy("h2d", shard, start, h2d, forward=True) + gather
-                following += 1
+                following, gathers = following + 1, gathers + 1
             start = max(t, loaded.get(c, 0.0))
-            t = start + per["forward"][c]
+            t = start + per["forward"][c] + gathers * slower
             if per["swap_out"][c]:
                 down = link.copy("d2h", per["swap_out"][c], max(down, start), d2h, forward=True)
                 t = max(t, down)
@@ -632,7 +652,8 @@ class CostModel:
         i - slots + 1 host updates have ended (`host_ends`, from the host timeline; None: not known yet). Returns
         the end of each chunk's reduce and copy, the backward's compute end, and the copies' (start, end) each
         way."""
-        n, persist, gather = self.n_chunk, config.n_persist, self._gather_s()
+        n, persist, (gather, slower) = self.n_chunk, config.n_persist, self._gather_s()
+        all_reduce, all_reduce_slower = self._all_reduce_s()
         shard = self.shard_elems * self.master_bytes  # an offloaded shard's master going up, its gradient down
         order = list(reversed(range(persist, n)))  # the non-persistent chunks, in the order the backward needs them
         buffers = max(1, config.n_buffer)
@@ -643,15 +664,16 @@ class CostModel:
         slots = self.grad_slots(config) if host_ends is not None else n - persist  # (the bound's first pass: none)
         shared = slots < n - persist
         freed = sorted(e for e in host_ends if e is not None) if shared else []  # when each shard is given back
+        beside = 0.0  # what the collectives running beside the next chunk's compute add to it
         for c in reversed(range(n)):
             done = n - 1 - c  # chunks the backward has done so far (the first len(order) are `order`)
             if self.overlap:
                 while following < len(order) and following - buffers < done:  # a buffer is free for it
                     start = max(up, end[order[following - buffers]])
                     up = loaded[order[following]] = link.copy("h2d", shard, start, h2d) + gather
-                    following += 1
+                    following, beside = following + 1, beside + slower
                 start = max(t, loaded.get(c, 0.0))
-                t = start + per["backward"][c] + per["recompute"][c]
+                t, beside = start + per["backward"][c] + per["recompute"][c] + beside, 0.0
                 if per["swap_in"][c]:
                     up = link.copy("h2d", per["swap_in"][c], max(up, start), h2d)
                     t = max(t, up)
@@ -665,7 +687,13 @@ class CostModel:
                 if shared and len(reduced) >= slots:  # a gradient shard on the host must have been given back
                     t = max(t, freed[len(reduced) - slots])
                 reduced.append(c)
-            begin = (max(t, link_free) if self.overlap else t) + self._reduce_s(c, persist)
+            if c >= persist:  # a reduce-scatter: the compute stream waits for it (runtime/chunks.py)
+                t += self._reduce_s(c, persist)
+                begin = max(t, link_free) if self.overlap else t
+            elif self.overlap:  # an all-reduce beside the next chunk's backward
+                begin, beside = max(t, link_free) + all_reduce, beside + all_reduce_slower
+            else:
+                begin = t + self._reduce_s(c, persist)
             copy = link.seconds("d2h", shard, begin) if c >= persist else 0.0
             copy_end[c] = begin + copy
             if self.overlap:

@@ -12,14 +12,16 @@ the device, and on the host as the chunk runtime runs it (on its worker thread, 
 copies each way, which share the host's memory bandwidth with it: the copies' rates then are measured too),
 over float32 masters and, on the device and on the idle host, bfloat16 ones; the device's AdamW on its own
 stream beside matmuls on another, as persistent chunks update beside the backward (how much of its time the
-matmuls hide, and how much longer it takes there); and copying an offloaded chunk's master and AdamW states aside
+matmuls hide, and how much longer it takes there); with several ranks on CUDA, all-reduces beside matmuls, as the
+chunks' collectives run beside the compute (how much longer each takes there); and copying an offloaded chunk's master and AdamW states aside
 on the host (to undo a clipped update); the device's memory (nvidia-ml-py where available, else
 `torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU copies, the CPU AdamW and
 gloo. With several ranks the measurements are reduced across ranks (slowest rank wins), so every rank plans from
 the same numbers.
 
-The cache key is the device name, its memory, the world size, the torch version and METHOD (how it is
-measured); a file measured under another key is measured again.
+The cache key is the device name, its memory, the world size, the host cores this rank's AdamW runs on
+(`host_threads`: a rank alone has all of them, one of four local ranks a quarter), the torch version and METHOD
+(how it is measured); a file measured under another key is measured again.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from protrain_fx.progress import progress
 from protrain_fx.runtime.chunks import across_ranks, rank_and_world_size
 from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.host import available_host_bytes, meminfo_bytes
-from protrain_fx.runtime.host_queue import HostQueue
+from protrain_fx.runtime.host_queue import HostQueue, host_threads
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +55,10 @@ ADAM_PARAMS = 64 * 2**20  # 1 GiB of fp32 state: past the caches, as a model chu
 ADAM_TENSORS = 16  # the host AdamW's parameters, as views of one chunk (per-tensor overhead counted)
 ADAM_STEPS = 3
 HOST_ADAM_STEPS = 5
-METHOD = 7  # how the profile is measured, in the cache key: a profile measured by older code is measured again
+METHOD = 8  # how the profile is measured, in the cache key: a profile measured by older code is measured again
 BESIDE_MATMUL_DIM = 4096  # bf16 matmuls (2·DIM x DIM by DIM x DIM) the device AdamW is timed beside
-BESIDE_MATMULS = 4  # matmul time per AdamW time alone: the AdamW ends well inside them
+BESIDE_MATMULS = 4  # matmul time per AdamW (or collectives') time alone: they end well inside them
+BESIDE_COLLECTIVES = 4  # all-reduces timed beside matmuls
 KERNELS = 1000  # back-to-back tiny kernels timed for the launch floor
 COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
 CPU_COLLECTIVE_BYTES = (2**20, 16 * 2**20)  # gloo on a few cores: larger messages only take long (extrapolated)
@@ -100,6 +103,11 @@ class HardwareProfile:
     # (0: they end later by all of it), and its own time there over its time alone (0 and 1: not measured)
     device_adam_hidden_beside_matmul: float = 0.0
     device_adam_stretch_beside_matmul: float = 1.0
+    # with several ranks, all-reduces on their own stream beside matmuls on another: the collectives' time there
+    # over their time alone, and how much later the matmuls end per second of collective beside them (1 and 0:
+    # one rank, the CPU, or not measured)
+    collective_stretch_beside_matmul: float = 1.0
+    matmul_delay_beside_collective: float = 0.0
 
     def collective_s(self, op: str, nbytes: int) -> float:
         """Time of one `op` of `nbytes` (per-rank message), linear between and beyond the measured sizes."""
@@ -183,6 +191,7 @@ def cache_key(device: torch.device) -> dict:
         "device": name,
         "device_memory_bytes": memory,
         "world_size": world_size,
+        "host_threads": host_threads(),
         "torch": torch.__version__,
         "method": METHOD,
     }
@@ -280,6 +289,8 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     measured["device_memory_bytes"] = memory
     measured["host_memory_bytes"] = available_host_bytes() or 0
     collectives = _collectives(device)
+    beside = _collective_beside_matmul(device)
+    measured["collective_stretch_beside_matmul"], measured["matmul_delay_beside_collective"] = beside
     bar.update()
     bar.close()
     measured = _slowest_rank(measured, device)
@@ -483,6 +494,55 @@ def _collectives(device: torch.device) -> dict[str, list[tuple[int, float]]]:
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             out.setdefault(op, []).append((whole.numel() * 4, float(seconds)))
     return out
+
+
+def _collective_beside_matmul(device: torch.device) -> tuple[float, float]:
+    """BESIDE_COLLECTIVES all-reduces of the largest of COLLECTIVE_BYTES, on a stream of their own beside bf16
+    matmuls on the current stream that take BESIDE_MATMULS times as long as they do alone (the median of
+    ADAM_STEPS tries), as the chunk runtime's collectives run beside the compute: their time there over their time
+    alone, and by how much longer the matmuls take, per second of collective beside them. NCCL's kernels take
+    cores (and memory bandwidth) from the matmuls: on two H200s the compute stream's kernels took 48 ms longer in a
+    5.5B step beside 89 ms of collectives (docs/benchmarks.md, twenty-second session). (1.0, 0.0) with one rank
+    or off CUDA (gloo runs on the host's cores)."""
+    _, world_size = rank_and_world_size()
+    if world_size == 1 or device.type != "cuda":
+        return 1.0, 0.0
+    whole = torch.zeros(COLLECTIVE_BYTES[-1] // 4, device=device)
+    a = torch.randn(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    b = torch.randn(BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    out = torch.empty(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+
+    def collectives() -> None:
+        for work in [dist.all_reduce(whole, async_op=True) for _ in range(BESIDE_COLLECTIVES)]:
+            work.wait()  # (the current stream waits for it on the device)
+
+    alone = _timed(collectives, device)
+    one = _timed(lambda: torch.mm(a, b, out=out), device)
+    count = torch.tensor([math.ceil(BESIDE_MATMULS * alone / one)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # (every rank's collectives run beside its matmuls throughout)
+
+    def matmuls() -> None:
+        for _ in range(int(count)):
+            torch.mm(a, b, out=out)
+
+    matmuls_alone = _timed(matmuls, device)
+    stretch, delay = [], []
+    for _ in range(ADAM_STEPS):
+        begin, ended, done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        dist.barrier()
+        begin.record(main)
+        matmuls()
+        side.wait_event(begin)
+        with torch.cuda.stream(side):
+            collectives()
+            ended.record(side)
+        done.record(main)
+        torch.cuda.synchronize(device)
+        beside = begin.elapsed_time(ended) / 1e3
+        stretch.append(max(1.0, beside / alone))
+        delay.append(max(0.0, begin.elapsed_time(done) / 1e3 - matmuls_alone) / beside)
+    return statistics.median(stretch), statistics.median(delay)
 
 
 def _collective_calls(shard: torch.Tensor, whole: torch.Tensor, world_size: int) -> dict[str, Callable[[], object]]:
