@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def _ranks():
+def _ranks() -> Iterator[None]:
     """An NCCL process group of torchrun's ranks, each on its own GPU; nothing with one process."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         yield

@@ -471,7 +471,7 @@ def test_collectives_hold_the_compute_up_as_the_runtime_runs_them():
     offloaded, persistent = Config(n_persist=0, n_buffer=6), Config(n_persist=6, n_buffer=0)
     assert slow.phases(offloaded)["backward_s"] == pytest.approx(fast.phases(offloaded)["backward_s"] + 6 * 0.002)
     one_rank = synthetic(n_chunk=6).phases(persistent)["backward_s"]
-    passes = 2 * fast.chunk_elems * 4 / fast.hardware.device_bytes_per_s
+    passes = 2 * 2 * fast.chunk_elems * 4 / fast.hardware.device_bytes_per_s  # (a pass reads and writes the chunk)
     assert slow.phases(persistent)["backward_s"] == pytest.approx(one_rank + 5 * passes)
     beside = _two_ranks(0.002, stretch=2.0, delay=0.5).phases(persistent)["backward_s"]
     assert beside == pytest.approx(one_rank + 5 * (passes + 0.002 * 2.0 * 0.5))

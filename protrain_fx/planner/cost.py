@@ -510,18 +510,20 @@ class CostModel:
 
     def _all_reduce_s(self) -> tuple[float, float]:
         """A persistent chunk's gradient all-reduce across ranks, on its own stream beside the next chunk's
-        backward: its seconds there, and the seconds it adds to the compute, with the passes over the reduce
-        buffer the runtime makes on the compute stream once it has landed (the division by the world size, the
-        copy into the chunk's gradient: read and write each; with one rank the gradient is written in place)."""
+        backward: its seconds there, and the seconds it adds to the compute, with the two passes over the reduce
+        buffer the runtime makes on the compute stream once it has landed (the division by the world size in
+        place, the copy into the chunk's gradient: each reads and writes the chunk; with one rank the gradient is
+        written in place)."""
         if self.world_size == 1:
             return 0.0, 0.0
-        lane, slower = self._beside_compute(self._reduce_s(0, 1))
-        return lane, slower + 2 * self.chunk_elems * self.master_bytes / self.hardware.device_bytes_per_s
+        nbytes = self.chunk_elems * self.master_bytes
+        lane, slower = self._beside_compute(self.hardware.collective_s("all_reduce", nbytes))
+        return lane, slower + 2 * 2 * nbytes / self.hardware.device_bytes_per_s  # (the rate counts reads and writes)
 
     def _beside_compute(self, seconds: float) -> tuple[float, float]:
         """A collective that takes `seconds` alone, run beside the compute: its time there, and how much later the
-        compute ends for it (both share the device's cores and memory: `HardwareProfile.collective_stretch_beside_matmul` and
-        `matmul_delay_beside_collective`)."""
+        compute ends for it (both share the device's cores and memory bandwidth: the hardware profile's
+        `collective_stretch_beside_matmul` and `matmul_delay_beside_collective`)."""
         hw = self.hardware
         beside = seconds * hw.collective_stretch_beside_matmul
         return beside, beside * hw.matmul_delay_beside_collective

@@ -13,9 +13,9 @@ copies each way, which share the host's memory bandwidth with it: the copies' ra
 over float32 masters and, on the device and on the idle host, bfloat16 ones; the device's AdamW on its own
 stream beside matmuls on another, as persistent chunks update beside the backward (how much of its time the
 matmuls hide, and how much longer it takes there); with several ranks on CUDA, all-reduces beside matmuls, as the
-chunks' collectives run beside the compute (how much longer each takes there); and copying an offloaded chunk's master and AdamW states aside
-on the host (to undo a clipped update); the device's memory (nvidia-ml-py where available, else
-`torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU copies, the CPU AdamW and
+chunks' collectives run beside the compute (how much longer each takes there, and how much later the matmuls
+end); and copying an offloaded chunk's master and AdamW states aside on the host (to undo a clipped update); the
+device's memory (nvidia-ml-py where available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU copies, the CPU AdamW and
 gloo. With several ranks the measurements are reduced across ranks (slowest rank wins), so every rank plans from
 the same numbers.
 
@@ -519,11 +519,12 @@ def _collective_beside_matmul(device: torch.device) -> tuple[float, float]:
 
     alone = _timed(collectives, device)
     one = _timed(lambda: torch.mm(a, b, out=out), device)
-    count = torch.tensor([math.ceil(BESIDE_MATMULS * alone / one)], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # (every rank's collectives run beside its matmuls throughout)
+    counts = torch.tensor([math.ceil(BESIDE_MATMULS * alone / one)], device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # (every rank's collectives run beside its matmuls throughout)
+    count = int(counts)
 
     def matmuls() -> None:
-        for _ in range(int(count)):
+        for _ in range(count):
             torch.mm(a, b, out=out)
 
     matmuls_alone = _timed(matmuls, device)
