@@ -160,9 +160,10 @@ def from_dump(args: argparse.Namespace) -> int:
     """`python -m bench from-dump DUMPS...`: every graph dumped below DUMPS planned again by the current planner
     (protrain_fx/debug/from_dump.py), beside its dumped prediction and, where the dump has it, its measured steps
     (a run that clipped its gradients against the clipped step's prediction, as runtime/monitor.py sets them).
-    `--host-as-measured`: where training measured the host AdamW, the dumped plan is timed again with the host
-    that fast (what is left of the error is not the host's rate)."""
-    from protrain_fx.debug.from_dump import PLANNING_FILE, decisions, plan_from_dump
+    `--host-as-measured`: where training measured the host AdamW, the dumped plan is timed again with the host's
+    work scaled by the measured over the predicted rate (`host_scale_of`: what is left of the error is not the
+    host's rate)."""
+    from protrain_fx.debug.from_dump import PLANNING_FILE, decisions, host_scale_of, plan_from_dump
 
     forced = json.loads(args.plan) if args.plan else None
     folders = sorted({f.parent for d in args.dumps for f in Path(d).glob(f"**/{PLANNING_FILE}")})
@@ -185,10 +186,10 @@ def from_dump(args: argparse.Namespace) -> int:
         then = json.loads((folder / "plan.json").read_text())
         measured = folder / "predicted_vs_measured.json"
         pvm = json.loads(measured.read_text()) if measured.is_file() else {}
-        host = pvm.get("measured_host_adam_s_per_param") if args.host_as_measured else None
+        scale = host_scale_of(folder) if args.host_as_measured else None
         # the plan that ran, timed again (as the step monitor's `predicted_step_s_at_measured_host`)
-        fields = decisions(then) if forced is None and host is not None else forced
-        now = plan_from_dump(folder, fields, host_adam_s_per_param=host)
+        fields = decisions(then) if forced is None and scale is not None else forced
+        now = plan_from_dump(folder, fields, host_scale=scale)
         step, peak = pvm.get("measured_step_s"), pvm.get("measured_peak_bytes")
         key = "predicted_clipped_step_s" if pvm.get("clipped") else "predicted_step_s"  # as runtime/monitor.py
         predicted_then, predicted_now = then[key], getattr(now, key)

@@ -89,28 +89,35 @@ def test_from_dump_plans_dumped_graphs_again(tmp_path, capsys):
 
 @pytest.mark.parametrize("master", ["float32", "bfloat16"])
 def test_a_dump_is_timed_again_at_the_host_rate_training_measured(tmp_path, capsys, master):
-    """`--host-as-measured`: the plan that ran, timed with the host AdamW as fast as training measured it. On the
-    CPU everything runs in line, so a host 10x slower adds nine times the host's share of the step. The rates
-    are those of the plan's master dtype: bfloat16 masters' AdamW has its own (profiler/hardware.py)."""
-    from protrain_fx.debug.from_dump import plan_from_dump
+    """`--host-as-measured`: the plan that ran, timed with the host's work scaled by the rate training measured
+    over the plan's predicted rate (its mean over the updates, at the rates beside the copies predicted there,
+    for the plan's master dtype: bfloat16 masters' AdamW has its own). On the CPU everything runs in line, so a
+    host 10x slower adds nine times the host's share of the step. A report written before the predicted rate was
+    kept gets it from the dumped plan."""
+    from protrain_fx.debug.from_dump import host_scale_of, plan_from_dump
     from protrain_fx.planner.plan import MASTER_BYTES
     from protrain_fx.profiler.hardware import HardwareProfile
 
     folder = _toy_dump(tmp_path, master)
     report = json.loads((folder / "predicted_vs_measured.json").read_text())
-    measured = report["measured_host_adam_s_per_param"]
     hardware = HardwareProfile.from_json(json.loads((folder / "planning.json").read_text())["hardware"])
-    profiled = hardware.host_adam_s(False, False, MASTER_BYTES[master])
     assert report["profiled_host_adam_s_per_param"] == [
-        profiled,
+        hardware.host_adam_s(False, False, MASTER_BYTES[master]),
         hardware.host_adam_s(True, True, MASTER_BYTES[master]),
     ]
-    base, slow = (plan_from_dump(folder, host_adam_s_per_param=r) for r in (profiled, 10 * profiled))
+    predicted = json.loads((folder / "plan.json").read_text())["predicted_host_adam_s_per_param"]
+    assert predicted > 0 and report["predicted_host_adam_s_per_param"] == predicted
+    scale = host_scale_of(folder)
+    assert scale == pytest.approx(report["measured_host_adam_s_per_param"] / predicted)
+    base, slow = (plan_from_dump(folder, host_scale=s) for s in (1.0, 10.0))
     assert base.predicted_step_s == pytest.approx(plan_from_dump(folder).predicted_step_s)
     assert slow.predicted_step_s > base.predicted_step_s
     assert from_dump(argparse.Namespace(dumps=[str(tmp_path)], plan="", host_as_measured=True)) == 0
     row = capsys.readouterr().out.splitlines()[-1]
-    at_measured = plan_from_dump(folder, host_adam_s_per_param=measured)
+    at_measured = plan_from_dump(folder, host_scale=scale)
     assert "1/2/0/0 / 1/2/0/0" in row and float(row.split("|")[3]) == pytest.approx(
         at_measured.predicted_step_s * 1e3, abs=0.05
     )
+    del report["predicted_host_adam_s_per_param"]  # (as an older protrain_fx wrote it)
+    (folder / "predicted_vs_measured.json").write_text(json.dumps(report))
+    assert host_scale_of(folder) == pytest.approx(scale)

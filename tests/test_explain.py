@@ -58,7 +58,7 @@ def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
     """The dump has plan.json, and after a few steps predicted_vs_measured.json (with the host AdamW's rate in
     training beside the hardware profile's, chunks being offloaded, and the plan's step time at that rate);
     plan.json given back as options={"plan": path} is the same plan, not searched again."""
-    from protrain_fx.debug.from_dump import decisions, plan_from_dump
+    from protrain_fx.debug.from_dump import decisions, host_scale_of, plan_from_dump
 
     model = models.build("llama", layers=3)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
@@ -83,8 +83,8 @@ def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
         hardware["host_adam_both_s_per_param"],
     ]
     # the plan timed again with the host as fast as measured, as `bench from-dump --host-as-measured` times it
-    host = report["measured_host_adam_s_per_param"]
-    again = plan_from_dump(graph_dir, decisions(dumped), host_adam_s_per_param=host)
+    assert report["predicted_host_adam_s_per_param"] == dumped["predicted_host_adam_s_per_param"] > 0
+    again = plan_from_dump(graph_dir, decisions(dumped), host_scale=host_scale_of(graph_dir))
     assert report["predicted_step_s_at_measured_host"] == pytest.approx(again.predicted_step_s)
     assert report["predicted_step_s_at_measured_host"] != pytest.approx(report["predicted_step_s"])
     expected = (again.predicted_step_s - report["measured_step_s"]) / report["measured_step_s"]
@@ -201,6 +201,7 @@ def test_a_host_adamw_far_from_its_profile_is_reported(caplog):
         report = monitor._host_adam()
     assert report == {
         "measured_host_adam_s_per_param": pytest.approx(2.5e-10),
+        "predicted_host_adam_s_per_param": None,  # (the plan has none)
         "profiled_host_adam_s_per_param": [2e-10, 3.5e-10],
     }
     assert not caplog.records

@@ -3,7 +3,7 @@ dump directory holds (profile.json, planning.json, graphs.json), with no model, 
 
     plan = plan_from_dump("dumps/rank0/graph0")                    # the dumped graph's forced fields
     plan = plan_from_dump("dumps/rank0/graph0", {"n_persist": 4})  # other forced fields
-    plan = plan_from_dump(folder, host_adam_s_per_param=2.7e-10)    # with the host AdamW as fast as in training
+    plan = plan_from_dump(folder, host_scale=host_scale_of(folder)) # with the host AdamW as fast as in training
     python -m bench from-dump dumps/                               # every graph below, against its measured steps
 
 So a change to the cost models can be checked against steps measured earlier (predicted_vs_measured.json, beside
@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from protrain_fx.planner.chunking import ChunkLayout
-from protrain_fx.planner.cost import CostModel
+from protrain_fx.planner.cost import Config, CostModel
 from protrain_fx.planner.plan import Plan, master_bytes
 from protrain_fx.planner.search import plan_graph
 from protrain_fx.profiler.fusion import classify, rebuild
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile
+from protrain_fx.runtime import monitor
 
 PLANNING_FILE = "planning.json"
 GRAPHS_FILE = "graphs.json"
@@ -102,21 +103,50 @@ def decisions(plan: Mapping[str, Any]) -> dict[str, Any]:
 def retimed(costs: CostModel, planning: Mapping[str, Any], plan: Plan, hardware: HardwareProfile) -> Plan:
     """`plan` timed again, nothing searched, by `costs` (the cost model it was searched with) on `hardware`,
     under the capacities of `planning` (planning.json's inputs): e.g. with the host AdamW as fast as training
-    measured it (`HardwareProfile.host_adam_as`), to tell the host's part of an error from the rest."""
+    measured it (`HardwareProfile.host_slower` by `runtime/monitor.py: host_scale`), to tell the host's part of an
+    error from the rest."""
     layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
     costs = dataclasses.replace(costs, hardware=hardware)
     return plan_graph(costs, decisions(plan.to_json()), layout, planning["capacity_bytes"], planning["host_bytes"])
 
 
 def plan_from_dump(
-    graph_dir: str | Path, forced: Mapping[str, Any] | None = None, *, host_adam_s_per_param: float | None = None
+    graph_dir: str | Path, forced: Mapping[str, Any] | None = None, *, host_scale: float | None = None
 ) -> Plan:
     """The plan of the graph dumped in `graph_dir` (a `rank<r>/graph<k>` folder of a dump), searched by the
     current planner under the dumped capacities; `forced`: plan fields to force instead of the dumped ones;
-    `host_adam_s_per_param`: the host AdamW's rate to plan with instead of the dumped hardware profile's
-    (`HardwareProfile.host_adam_as`), e.g. the one training measured, to tell the host's part of an error from the
-    rest."""
+    `host_scale`: the dumped hardware profile's host work taken as that many times as long
+    (`HardwareProfile.host_slower`), e.g. as training measured it (`host_scale_of`), to tell the host's part of
+    an error from the rest."""
+    profile, planning, layout = _read(Path(graph_dir))
+    fields = planning["forced"] if forced is None else forced
+    if host_scale is not None:
+        hardware = HardwareProfile.from_json(planning["hardware"]).host_slower(host_scale)
+        planning = {**planning, "hardware": hardware.to_json()}
+    costs = cost_model_from_dump(profile, planning, layout, fields)
+    return plan_graph(costs, fields, layout, planning["capacity_bytes"], planning["host_bytes"])
+
+
+def host_scale_of(graph_dir: str | Path) -> float | None:
+    """How many times as long the host AdamW took in the steps measured in `graph_dir` as the dumped plan's
+    prediction had it (`runtime/monitor.py: host_scale` of its predicted_vs_measured.json). A report written
+    before the prediction was kept gets it from the dumped plan timed again by the current cost model. None
+    without a measured host rate."""
     folder = Path(graph_dir)
+    measured = folder / "predicted_vs_measured.json"
+    report = json.loads(measured.read_text()) if measured.is_file() else {}
+    if report.get("measured_host_adam_s_per_param") and not report.get("predicted_host_adam_s_per_param"):
+        dumped = decisions(json.loads((folder / "plan.json").read_text()))
+        profile, planning, layout = _read(folder)
+        costs = cost_model_from_dump(profile, planning, layout, dumped)
+        config = Config(*(dumped[f.name] for f in dataclasses.fields(Config)))
+        report["predicted_host_adam_s_per_param"] = costs.host_adam_mean_s(config)
+    return monitor.host_scale(report)
+
+
+def _read(folder: Path) -> tuple[GraphProfile, dict[str, Any], ChunkLayout | None]:
+    """A graph folder's profile (its nodes classified again by the current code where graphs.json is there),
+    planning.json and chunk layout."""
     missing = [f for f in ("profile.json", PLANNING_FILE) if not (folder / f).is_file()]
     if missing:
         raise ValueError(
@@ -127,14 +157,8 @@ def plan_from_dump(
     if (folder / GRAPHS_FILE).is_file():
         profile = classified_again(profile, json.loads((folder / GRAPHS_FILE).read_text()))
     planning = json.loads((folder / PLANNING_FILE).read_text())
-    fields = planning["forced"] if forced is None else forced
-    if host_adam_s_per_param is not None:
-        hardware = HardwareProfile.from_json(planning["hardware"])
-        hardware = hardware.host_adam_as(host_adam_s_per_param, master_bytes(fields))
-        planning = {**planning, "hardware": hardware.to_json()}
     layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
-    costs = cost_model_from_dump(profile, planning, layout, fields)
-    return plan_graph(costs, fields, layout, planning["capacity_bytes"], planning["host_bytes"])
+    return profile, planning, layout
 
 
 def classified_again(profile: GraphProfile, graphs: Mapping[str, list[dict]]) -> GraphProfile:

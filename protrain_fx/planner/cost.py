@@ -536,6 +536,13 @@ class CostModel:
             return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_s"]
         return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_wait_s"]
 
+    def host_adam_mean_s(self, config: Config) -> float | None:
+        """The host AdamW's mean seconds per parameter over the offloaded chunks' updates of a step of `config`,
+        at the rates beside the copies the timelines put there: what the step monitor measures in training. None
+        where nothing is offloaded."""
+        params = sum(self.chunk_params[config.n_persist :]) / self.world_size
+        return self.phases(config)["cpu_optim_s"] / params if params else None
+
     def step_bound_s(self, config: Config) -> float:
         """A lower bound of `step_s(config)` at a fraction of its cost: the first pass of the timelines alone
         (every copy at its idle rate, which no copy beats beside other work), without the host's wait or work."""

@@ -51,6 +51,9 @@ class Plan:
     # with the host's work planner/search.py's HOST_SLOWDOWN times as long as profiled: what plans are ranked by
     predicted_slow_host_step_s: float | None = None
     predicted_clipped_step_s: float | None = None  # a step with clipping (that does not apply)
+    # the host AdamW's mean seconds per parameter in the predicted step (beside the copies predicted there), to
+    # set beside the rate training measures (runtime/monitor.py); None where nothing is offloaded
+    predicted_host_adam_s_per_param: float | None = None
     predicted_peak_bytes: int | None = None  # allocated, as torch.cuda.max_memory_allocated counts
     predicted_reserved_bytes: int | None = None  # the peak times the fragmentation α: what must fit the GPU
     runners_up: tuple[Plan, ...] = ()
@@ -81,6 +84,8 @@ def _cell(name: str, value: Any) -> str:
         return "".join(m[0] for m in value) or "-"
     if name in ("predicted_step_s", "predicted_slow_host_step_s", "predicted_clipped_step_s"):
         return f"{value * 1e3:.1f} ms"
+    if name == "predicted_host_adam_s_per_param":
+        return f"{value:.3g} s"
     if name in ("predicted_peak_bytes", "predicted_reserved_bytes", "chunk_bytes"):
         return f"{value / 2**20:.1f} MiB"
     return str(value)

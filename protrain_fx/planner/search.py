@@ -314,6 +314,7 @@ def plan_graph(
             predicted_step_s=step_s,
             predicted_slow_host_step_s=slow_host(costs).step_s(config),
             predicted_clipped_step_s=clipped_s,
+            predicted_host_adam_s_per_param=costs.host_adam_mean_s(config) if chosen else None,
             predicted_peak_bytes=peak,
             predicted_reserved_bytes=reserved,
         )

@@ -168,12 +168,6 @@ class HardwareProfile:
         rates = {k: getattr(self, k) for k in host}
         return dataclasses.replace(self, **{k: v * scale for k, v in rates.items() if v is not None})
 
-    def host_adam_as(self, s_per_param: float, master_bytes: int = 4) -> HardwareProfile:
-        """This profile with its host AdamW over masters of `master_bytes` taking `s_per_param` alone (as the
-        step monitor measures it in training), its other host figures (the other dtype's, beside copies, the
-        undo copy's) scaled alike."""
-        return self.host_slower(s_per_param / self.host_adam_s(False, False, master_bytes))
-
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 

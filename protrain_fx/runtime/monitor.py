@@ -8,11 +8,13 @@ reserved bytes (CUDA only; the CPU has no allocator to ask), with their relative
 whose gradients are clipped (`protrain_fx.clip_grad_norm_`) is set beside the plan's `predicted_clipped_step_s`,
 a step whose clip does not apply (`"clipped": true`); one whose clip applies defers every update to
 `AdamW.step()`, which no prediction times. Where chunks are offloaded, also the host AdamW's median seconds per
-parameter over the measured steps' updates, beside the hardware profile's figures for the plan's master dtype
-(alone and beside copies both ways) the plan was timed with; on CUDA a rate far outside them is logged as a
+parameter over the measured steps' updates, beside the plan's predicted mean over its updates (at the rates
+beside the copies the cost model put there) and the hardware profile's figures for the plan's master dtype (alone
+and beside copies both ways) the plan was timed with; on CUDA a rate far outside those figures is logged as a
 warning: the profile, cached and reused, may have been measured while the machine was busy. Given how to time
-the plan again (`retime`: debug/from_dump.py `retimed`), also the plan's step time with the host as fast as
-measured, and its error: what is left of the error is not the host's rate.
+the plan again (`retime`: debug/from_dump.py `retimed`), also the plan's step time with the host's work scaled by
+the measured over the predicted rate (`host_scale`), and its error: what is left of the error is not the host's
+rate.
 """
 
 from __future__ import annotations
@@ -121,9 +123,9 @@ class StepMonitor:
             "reserved_error": error(plan.predicted_reserved_bytes, self.measured_reserved()),
         }
         report.update(self._host_adam())
-        host = report.get("measured_host_adam_s_per_param")
-        if host is not None and self.retime is not None:
-            again = self.retime(self.hardware.host_adam_as(host, MASTER_BYTES[plan.master_dtype]))
+        scale = host_scale(report)
+        if scale is not None and self.retime is not None:
+            again = self.retime(self.hardware.host_slower(scale))
             at_host = again.predicted_clipped_step_s if clipped else again.predicted_step_s
             report["predicted_step_s_at_measured_host"] = at_host
             report["step_error_at_measured_host"] = error(at_host, step_s)
@@ -149,4 +151,16 @@ class StepMonitor:
                 both,
                 default_cache_dir() / "hardware",
             )
-        return {"measured_host_adam_s_per_param": measured, "profiled_host_adam_s_per_param": [alone, both]}
+        return {
+            "measured_host_adam_s_per_param": measured,
+            "predicted_host_adam_s_per_param": self.plan.predicted_host_adam_s_per_param,
+            "profiled_host_adam_s_per_param": [alone, both],
+        }
+
+
+def host_scale(report: dict) -> float | None:
+    """How many times as long the host AdamW took in training as the plan's prediction had it, from a
+    predicted_vs_measured.json report; None where it has no measured or predicted rate (nothing offloaded, or a
+    report written before the prediction was kept)."""
+    measured, predicted = report.get("measured_host_adam_s_per_param"), report.get("predicted_host_adam_s_per_param")
+    return measured / predicted if measured and predicted else None
