@@ -161,6 +161,7 @@ class StepMonitor:
 def host_scale(report: dict) -> float | None:
     """How many times as long the host AdamW took in training as the plan's prediction had it, from a
     predicted_vs_measured.json report; None where it has no measured or predicted rate (nothing offloaded, or a
-    report written before the prediction was kept)."""
+    report written before the prediction was kept). The prediction is the unclipped step's: a clipped run's
+    updates during the backward also copy aside what they change, which counts as a slower host here."""
     measured, predicted = report.get("measured_host_adam_s_per_param"), report.get("predicted_host_adam_s_per_param")
     return measured / predicted if measured and predicted else None
