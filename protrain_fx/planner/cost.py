@@ -493,20 +493,19 @@ class CostModel:
 
     # ----- time --------------------------------------------------------------------------------------
 
+    def _collective_s(self, op: str) -> float:
+        """Seconds of one collective `op` of a chunk across ranks, alone (0 with one rank): the all-gather of its
+        parameters, the all-reduce of a persistent chunk's gradient (every rank keeps all of it), the
+        reduce-scatter of an offloaded one's to the shards."""
+        if self.world_size == 1:
+            return 0.0
+        size = self.element_size if op == "all_gather" else self.master_bytes
+        return self.hardware.collective_s(op, self.chunk_elems * size)
+
     def _gather_s(self) -> tuple[float, float]:
         """The all-gather of one non-persistent chunk's parameters (after its shard's upload, on the same stream),
         beside the compute: its seconds there, and the seconds it adds to the compute (`_beside_compute`)."""
-        if self.world_size == 1:
-            return 0.0, 0.0
-        return self._beside_compute(self.hardware.collective_s("all_gather", self.chunk_elems * self.element_size))
-
-    def _reduce_s(self, chunk: int, n_persist: int) -> float:
-        """Seconds to reduce a chunk's gradient across ranks, alone: an all-reduce where it is persistent (every
-        rank keeps all of it), a reduce-scatter to the shards otherwise."""
-        if self.world_size == 1:
-            return 0.0
-        op = "all_reduce" if chunk < n_persist else "reduce_scatter"
-        return self.hardware.collective_s(op, self.chunk_elems * self.master_bytes)
+        return self._beside_compute(self._collective_s("all_gather"))
 
     def _all_reduce_s(self) -> tuple[float, float]:
         """A persistent chunk's gradient all-reduce across ranks, on its own stream beside the next chunk's
@@ -516,8 +515,8 @@ class CostModel:
         written in place)."""
         if self.world_size == 1:
             return 0.0, 0.0
+        lane, slower = self._beside_compute(self._collective_s("all_reduce"))
         nbytes = self.chunk_elems * self.master_bytes
-        lane, slower = self._beside_compute(self.hardware.collective_s("all_reduce", nbytes))
         return lane, slower + 2 * 2 * nbytes / self.hardware.device_bytes_per_s  # (the rate counts reads and writes)
 
     def _beside_compute(self, seconds: float) -> tuple[float, float]:
@@ -697,12 +696,12 @@ class CostModel:
                     t = max(t, freed[len(reduced) - slots])
                 reduced.append(c)
             if c >= persist:  # a reduce-scatter: the compute stream waits for it (runtime/chunks.py)
-                t += self._reduce_s(c, persist)
+                t += self._collective_s("reduce_scatter")
                 begin = max(t, link_free) if self.overlap else t
             elif self.overlap:  # an all-reduce beside the next chunk's backward
                 begin, beside = max(t, link_free) + all_reduce, beside + all_reduce_slower
             else:
-                begin = t + self._reduce_s(c, persist)
+                begin = t + self._collective_s("all_reduce")
             copy = link.seconds("d2h", shard, begin) if c >= persist else 0.0
             copy_end[c] = begin + copy
             if self.overlap:

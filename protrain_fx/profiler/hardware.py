@@ -15,9 +15,9 @@ stream beside matmuls on another, as persistent chunks update beside the backwar
 matmuls hide, and how much longer it takes there); with several ranks on CUDA, all-reduces beside matmuls, as the
 chunks' collectives run beside the compute (how much longer each takes there, and how much later the matmuls
 end); and copying an offloaded chunk's master and AdamW states aside on the host (to undo a clipped update); the
-device's memory (nvidia-ml-py where available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the same code measures CPU copies, the CPU AdamW and
-gloo. With several ranks the measurements are reduced across ranks (slowest rank wins), so every rank plans from
-the same numbers.
+device's memory (nvidia-ml-py where available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the
+same code measures CPU copies, the CPU AdamW and gloo. With several ranks the measurements are reduced across
+ranks (slowest rank wins), so every rank plans from the same numbers.
 
 The cache key is the device name, its memory, the world size, the host cores this rank's AdamW runs on
 (`host_threads`: a rank alone has all of them, one of four local ranks a quarter), the torch version and METHOD
@@ -360,9 +360,7 @@ def _adam_beside_matmul(device: torch.device, adam: float) -> tuple[float, float
     p = torch.zeros(ADAM_PARAMS, device=device)
     p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-    a = torch.randn(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
-    b = torch.randn(BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
-    out = torch.empty(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    mm = _bf16_matmul(device)
     side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
 
     def elapsed(fn: Callable[[], object], stream: torch.cuda.Stream) -> float:
@@ -374,12 +372,12 @@ def _adam_beside_matmul(device: torch.device, adam: float) -> tuple[float, float
         return begin.elapsed_time(end) / 1e3
 
     opt.step()  # the states are allocated in the first step
-    one = min(elapsed(lambda: torch.mm(a, b, out=out), main) for _ in range(ADAM_STEPS))
+    one = min(elapsed(mm, main) for _ in range(ADAM_STEPS))
     count = max(1, math.ceil(BESIDE_MATMULS * adam / one))
 
     def matmuls() -> None:
         for _ in range(count):
-            torch.mm(a, b, out=out)
+            mm()
 
     alone = min(elapsed(matmuls, main) for _ in range(ADAM_STEPS))
     hidden, stretch = [], []
@@ -490,6 +488,15 @@ def _collectives(device: torch.device) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def _bf16_matmul(device: torch.device) -> Callable[[], torch.Tensor]:
+    """One bf16 matmul (2·BESIDE_MATMUL_DIM x DIM by DIM x DIM) into an output of its own: the compute the
+    device's AdamW and the collectives are timed beside."""
+    a = torch.randn(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    b = torch.randn(BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    out = torch.empty(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    return lambda: torch.mm(a, b, out=out)
+
+
 def _collective_beside_matmul(device: torch.device) -> tuple[float, float]:
     """BESIDE_COLLECTIVES all-reduces of the largest of COLLECTIVE_BYTES, on a stream of their own beside bf16
     matmuls on the current stream that take BESIDE_MATMULS times as long as they do alone (the median of
@@ -502,9 +509,7 @@ def _collective_beside_matmul(device: torch.device) -> tuple[float, float]:
     if world_size == 1 or device.type != "cuda":
         return 1.0, 0.0
     whole = torch.zeros(COLLECTIVE_BYTES[-1] // 4, device=device)
-    a = torch.randn(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
-    b = torch.randn(BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
-    out = torch.empty(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    mm = _bf16_matmul(device)
     side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
 
     def collectives() -> None:
@@ -512,14 +517,14 @@ def _collective_beside_matmul(device: torch.device) -> tuple[float, float]:
             work.wait()  # (the current stream waits for it on the device)
 
     alone = _timed(collectives, device)
-    one = _timed(lambda: torch.mm(a, b, out=out), device)
+    one = _timed(mm, device)
     counts = torch.tensor([math.ceil(BESIDE_MATMULS * alone / one)], device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # (every rank's collectives run beside its matmuls throughout)
     count = int(counts)
 
     def matmuls() -> None:
         for _ in range(count):
-            torch.mm(a, b, out=out)
+            mm()
 
     matmuls_alone = _timed(matmuls, device)
     stretch, delay = [], []
