@@ -58,6 +58,11 @@ def test_summary_counts_the_plans_within_the_targets():
         f"profiling, hardware profile and search: at most {max(shares):.1%} of the first 100 steps (target under "
         "10%); searched plans: -"
     ]
+    cpu = _row(10.5, measured_s=0.1)  # the CPU measures no peak: its peak is left out of the count
+    cpu["graphs"][0]["predicted_vs_measured"].update(measured_peak_bytes=None, peak_error=None)
+    assert summary([cpu, rows[1]]).splitlines()[0] == (
+        "step time within 5%: 2 of 2; peak within 5% and never under by 2%: 1 of 1"
+    )
 
 
 def _toy_dump(tmp_path, master="float32"):
