@@ -656,6 +656,7 @@ def _cost_terms(costs: CostModel, plan: Plan) -> dict[str, Any]:
         "other_bytes": costs.other_bytes,
         "alpha": costs.alpha,
         "backward_matmul_share": costs.backward_matmul_share,
+        "matmul_stretch": costs.matmul_stretch,
         "swap_interval": costs.swap_interval,
         "block_fwd_s": costs.block_fwd_s,
         "block_bwd_s": costs.block_bwd_s,

@@ -112,6 +112,8 @@ def test_profile_against_inductor_execution():
     )
     assert abs(fused_s - meas_s) <= 0.10 * meas_s
     assert prof_peak >= 0.98 * meas_peak
+    # the matmuls' times are those at the clocks of the fastest probe (profiler/interpreter.py)
+    assert all(g.profile.matmul_clock_stretch >= 1 for g in backend.graphs if g.profile is not None)
 
 
 @pytest.mark.parametrize("plan", [{}, {"n_persist": 0, "n_buffer": 2}, {"n_persist": 1, "n_buffer": 1}])
@@ -347,6 +349,9 @@ def test_hardware_profile_on_gpu(tmp_path):
     assert profile.host_adam_both_s_per_param > profile.host_adam_s_per_param  # copies share the host's memory
     assert profile.both_beside_host_bytes_per_s < profile.h2d_bytes_per_s  # and the AdamW slows the copies
     assert 0 < profile.device_adam_hidden_beside_matmul < 1 and profile.device_adam_stretch_beside_matmul > 1
+    # matmuls measured at four shares of the device's time, never faster than in a burst
+    points = profile.matmul_stretch_sustained
+    assert len(points) == 4 and all(0 < share <= 1 and stretch >= 1 for share, stretch in points)
     # NVML's total counts memory the driver keeps for itself, which cudaMemGetInfo's total leaves out
     assert profile.device_memory_bytes == pytest.approx(torch.cuda.mem_get_info()[1], rel=0.02)
 

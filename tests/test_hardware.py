@@ -45,6 +45,7 @@ def test_measured_on_cpu_and_cached(small, tmp_path, monkeypatch):
     # nothing runs beside the CPU's AdamW (the cost model runs everything in line there)
     assert (profile.device_adam_hidden_beside_matmul, profile.device_adam_stretch_beside_matmul) == (0.0, 1.0)
     assert (profile.collective_stretch_beside_matmul, profile.matmul_delay_beside_collective) == (1.0, 0.0)
+    assert profile.matmul_stretch_sustained == () and profile.sustained_matmul_stretch(1.0) == 1.0  # no clocks
     assert profile.key == hardware.cache_key(torch.device("cpu"))
     (written,) = (tmp_path / "hardware").iterdir()
 
@@ -101,7 +102,7 @@ def test_collective_time_interpolates():
         device_adam_s_per_param=0.0, host_adam_s_per_param=0.0, host_adam_h2d_s_per_param=0.0,
         host_adam_d2h_s_per_param=0.0, host_adam_both_s_per_param=0.0, host_undo_s_per_param=0.0,
         device_memory_bytes=0, host_memory_bytes=0,
-        collectives={"all_gather": [(100, 1.0), (300, 2.0)]},
+        collectives={"all_gather": [(100, 1.0), (300, 2.0)]}, matmul_stretch_sustained=((0.5, 1.04), (1.0, 1.16)),
     )  # fmt: skip
     assert profile.collective_s("all_gather", 200) == pytest.approx(1.5)
     assert profile.collective_s("all_gather", 50) == pytest.approx(0.5)

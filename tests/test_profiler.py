@@ -185,3 +185,48 @@ def test_each_node_keeps_its_least_time_over_the_timed_runs(monkeypatch):
         profile = interpreter.profile_iteration(record.forward, record.backward, backend.inputs, record.block_map)
         assert len(timed_calls) == runs
         assert all((n.latency_s >= 1.0) == slowed for n in profile.nodes), (runs, slow_run)
+
+
+def test_clock_probes_run_between_timed_nodes_and_stay_out_of_their_times(monkeypatch):
+    """On CUDA a probe matmul runs every PROBE_EVERY timed nodes, between marks of its own (here a CPU stand-in
+    that sleeps 50 ms); each node's probe time is interpolated between the probes around it."""
+    import time
+
+    from protrain_fx.profiler import interpreter
+
+    def f(x):
+        return ((x * 2 + 1) * 3 - 1).sum()
+
+    gm = fx.symbolic_trace(f)
+    monkeypatch.setattr(interpreter, "PROBE_EVERY", 2)
+    timing = TimedGraph(
+        gm, graph_kind="forward", block_map=build_block_map(gm, FrameRoots()), device=torch.device("cpu"),
+        probe=lambda: time.sleep(0.05),
+    )  # fmt: skip
+    assert timing.boxed_run([torch.ones(10)]) == 80
+    assert [at for at, _ in timing.probe_s] == [0, 2, 4] and len(timing.records) == 5
+    assert all(t >= 0.05 for _, t in timing.probe_s)
+    assert all(r.latency_s < 0.05 for r in timing.records)
+    timing.probe_s = [(0, 1.0), (2, 3.0), (4, 4.0)]
+    assert timing.probe_at_records() == [1.0, 2.0, 3.0, 3.5, 4.0]
+
+
+def test_matmuls_keep_their_least_time_at_burst_clocks():
+    """A matmul's time in each timed run is taken at the clocks of the fastest probe of all runs (times that
+    probe's time over the probe time where it ran), then the least over the runs; other nodes, bound by memory,
+    keep their least time as run."""
+    from protrain_fx.profiler.interpreter import _least_at_burst_clocks
+    from protrain_fx.profiler.profile import NodeProfile
+
+    def nodes():
+        return [NodeProfile(n, t, "forward", "block", 0, 0.0, 0, 0, 0, 0) for n, t in (("mm", "aten.mm.default"),
+                ("add", "aten.add.Tensor"))]  # fmt: skip
+
+    latencies = [[1.2, 0.5], [1.1, 0.6]]
+    timed = nodes()
+    # the first run's probes ran 1.2 times as long as the second's: its clocks were lower
+    assert _least_at_burst_clocks(timed, latencies, [[1.2, 1.2], [1.0, 1.0]]) == pytest.approx(1.1)
+    assert [n.latency_s for n in timed] == pytest.approx([1.0, 0.5])
+    plain = nodes()  # no probes (the CPU): each node's least time as run
+    assert _least_at_burst_clocks(plain, latencies, []) == 1.0
+    assert [n.latency_s for n in plain] == [1.1, 0.5]

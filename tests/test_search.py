@@ -600,3 +600,32 @@ def test_clipped_steps_overlap_the_host_updates_where_undoing_them_pays():
     assert plan_graph(cheap, {**forced, "n_clip_overlap": 1}, layout, None).n_clip_overlap == 1
     with pytest.raises(ValueError, match="n_clip_overlap.*exceeds the 4 offloaded chunks"):
         plan_graph(cheap, {**forced, "n_clip_overlap": 5}, layout, None)
+
+
+def test_matmuls_are_timed_at_the_clocks_of_a_sustained_workload():
+    """A device at its power limit runs matmuls slower throughout training than in the profiler's short bursts,
+    more where more of its time is matmuls: the cost model stretches the matmul nodes by the hardware profile's
+    figure at the graph's matmul share, and nothing else."""
+    from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
+
+    def node(name, target, graph, block, seconds):
+        return NodeProfile(name, target, graph, "block", block, seconds, 0, 0, 0, 0)
+
+    nodes = [
+        node(f"{g}{b}{k}", target, g, b, seconds)
+        for g, blocks in (("forward", (0, 1)), ("backward", (1, 0)))
+        for b in blocks
+        for k, (target, seconds) in enumerate([("aten.mm.default", 0.003), ("aten.add.Tensor", 0.001)])
+    ]
+    profile = GraphProfile("cuda", 0.008, 0.008, 0, 0, 0, nodes, aggregate_blocks(nodes))
+    assert H100_LIKE.sustained_matmul_stretch(0.75) == 1.0  # not measured: as profiled
+    hot = dataclasses.replace(H100_LIKE, matmul_stretch_sustained=((0.5, 1.04), (1.0, 1.16)))
+    assert hot.sustained_matmul_stretch(0.25) == pytest.approx(1.02)
+    assert hot.sustained_matmul_stretch(0.75) == pytest.approx(1.10)
+    assert hot.sustained_matmul_stretch(1.0) == hot.sustained_matmul_stretch(2.0) == pytest.approx(1.16)
+    cool, warm = (CostModel.build(profile, hw, n_block=2) for hw in (H100_LIKE, hot))
+    assert cool.block_fwd_s == pytest.approx((0.004, 0.004))
+    assert warm.block_fwd_s == pytest.approx((0.003 * 1.10 + 0.001,) * 2)  # the matmul share is 0.75
+    assert warm.block_bwd_s == pytest.approx((0.003 * 1.10 + 0.001,) * 2)
+    assert warm.backward_matmul_share == pytest.approx(0.0033 / 0.0043)
+    assert (cool.matmul_stretch, warm.matmul_stretch) == (1.0, pytest.approx(1.10))

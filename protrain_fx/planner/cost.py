@@ -73,23 +73,16 @@ import bisect
 import dataclasses
 import itertools
 import math
-import re
 from collections.abc import Sequence
 
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.plan import interleaved_modes
-from protrain_fx.profiler.fusion import EXTERN
+from protrain_fx.profiler.fusion import EXTERN, is_matmul
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile
 from protrain_fx.runtime.chunks import HOST_STATES, MIN_GRAD_SLOTS, REDUCE_BUFFERS
 
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, each of the master dtype, per parameter element
-# ops (profile targets) whose kernels are bound by arithmetic, not memory: matmuls, convolutions, fused attention;
-# beside them the device's AdamW, bound by memory, runs partly hidden (`CostModel._gpu_optim_s`)
-MATMUL_OPS = re.compile(
-    r"aten\.(mm|addmm|bmm|baddbmm|convolution|convolution_backward|_scaled_dot_product_\w*attention\w*"
-    r"|_flash_attention_\w+|_efficient_attention_\w+)\."
-)
 
 
 class _HostRates:
@@ -266,7 +259,9 @@ class CostModel:
     # the persistent chunks share MIN_GRAD_SLOTS gradient buffers (the search's last resort, planner/search.py)
     share_device_grads: bool = False
     master_bytes: int = 4  # bytes per element of masters, gradients and AdamW states (the plan's master_dtype)
-    backward_matmul_share: float = 0.0  # of the backward's compute time, the share in MATMUL_OPS
+    backward_matmul_share: float = 0.0  # of the backward's compute time, the share in matmuls (fusion.is_matmul)
+    # the matmuls' time in training over their time at burst clocks, as profiled (`build`; 1: not measured)
+    matmul_stretch: float = 1.0
     # every update waits for `AdamW.step()`, as where non-finite gradients skip the step (loss scaling, by default
     # with float16; runtime/chunks.py `defer_updates`): every step is timed as a clipped one none of whose
     # offloaded chunks update during the backward
@@ -324,11 +319,18 @@ class CostModel:
                 elif reached == n_block - 1:
                     reached = n_block
                 places[i] = reached
-        for node, at in zip(profile.nodes, places):
-            seconds = node_s(node, hardware) if fused else node.latency_s
+        # Each node's time as profiled in a short burst; matmuls slower in the sustained workload of training, by
+        # the hardware profile's stretch at this graph's share of matmul time (its clocks at the power limit)
+        base = [node_s(node, hardware) if fused else node.latency_s for node in profile.nodes]
+        bound = [is_matmul(node.target) for node in profile.nodes]
+        total_s = sum(base)
+        share = sum(s for s, b in zip(base, bound) if b) / total_s if total_s > 0 else 0.0
+        stretch = hardware.sustained_matmul_stretch(share)
+        for node, at, seconds, matmul in zip(profile.nodes, places, base, bound):
+            seconds *= stretch if matmul else 1.0
             if node.graph == "backward":
                 backward_s += seconds
-                matmul_s += seconds if MATMUL_OPS.match(node.target) else 0.0
+                matmul_s += seconds if matmul else 0.0
             if node.block is None or at != node.block:
                 key = (node.graph, "post" if at == n_block else "pre")
                 other[key] += seconds
@@ -383,6 +385,7 @@ class CostModel:
             overlap=not profile.device.startswith("cpu"),
             other_bytes=other_bytes,
             backward_matmul_share=matmul_s / backward_s if backward_s > 0 else 0.0,
+            matmul_stretch=stretch,
             **chunks,
         )
 
@@ -559,7 +562,7 @@ class CostModel:
         chunk first, one at a time (runtime/chunks.py `_step_persistent_early`). Until the backward's compute ends
         (`end`) it runs beside it, `stretch` times as long as alone, and lengthens the backward by its time alone
         times 1 - hidden × matmul share: `hidden`, the share of it that matmuls hide (hardware profile), and the
-        matmul share, the backward's time in kernels bound by arithmetic (`MATMUL_OPS`; the rest, bound by memory
+        matmul share, the backward's time in kernels bound by arithmetic (`is_matmul`; the rest, bound by memory
         as the AdamW is, hides none of it). What is left of it after the backward (all of chunk 0's, reduced as
         the backward ends) adds all its time. `reduced` None: as if each but chunk 0's ran beside the backward (at
         most that is hidden: a lower bound, `step_bound_s`). `early` False (gradient clipping: updates wait for

@@ -27,6 +27,7 @@ import dataclasses
 import importlib
 import itertools
 import operator
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +51,18 @@ _LIBRARY_OPS = {
     _aten.convolution_backward.default,
 }
 _CALL_OPS = ("call_function", "call_method", "call_module")
+# ops (profile targets) whose kernels are bound by arithmetic, not memory: matmuls, convolutions, fused attention.
+# A device at its power limit slows them (planner/cost.py); beside them the device's AdamW, bound by memory, runs
+# partly hidden (`CostModel._gpu_optim_s`)
+_MATMUL_OPS = re.compile(
+    r"aten\.(mm|addmm|bmm|baddbmm|convolution|convolution_backward|_scaled_dot_product_\w*attention\w*"
+    r"|_flash_attention_\w+|_efficient_attention_\w+)\."
+)
+
+
+def is_matmul(target: str) -> bool:
+    """Whether a node of this target (`NodeProfile.target`) runs a kernel bound by arithmetic."""
+    return _MATMUL_OPS.match(target) is not None
 
 
 def _is_extern(target) -> bool:

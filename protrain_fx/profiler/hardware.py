@@ -55,11 +55,17 @@ ADAM_PARAMS = 64 * 2**20  # 1 GiB of fp32 state: past the caches, as a model chu
 ADAM_TENSORS = 16  # the host AdamW's parameters, as views of one chunk (per-tensor overhead counted)
 ADAM_STEPS = 3
 HOST_ADAM_STEPS = 5
-METHOD = 8  # how the profile is measured, in the cache key: a profile measured by older code is measured again
+METHOD = 9  # how the profile is measured, in the cache key: a profile measured by older code is measured again
 BESIDE_MATMUL_DIM = 4096  # bf16 matmuls (2·DIM x DIM by DIM x DIM) the device AdamW is timed beside
 BESIDE_MATMULS = 4  # matmul time per AdamW (or collectives') time alone: they end well inside them
 BESIDE_COLLECTIVES = 4  # all-reduces timed beside matmuls
 KERNELS = 1000  # back-to-back tiny kernels timed for the launch floor
+# matmuls' share of the device's time in the workloads `_sustained_matmul_stretch` runs, and how long each runs
+SUSTAINED_SHARES = (1.0, 0.75, 0.5, 0.25)
+SUSTAINED_S = 0.8  # long enough for the power limit to set the clocks (within ~0.3 s on an H200)
+SUSTAINED_TAIL = 0.4  # the last share of each workload, timed
+PROBE_DIM = 4096
+IDLE_CYCLES = 200_000_000  # a GPU sleep of ~0.1 s at H100/H200 clocks: long enough for the clocks to rise again
 COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
 CPU_COLLECTIVE_BYTES = (2**20, 16 * 2**20)  # gloo on a few cores: larger messages only take long (extrapolated)
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -108,6 +114,10 @@ class HardwareProfile:
     # one rank, the CPU, or not measured)
     collective_stretch_beside_matmul: float = 1.0
     matmul_delay_beside_collective: float = 0.0
+    # a matmul's time while the device has run a workload for a while, over its time in a short burst after the
+    # device idled (as the profiler times it): (share of the device's time in matmuls, that ratio), ascending by
+    # share. A device at its power limit lowers its clocks, more the more of its time goes to matmuls (empty: 1)
+    matmul_stretch_sustained: tuple[tuple[float, float], ...] = ()
 
     def collective_s(self, op: str, nbytes: int) -> float:
         """Time of one `op` of `nbytes` (per-rank message), linear between and beyond the measured sizes."""
@@ -121,6 +131,15 @@ class HardwareProfile:
                 return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
         (b0, t0), (b1, t1) = points[-2], points[-1]
         return t1 + (t1 - t0) * (nbytes - b1) / (b1 - b0)
+
+    def sustained_matmul_stretch(self, share: float) -> float:
+        """A matmul's time in a workload that spends `share` of the device's time in matmuls, over its time as
+        profiled: linear between the measured shares, 1 at share 0, the highest share's beyond it."""
+        points = [(0.0, 1.0), *self.matmul_stretch_sustained]
+        for (s0, r0), (s1, r1) in zip(points, points[1:]):
+            if share <= s1:
+                return r0 + (r1 - r0) * (share - s0) / (s1 - s0) if s1 > s0 else r1
+        return points[-1][1]
 
     def link_bytes_per_s(self, way: str, other_way: bool, host: bool) -> float:
         """The rate of copies to the device (`way` "h2d") or to the host ("d2h"), while copies run the other way
@@ -175,6 +194,7 @@ class HardwareProfile:
     def from_json(cls, data: dict) -> HardwareProfile:
         data = dict(data)
         data["collectives"] = {k: [tuple(p) for p in v] for k, v in data["collectives"].items()}
+        data["matmul_stretch_sustained"] = tuple(tuple(p) for p in data.get("matmul_stretch_sustained", ()))
         return cls(**data)
 
 
@@ -263,6 +283,7 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     device_adam = _adam_s_per_param(device)
     device_adam_bf16 = _adam_s_per_param(device, torch.bfloat16)
     hidden, stretch = _adam_beside_matmul(device, device_adam * ADAM_PARAMS)
+    sustained = _sustained_matmul_stretch(device, dev, dev2, local)
     bar.update()
     measured = {
         "h2d_bytes_per_s": h2d,
@@ -290,7 +311,9 @@ def _measure(device: torch.device, key: dict | None) -> HardwareProfile:
     measured = _slowest_rank(measured, device)
     for k in ("device_memory_bytes", "host_memory_bytes"):
         measured[k] = int(measured[k])
-    return HardwareProfile(key=key or cache_key(device), collectives=collectives, **measured)
+    return HardwareProfile(
+        key=key or cache_key(device), collectives=collectives, matmul_stretch_sustained=sustained, **measured
+    )
 
 
 def _everyone(flag: bool, device: torch.device) -> bool:
@@ -495,6 +518,57 @@ def _bf16_matmul(device: torch.device) -> Callable[[], torch.Tensor]:
     b = torch.randn(BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
     out = torch.empty(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
     return lambda: torch.mm(a, b, out=out)
+
+
+def probe_matmul(device: torch.device) -> Callable[[], torch.Tensor]:
+    """One bf16 matmul (PROBE_DIM cubed) into an output of its own: the kernel whose time tells the clocks the
+    device runs at, here (`_sustained_matmul_stretch`) and between the profiler's timed nodes."""
+    a, b, out = (torch.randn(PROBE_DIM, PROBE_DIM, device=device, dtype=torch.bfloat16) for _ in range(3))
+    return lambda: torch.mm(a, b, out=out)
+
+
+def _sustained_matmul_stretch(
+    device: torch.device, a: torch.Tensor, b: torch.Tensor, device_bytes_per_s: float
+) -> tuple[tuple[float, float], ...]:
+    """`probe_matmul`s in workloads that give them each of SUSTAINED_SHARES of the device's time, the rest copies
+    from `a` to `b` (bound by memory, as fused kernels are), each run for SUSTAINED_S: the share the matmuls
+    took and their median time over the workload's last SUSTAINED_TAIL, over their least time in a short burst
+    after the device idled (as the profiler's probes are, profiler/interpreter.py). An H200 at its 700 W limit
+    ran bf16 matmuls 16% slower throughout than in a burst, 4% at about half the time in copies (docs/
+    benchmarks.md, twenty-third session). With several ranks: each share's mean and stretch's highest over the
+    ranks. Empty off CUDA."""
+    if device.type != "cuda":
+        return ()
+    mm = probe_matmul(device)
+
+    def timed(copies: int, count: int) -> tuple[list[float], float]:
+        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)]
+        for begin, end in marks:
+            begin.record()
+            mm()
+            end.record()
+            for _ in range(copies):
+                b.copy_(a)
+        torch.cuda.synchronize(device)
+        tail = marks[int(count * (1 - SUSTAINED_TAIL)) :]
+        return [begin.elapsed_time(end) / 1e3 for begin, end in tail], tail[0][0].elapsed_time(tail[-1][1]) / 1e3
+
+    timed(0, 10)
+    torch.cuda._sleep(IDLE_CYCLES)
+    burst = min(timed(0, 25)[0])
+    copy_s = 2 * a.nbytes / device_bytes_per_s
+    points = []
+    for share in SUSTAINED_SHARES:
+        copies = round(burst * (1 - share) / share / copy_s)
+        times, window = timed(copies, max(10, math.ceil(SUSTAINED_S / (burst + copies * copy_s))))
+        points.append([sum(times) / window, statistics.median(times) / burst])
+    _, world_size = rank_and_world_size()
+    if world_size > 1:
+        shares, stretches = torch.tensor(points, dtype=torch.float64, device=device).T.contiguous()
+        dist.all_reduce(shares)
+        dist.all_reduce(stretches, op=dist.ReduceOp.MAX)
+        points = [[s / world_size, r] for s, r in zip(shares.tolist(), stretches.tolist())]
+    return tuple(sorted((min(1.0, s), max(1.0, r)) for s, r in points))
 
 
 def _collective_beside_matmul(device: torch.device) -> tuple[float, float]:

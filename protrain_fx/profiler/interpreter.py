@@ -14,16 +14,19 @@ small kernel takes:
   GPU time of each node's kernels; on CPU they are `time.perf_counter` readings. Each node keeps its least
   time over TIMED_RUNS timed iterations: whatever else runs on the machine only adds to a node's time, and
   one slow stretch of one iteration (the first profile on a fresh machine) once put 13 ms into a 1B model's
-  backward.
+  backward. On CUDA a probe matmul runs every PROBE_EVERY nodes between two marks of its own: a device near its
+  power limit lowers its clocks as a run goes on, so each matmul's time is taken as at the clocks of the fastest
+  probe (`_least_at_burst_clocks`), and the cost model prices training's clocks from the hardware profile.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,7 +36,8 @@ from torch.fx.graph import _BoxedCodeGen
 from torch.utils._pytree import tree_leaves
 
 from protrain_fx.capture import OUTSIDE, BlockMap
-from protrain_fx.profiler.fusion import classify
+from protrain_fx.profiler.fusion import classify, is_matmul
+from protrain_fx.profiler.hardware import IDLE_CYCLES, probe_matmul
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
 from protrain_fx.profiler.on_demand import CALL_OPS, AbsentCounting, GraphRun, OnDemand, Replay, storage_key
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
@@ -45,6 +49,7 @@ from protrain_fx.runtime.eager import eager
 log = logging.getLogger(__name__)
 
 TIMED_RUNS = 3  # timed iterations; each node keeps its least time
+PROBE_EVERY = 64  # timed nodes between two probes of the clocks (a `probe_matmul`: ~0.2 ms on an H200)
 
 
 def _storages(values: Any, dropped: dict[int, int] | None = None) -> dict[int, int]:
@@ -65,10 +70,10 @@ def _storages(values: Any, dropped: dict[int, int] | None = None) -> dict[int, i
 # returns: a loss's unused logits get a zero gradient of their full size that stays for the whole backward.
 ENGINE_FREES_OUTPUT_GRADS = hasattr(torch.autograd.function.BackwardCFunction, "apply_boxed")
 
-# ~0.1 s at H100/H200 clocks: time for the CPU to fill CUDA's launch queue ahead of the GPU. A longer sleep queues
+# time for the CPU to fill CUDA's launch queue ahead of the GPU (~0.1 s at H100/H200 clocks). A longer sleep queues
 # no more (the CPU then waits for room in the queue: about 500 nodes with their marks on an H200), so nodes that the
 # GPU runs faster than the CPU queues them are timed at the CPU's pace (18-28 us a node there)
-_PREFILL_CYCLES = 200_000_000
+_PREFILL_CYCLES = IDLE_CYCLES
 # ~1 ms: after tensors are dropped or brought back on demand, time for the CPU to catch up with the GPU
 _REFILL_CYCLES = 2_000_000
 
@@ -129,15 +134,19 @@ class TimedGraph:
         block_map: BlockMap,
         device: torch.device,
         replay: Replay | None = None,
+        probe: Callable[[], object] | None = None,
     ):
         self.clock = _Clock(device)
         self.replay = replay
+        self.probe = probe
         graph = fx.Graph()
         graph.set_codegen(_BoxedCodeGen())
         env: dict[fx.Node, fx.Node] = {}
         named = {n.name: n for n in gm.graph.nodes}
         self.records: list[NodeProfile] = []
         self.spans: list[tuple[int, int]] = []  # per record: the marks before and after its node
+        self.probe_spans: list[tuple[int, int, int]] = []  # per probe: the record it ran before, its two marks
+        self.probe_s: list[tuple[int, float]] = []  # per probe in the last run: that record, its seconds
         marks = 1  # boxed_run's first
 
         def values(events):  # the copied nodes of (node name, tensor leaf) events
@@ -145,6 +154,11 @@ class TimedGraph:
 
         for node in gm.graph.nodes:
             i = len(self.records)
+            if node.op in CALL_OPS and probe is not None and i % PROBE_EVERY == 0:
+                graph.call_function(probe)
+                graph.call_function(self.clock.mark)
+                self.probe_spans.append((i, marks - 1, marks))
+                marks += 1
             if node.op in CALL_OPS and replay is not None:
                 drops, fetches = values(replay.drop_after.get(i - 1, ())), values(replay.fetch_before.get(i, ()))
                 if drops or fetches:
@@ -173,6 +187,23 @@ class TimedGraph:
         seconds = self.clock.intervals()
         for record, (start, end) in zip(self.records, self.spans):
             record.latency_s = sum(seconds[start:end])
+        self.probe_s = [(i, sum(seconds[start:end])) for i, start, end in self.probe_spans]
+        return out
+
+    def probe_at_records(self) -> list[float]:
+        """Per record, the last run's probe time there: linear between the probes around it, the last one's after
+        it (one runs before the first record)."""
+        at = [i for i, _ in self.probe_s]
+        seconds = [t for _, t in self.probe_s]
+        if not at:  # (a graph with no node to time)
+            return [0.0] * len(self.records)
+        out = []
+        for i in range(len(self.records)):
+            k = bisect.bisect_right(at, i) - 1  # the last probe before record i
+            if k + 1 == len(at):
+                out.append(seconds[k])
+            else:
+                out.append(seconds[k] + (seconds[k + 1] - seconds[k]) * (i - at[k]) / (at[k + 1] - at[k]))
         return out
 
 
@@ -274,13 +305,16 @@ def profile_iteration(
     reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     if device.type == "cuda":  # (inductor's compile workers start as the compile begins: profiler/quiet.py)
         wait_until_children_quiet()
-    for run in range(TIMED_RUNS):
+    latencies, probes = [], []
+    for _ in range(TIMED_RUNS):
         timed, *_ = _iteration(fw, bw, primals, block_map, device, None, on_demand, timed_graphs)
         bar.update()
         assert [r.name for r in timed] == [r.name for r in nodes], "timing and memory runs saw different nodes"
-        for record, t in zip(nodes, timed):
-            record.latency_s = t.latency_s if run == 0 else min(record.latency_s, t.latency_s)
+        latencies.append([t.latency_s for t in timed])
+        if device.type == "cuda":
+            probes.append([t for kind in ("forward", "backward") for t in timed_graphs[kind].probe_at_records()])
     bar.close()
+    clock_stretch = _least_at_burst_clocks(nodes, latencies, probes)
     by_graph = {"forward": fw, "backward": bw}
     for kind, gm in by_graph.items():
         named = {r.name: r for r in nodes if r.graph == kind}
@@ -299,6 +333,7 @@ def profile_iteration(
         blocks=aggregate_blocks(nodes),
         reserved_bytes=reserved,
         measured_peak_bytes=tracker.measured_peak if on_demand is not None else peak,
+        matmul_clock_stretch=clock_stretch,
     )
     log.info(
         "profiled %d nodes on %s: forward %.2f ms, backward %.2f ms, peak %.1f MiB, saved activations %.1f MiB",
@@ -310,6 +345,25 @@ def profile_iteration(
         saved_bytes / 2**20,
     )
     return profile
+
+
+def _least_at_burst_clocks(nodes: list[NodeProfile], latencies: list[list[float]], probes: list[list[float]]) -> float:
+    """Set each node's latency_s to its least over the timed runs (`latencies`, per run and node), matmuls'
+    (`is_matmul`) each as at the clocks of a short burst: times the least probe time over the runs, over the
+    probe time where it ran (`probes`, per run and node; none on the CPU). A device near its power limit lowers
+    its clocks as a run goes on, and how far differs from run to run and machine to machine (the same 1B model's
+    matmuls profiled 69-75 ms a step on one H200); the cost model prices the clocks of training from the hardware
+    profile (`HardwareProfile.sustained_matmul_stretch`). Returns the matmuls' least time as run over their time
+    at burst clocks (1 on the CPU)."""
+    burst = min((t for run in probes for t in run if t > 0), default=0.0)
+    as_run, at_burst = 0.0, 0.0
+    for i, record in enumerate(nodes):
+        matmul = bool(probes) and is_matmul(record.target)
+        record.latency_s = min(run[i] * (burst / probes[r][i] if matmul else 1.0) for r, run in enumerate(latencies))
+        if matmul:
+            as_run += min(run[i] for run in latencies)
+            at_burst += record.latency_s
+    return as_run / at_burst if at_burst > 0 else 1.0
 
 
 def _iteration(
@@ -395,8 +449,11 @@ def _runner(
 ):
     if tracker is None:
         if graph_kind not in timed_graphs:
+            probe = timed_graphs["forward"].probe if "forward" in timed_graphs else None
+            if device.type == "cuda" and probe is None:
+                probe = probe_matmul(device)
             timed_graphs[graph_kind] = TimedGraph(
-                gm, graph_kind=graph_kind, block_map=block_map, device=device, replay=run
+                gm, graph_kind=graph_kind, block_map=block_map, device=device, replay=run, probe=probe
             )
         return timed_graphs[graph_kind]
     return ProfilingInterpreter(gm, graph_kind=graph_kind, block_map=block_map, tracker=tracker, run=run)
@@ -473,12 +530,14 @@ def _agreed(profile: GraphProfile | None, failure, world_size: int, device: torc
             profile.saved_bytes,
             profile.reserved_bytes,
             profile.measured_peak_bytes,
+            profile.matmul_clock_stretch,
         ],
         dtype=torch.float64,
         device=device,
     )
     dist.all_reduce(scalars, op=dist.ReduceOp.MAX)
-    peak, baseline, saved, reserved, measured = (int(v) for v in scalars.tolist())
+    *sizes, clock_stretch = scalars.tolist()
+    peak, baseline, saved, reserved, measured = (int(v) for v in sizes)
     return dataclasses.replace(
         profile,
         forward_s=sum(n.latency_s for n in profile.nodes if n.graph == "forward"),
@@ -488,5 +547,6 @@ def _agreed(profile: GraphProfile | None, failure, world_size: int, device: torc
         saved_bytes=saved,
         reserved_bytes=reserved,
         measured_peak_bytes=measured,
+        matmul_clock_stretch=clock_stretch,
         blocks=aggregate_blocks(profile.nodes),
     )

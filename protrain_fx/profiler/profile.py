@@ -64,6 +64,9 @@ class GraphProfile:
     reserved_bytes: int = 0  # the allocator's reserved bytes after the memory run (0 on the CPU)
     # what was allocated at most in fact: less than peak_bytes where tensors were held on demand (on_demand.py)
     measured_peak_bytes: int = 0
+    # the matmuls' least time in the timed runs over their time at the clocks of a short burst, which their
+    # latency_s is (profiler/interpreter.py `_least_at_burst_clocks`; 1 on the CPU)
+    matmul_clock_stretch: float = 1.0
 
     @property
     def fragmentation(self) -> float:
