@@ -14,10 +14,11 @@ over float32 masters and, on the device and on the idle host, bfloat16 ones; the
 stream beside matmuls on another, as persistent chunks update beside the backward (how much of its time the
 matmuls hide, and how much longer it takes there); with several ranks on CUDA, all-reduces beside matmuls, as the
 chunks' collectives run beside the compute (how much longer each takes there, and how much later the matmuls
-end); and copying an offloaded chunk's master and AdamW states aside on the host (to undo a clipped update); the
-device's memory (nvidia-ml-py where available, else `torch.cuda.mem_get_info`) and the host's. On the CPU the
-same code measures CPU copies, the CPU AdamW and gloo. With several ranks the measurements are reduced across
-ranks (slowest rank wins), so every rank plans from the same numbers.
+end); a probe matmul's time in sustained workloads of several shares of matmuls over its time in a burst (a device
+at its power limit lowers its clocks); and copying an offloaded chunk's master and AdamW states aside on the host
+(to undo a clipped update); the device's memory (nvidia-ml-py where available, else `torch.cuda.mem_get_info`)
+and the host's. On the CPU the same code measures CPU copies, the CPU AdamW and gloo. With several ranks the
+measurements are reduced across ranks (slowest rank wins), so every rank plans from the same numbers.
 
 The cache key is the device name, its memory, the world size, the host cores this rank's AdamW runs on
 (`host_threads`: a rank alone has all of them, one of four local ranks a quarter), the torch version and METHOD
@@ -523,7 +524,8 @@ def _bf16_matmul(device: torch.device) -> Callable[[], torch.Tensor]:
 def probe_matmul(device: torch.device) -> Callable[[], torch.Tensor]:
     """One bf16 matmul (PROBE_DIM cubed) into an output of its own: the kernel whose time tells the clocks the
     device runs at, here (`_sustained_matmul_stretch`) and between the profiler's timed nodes."""
-    a, b, out = (torch.randn(PROBE_DIM, PROBE_DIM, device=device, dtype=torch.bfloat16) for _ in range(3))
+    a, b = (torch.randn(PROBE_DIM, PROBE_DIM, device=device, dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(a)
     return lambda: torch.mm(a, b, out=out)
 
 
@@ -533,10 +535,10 @@ def _sustained_matmul_stretch(
     """`probe_matmul`s in workloads that give them each of SUSTAINED_SHARES of the device's time, the rest copies
     from `a` to `b` (bound by memory, as fused kernels are), each run for SUSTAINED_S: the share the matmuls
     took and their median time over the workload's last SUSTAINED_TAIL, over their least time in a short burst
-    after the device idled (as the profiler's probes are, profiler/interpreter.py). An H200 at its 700 W limit
-    ran bf16 matmuls 16% slower throughout than in a burst, 4% at about half the time in copies (docs/
-    benchmarks.md, twenty-third session). With several ranks: each share's mean and stretch's highest over the
-    ranks. Empty off CUDA."""
+    after the device idled (as the profiler's probes are, profiler/interpreter.py). At its 700 W limit an H200
+    ran bf16 matmuls 16% slower once they had run for 0.3 s than in a burst, 4% slower with about half the time
+    in copies (docs/benchmarks.md, twenty-third session). With several ranks: each share's mean and stretch's
+    highest over the ranks. Empty off CUDA."""
     if device.type != "cuda":
         return ()
     mm = probe_matmul(device)
