@@ -665,6 +665,7 @@ class CostModel:
         way."""
         n, persist, (gather, slower) = self.n_chunk, config.n_persist, self._gather_s()
         all_reduce, all_reduce_slower = self._all_reduce_s()
+        reduce_scatter, all_reduce_alone = self._collective_s("reduce_scatter"), self._collective_s("all_reduce")
         shard = self.shard_elems * self.master_bytes  # an offloaded shard's master going up, its gradient down
         order = list(reversed(range(persist, n)))  # the non-persistent chunks, in the order the backward needs them
         buffers = max(1, config.n_buffer)
@@ -699,12 +700,12 @@ class CostModel:
                     t = max(t, freed[len(reduced) - slots])
                 reduced.append(c)
             if c >= persist:  # a reduce-scatter: the compute stream waits for it (runtime/chunks.py)
-                t += self._collective_s("reduce_scatter")
+                t += reduce_scatter
                 begin = max(t, link_free) if self.overlap else t
             elif self.overlap:  # an all-reduce beside the next chunk's backward
                 begin, beside = max(t, link_free) + all_reduce, beside + all_reduce_slower
             else:
-                begin = t + self._collective_s("all_reduce")
+                begin = t + all_reduce_alone  # (nothing runs beside it)
             copy = link.seconds("d2h", shard, begin) if c >= persist else 0.0
             copy_end[c] = begin + copy
             if self.overlap:

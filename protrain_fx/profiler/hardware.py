@@ -57,7 +57,8 @@ ADAM_TENSORS = 16  # the host AdamW's parameters, as views of one chunk (per-ten
 ADAM_STEPS = 3
 HOST_ADAM_STEPS = 5
 METHOD = 9  # how the profile is measured, in the cache key: a profile measured by older code is measured again
-BESIDE_MATMUL_DIM = 4096  # bf16 matmuls (2·DIM x DIM by DIM x DIM) the device AdamW is timed beside
+MATMUL_DIM = 4096  # bf16 matmuls (ROWS x DIM by DIM x DIM: `probe_matmul`) time the clocks and run beside others
+BESIDE_MATMUL_ROWS = 2 * MATMUL_DIM  # the matmuls the device AdamW and the collectives are timed beside
 BESIDE_MATMULS = 4  # matmul time per AdamW (or collectives') time alone: they end well inside them
 BESIDE_COLLECTIVES = 4  # all-reduces timed beside matmuls
 KERNELS = 1000  # back-to-back tiny kernels timed for the launch floor
@@ -65,7 +66,6 @@ KERNELS = 1000  # back-to-back tiny kernels timed for the launch floor
 SUSTAINED_SHARES = (1.0, 0.75, 0.5, 0.25)
 SUSTAINED_S = 0.8  # long enough for the power limit to set the clocks (within ~0.3 s on an H200)
 SUSTAINED_TAIL = 0.4  # the last share of each workload, timed
-PROBE_DIM = 4096
 IDLE_CYCLES = 200_000_000  # a GPU sleep of ~0.1 s at H100/H200 clocks: long enough for the clocks to rise again
 COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
 CPU_COLLECTIVE_BYTES = (2**20, 16 * 2**20)  # gloo on a few cores: larger messages only take long (extrapolated)
@@ -384,7 +384,7 @@ def _adam_beside_matmul(device: torch.device, adam: float) -> tuple[float, float
     p = torch.zeros(ADAM_PARAMS, device=device)
     p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-    mm = _bf16_matmul(device)
+    mm = probe_matmul(device, BESIDE_MATMUL_ROWS)
     side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
 
     def elapsed(fn: Callable[[], object], stream: torch.cuda.Stream) -> float:
@@ -512,20 +512,14 @@ def _collectives(device: torch.device) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def _bf16_matmul(device: torch.device) -> Callable[[], torch.Tensor]:
-    """One bf16 matmul (2·BESIDE_MATMUL_DIM x DIM by DIM x DIM) into an output of its own: the compute the
-    device's AdamW and the collectives are timed beside."""
-    a = torch.randn(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
-    b = torch.randn(BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
-    out = torch.empty(2 * BESIDE_MATMUL_DIM, BESIDE_MATMUL_DIM, device=device, dtype=torch.bfloat16)
-    return lambda: torch.mm(a, b, out=out)
-
-
-def probe_matmul(device: torch.device) -> Callable[[], torch.Tensor]:
-    """One bf16 matmul (PROBE_DIM cubed) into an output of its own: the kernel whose time tells the clocks the
-    device runs at, here (`_sustained_matmul_stretch`) and between the profiler's timed nodes."""
-    a, b = (torch.randn(PROBE_DIM, PROBE_DIM, device=device, dtype=torch.bfloat16) for _ in range(2))
-    out = torch.empty_like(a)
+def probe_matmul(device: torch.device, rows: int = MATMUL_DIM) -> Callable[[], torch.Tensor]:
+    """One bf16 matmul (`rows` x MATMUL_DIM by MATMUL_DIM x MATMUL_DIM) into an output of its own: square, the
+    kernel whose time tells the clocks the device runs at (`_sustained_matmul_stretch`, the profiler's probes
+    between its timed nodes); of BESIDE_MATMUL_ROWS, the compute the device's AdamW and the collectives are timed
+    beside."""
+    a = torch.randn(rows, MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    b = torch.randn(MATMUL_DIM, MATMUL_DIM, device=device, dtype=torch.bfloat16)
+    out = torch.empty(rows, MATMUL_DIM, device=device, dtype=torch.bfloat16)
     return lambda: torch.mm(a, b, out=out)
 
 
@@ -585,7 +579,7 @@ def _collective_beside_matmul(device: torch.device) -> tuple[float, float]:
     if world_size == 1 or device.type != "cuda":
         return 1.0, 0.0
     whole = torch.zeros(COLLECTIVE_BYTES[-1] // 4, device=device)
-    mm = _bf16_matmul(device)
+    mm = probe_matmul(device, BESIDE_MATMUL_ROWS)
     side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
 
     def collectives() -> None:
