@@ -45,19 +45,26 @@ def test_summary_counts_the_plans_within_the_targets():
         _row(10.5, measured_s=0.12, peak_error=-0.03),  # -16.7%; peak under by 3%
         {"forced": {"n_persist": 1}, "result": {"error": "out of memory"}, "graphs": []},
     ]
+    rows[0]["graphs"][0]["seconds"]["hardware"] = 2.0  # the searched run measured the hardware profile
     lines = summary(rows).splitlines()
     assert lines[0] == "step time within 5%: 2 of 3; peak within 5% and never under by 2%: 2 of 3"
     assert lines[1] == "searched plan against the fastest forced one: +2.0%"
-    # 1.1 s of profiling and search against 10 + 0.5 + 98 steps (8 run, 92 more at the measured time)
-    shares = [1.1 / (10.5 + 98 * s) for s in (0.102, 0.1, 0.12)]
+    # 1.1 s of profiling and search (and 2 s of hardware profile in the first) against 10 + 0.5 + 98 steps
+    # (8 run, 92 more at the measured time); with the hardware profile cached, its 2 s are left out of both
+    shares = [(1.1 + hw) / (10.5 + 98 * s) for s, hw in ((0.102, 2.0), (0.1, 0), (0.12, 0))]
+    cached = [1.1 / (10.5 - hw + 98 * s) for s, hw in ((0.102, 2.0), (0.1, 0), (0.12, 0))]
+    assert max(shares) == shares[0] and max(cached) == cached[0] and cached[0] < shares[0]
     assert lines[2] == (
-        f"profiling, hardware profile and search: at most {max(shares):.1%} of the first 100 steps (target under "
-        f"10%); searched plans: {shares[0]:.1%}"
+        f"profiling, hardware profile and search: at most {shares[0]:.1%} of the first 100 steps (target under "
+        f"10%), {cached[0]:.1%} with the hardware profile cached; searched plans: {shares[0]:.1%}"
     )
-    assert summary(rows[1:]).splitlines()[1:] == [  # (no searched plan)
-        f"profiling, hardware profile and search: at most {max(shares):.1%} of the first 100 steps (target under "
-        "10%); searched plans: -"
-    ]
+    assert (
+        summary(rows[1:]).splitlines()[1:]
+        == [  # (no searched plan, no hardware profile measured)
+            f"profiling, hardware profile and search: at most {max(shares[1:]):.1%} of the first 100 steps (target "
+            f"under 10%), {max(shares[1:]):.1%} with the hardware profile cached; searched plans: -"
+        ]
+    )
     cpu = _row(10.5, measured_s=0.1)  # the CPU measures no peak: its peak is left out of the count
     cpu["graphs"][0]["predicted_vs_measured"].update(measured_peak_bytes=None, peak_error=None)
     assert summary([cpu, rows[1]]).splitlines()[0] == (
