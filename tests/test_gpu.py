@@ -116,6 +116,32 @@ def test_profile_against_inductor_execution():
     assert all(g.profile.matmul_clock_stretch >= 1 for g in backend.graphs if g.profile is not None)
 
 
+def test_fragmentation_is_the_profiled_iterations_own():
+    """α (the profile's reserved over its allocated peak: the memory model's fragmentation factor) counts what the
+    profiled iteration reserves, not blocks the allocator cached before it: here a freed 4 GiB tensor, more than
+    the small model's whole step needs. Training's reserved bytes then stay near α times its allocated peak."""
+    torch.cuda.empty_cache()
+    cached = torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda")
+    del cached  # (kept by the caching allocator)
+    assert torch.cuda.memory_reserved() >= 4 * 2**30
+    model = _llama(hidden=1024, layers=4)
+    backend = protrain_fx.ProTrainBackend({"executor": "inductor", **UNCHANGED})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    ids = torch.randint(0, 32000, (4, 512), device="cuda")
+    for step in range(3):
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        if step == 0:  # compiled and profiled; the steps after are training's
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    profile = backend.graphs[0].profile
+    peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    print(f"alpha {profile.fragmentation:.3f}; training reserved {reserved / peak:.3f} times its peak")
+    assert profile.measured_peak_bytes < 2 * 2**30  # (counted, the cached 4 GiB would make α over 2)
+    assert 1 <= profile.fragmentation < 1.5
+    assert reserved <= 1.1 * profile.fragmentation * peak
+
+
 @pytest.mark.parametrize("plan", [{}, {"n_persist": 0, "n_buffer": 2}, {"n_persist": 1, "n_buffer": 1}])
 def test_chunked_bf16_parity(plan):
     """bf16 parameters in chunks with fp32 master weights (inductor) against eager fp32 training under bf16
@@ -261,6 +287,39 @@ def test_checkpointed_bf16_parity(plan):
     )
     torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=BF16_RTOL, atol=1e-3)
     assert backend.graphs[0].plan.n_checkpoint == 2
+
+
+def test_recomputed_attention_keeps_its_layout_rule(monkeypatch):
+    """A checkpointed block's fused attention is a random op (for its dropout, even at 0), so AOTAutograd wraps
+    its recompute in `graphsafe_run_with_rng_state`, which inductor lowers without the attention's stride rule;
+    the backend's lowering of the wrapper restores it (runtime/ops.py `_dense_recomputed_attention`: cuDNN failed
+    on a query strided in its head dimension, training the 5.5B on four ranks). The recomputed attention is
+    lowered through it, and training keeps the bf16 tolerance."""
+    import copy
+
+    from torch._inductor.lowering import lowerings
+    from torch._prims.rng_prims import graphsafe_run_with_rng_state
+
+    from protrain_fx.runtime.ops import register_inductor_lowering
+
+    register_inductor_lowering()
+    ours, wrapped = lowerings[graphsafe_run_with_rng_state], []
+    assert ours.protrain_dense_attention
+
+    def spy(op, *args, **kwargs):
+        wrapped.append(op._opname)
+        return ours(op, *args, **kwargs)
+
+    monkeypatch.setitem(lowerings, graphsafe_run_with_rng_state, spy)
+    ref = models.build("llama", layers=4).cuda()
+    ref.config._attn_implementation = "sdpa"  # (the test models' own is the eager attention: no fused op)
+    model = copy.deepcopy(ref).to(torch.bfloat16)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    options = {"plan": {"n_checkpoint": 2}}
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
+    _train_against_autocast(ref, ref_opt, compiled, opt, steps=3)
+    assert any(name.startswith("_scaled_dot_product") for name in wrapped), wrapped
 
 
 def _train_against_autocast(ref, ref_opt, compiled, opt, steps: int = 5) -> None:

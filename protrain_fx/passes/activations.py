@@ -126,7 +126,7 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     and the graph hands the host copy to the backward instead of the device tensor.
 
         before:  h = mm(x, w); y = relu(h); return (y, h)          # h saved for backward
-        after:   h = mm(x, w); y = relu(h); h_ = protrain.swap_out(space, 0, h); ...
+        after:   h = mm(x, w); y = relu(h); h_ = protrain.swap_out(space, 0, h, h.stride()); ...
                  a = <first node of block b + swap_interval>; protrain.swap_settle(space, [0], [h_], [h], a); ...
                  return (y, h_)
     """
@@ -151,10 +151,12 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if view_base(node).op == "placeholder":
             continue  # a parameter or an input (or a view of one): its memory is not the block's to free
         last = max([node, *(u for u in node.users if u.op != "output")], key=order.__getitem__)
+        with val.fake_mode:  # the slot: val's strides where it is dense (a transpose, say), else contiguous
+            host_val = torch.empty_like(val, device="cpu")
         with graph.inserting_after(last):
-            host = graph.call_function(torch.ops.protrain.swap_out.default, (ctx.swap.handle, slot, node))
-        with val.fake_mode:
-            host.meta["val"] = torch.empty_like(val, device="cpu")
+            args = (ctx.swap.handle, slot, node, list(host_val.stride()))
+            host = graph.call_function(torch.ops.protrain.swap_out.default, args)
+        host.meta["val"] = host_val
         host.meta[SWAP] = (slot, block)
         outs[position] = host
         slot += 1

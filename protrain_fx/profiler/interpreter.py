@@ -295,6 +295,8 @@ def profile_iteration(
         warm = AbsentCounting(CudaMemoryTracker(device), on_demand) if on_demand is not None else None
         _iteration(fw, bw, primals, block_map, device, warm, on_demand, timed_graphs)
         bar.update()
+    if device.type == "cuda":  # so the reserved bytes read after the memory run, over its peak, are the fragmentation
+        torch.cuda.empty_cache()  # of this iteration alone, not blocks cached before it (the hardware profile's, ...)
     tracker = CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()
     if on_demand is not None:
         tracker = AbsentCounting(tracker, on_demand)

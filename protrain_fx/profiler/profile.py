@@ -61,7 +61,7 @@ class GraphProfile:
     saved_bytes: int  # activation bytes kept from forward to backward (parameters and inputs excluded)
     nodes: list[NodeProfile]
     blocks: list[BlockProfile]
-    reserved_bytes: int = 0  # the allocator's reserved bytes after the memory run (0 on the CPU)
+    reserved_bytes: int = 0  # the allocator's reserved bytes after the memory run, begun on an empty cache (0 on CPU)
     # what was allocated at most in fact: less than peak_bytes where tensors were held on demand (on_demand.py)
     measured_peak_bytes: int = 0
     # the matmuls' least time in the timed runs over their time at the clocks of a short burst, which their

@@ -9,7 +9,7 @@
     protrain.reduce_grads(manager, chunk, [param indices], [grads], [last readers])  # after the chunk's last
                                                                # gradient and (offloaded) its last read
     protrain.check_params(manager, [param indices], [parameters])        # forward: inputs are still ours
-    h = protrain.swap_out(space, slot, t)                      # swapped activations (runtime/swap.py): forward,
+    h = protrain.swap_out(space, slot, t, stride)              # swapped activations (runtime/swap.py): forward,
     protrain.swap_settle(space, [slot, ...], [h, ...], [t, ...], after)  # forward, swap_interval blocks later
     protrain.swap_prefetch(space, [slot, ...], after)          # backward, a block's tensors ahead of their use,
     t = protrain.swap_in(space, slot, h)                       # backward, before the first use
@@ -122,14 +122,18 @@ def _(manager: int, params: list[int], inputs: list[torch.Tensor]) -> None:
     return None
 
 
+# A compiler may hand `t` over in another layout than the graph's (inductor does, for ops a pass inserted), so
+# the slot's strides are an argument and the host copy's layout never depends on t's: a copy between layouts is
+# still right, only slower. (A layout constraint would make inductor copy `t` into a buffer of its own, which
+# it may hand to a later kernel while the host copy still reads it.)
 @torch.library.custom_op("protrain::swap_out", mutates_args=())
-def swap_out(space: int, slot: int, t: torch.Tensor) -> torch.Tensor:
-    return _manager(space).swap_out(slot, t)
+def swap_out(space: int, slot: int, t: torch.Tensor, stride: list[int]) -> torch.Tensor:
+    return _manager(space).swap_out(slot, t, stride)
 
 
 @swap_out.register_fake
-def _(space: int, slot: int, t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(t, device="cpu")  # (t's strides where it is dense, as its slot has: SwapSpace.allocate)
+def _(space: int, slot: int, t: torch.Tensor, stride: list[int]) -> torch.Tensor:
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device="cpu")
 
 
 @torch.library.custom_op("protrain::step_mark", mutates_args=())
@@ -200,9 +204,12 @@ has_side_effect(torch.ops.protrain.reduce_grads.default)
 
 def register_inductor_lowering() -> None:
     """Lower `gather` and `swap_out` as fallback kernels whose outputs inductor never reuses for another buffer:
-    they are a chunk buffer and a host swap slot, whose contents must survive until read again."""
+    they are a chunk buffer and a host swap slot, whose contents must survive until read again. And keep the
+    attention's stride rule where a checkpointed block recomputes it (`_dense_recomputed_attention`)."""
     from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
     from torch._inductor.virtualized import V
+
+    _dense_recomputed_attention(lowerings)
 
     for op in (torch.ops.protrain.gather.default, torch.ops.protrain.swap_out.default):
         if op in lowerings:
@@ -215,3 +222,39 @@ def register_inductor_lowering() -> None:
             return out
 
         register_lowering(op, type_promotion_kind=None)(lowering)
+
+
+_ATTENTION = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+)
+
+
+def _dense_recomputed_attention(lowerings: dict) -> None:
+    """A recomputed random op (the fused attentions are, for their dropout) reaches the backward wrapped by
+    AOTAutograd in `run_with_rng_state` (`graphsafe_` on CUDA), which inductor lowers as a plain fallback: without
+    the attention's own layout rule, so a query laid out with its head dimension strided fails in cuDNN ("The
+    stride for the last dimension ... should be 1"), as 5.5B training on four ranks did with a checkpointed
+    block. Wrapped attentions get their query, key and value row-major, as `sdpa_constraint` gives them unwrapped."""
+    from torch._inductor import ir
+    from torch._prims import rng_prims
+
+    for wrapper, op_at in ((rng_prims.graphsafe_run_with_rng_state, 0), (rng_prims.run_with_rng_state, 1)):
+        lowering = lowerings.get(wrapper)
+        if lowering is None or getattr(lowering, "protrain_dense_attention", False):
+            continue
+
+        def dense(*args, lowering=lowering, op_at=op_at, **kwargs):
+            op = args[op_at]
+            if getattr(op, "_opname", None) in _ATTENTION:
+                qkv = [
+                    ir.ExternKernel.require_stride_order(a, list(reversed(range(4))))
+                    for a in args[op_at + 1 : op_at + 4]
+                ]
+                args = (*args[: op_at + 1], *qkv, *args[op_at + 4 :])
+            return lowering(*args, **kwargs)
+
+        dense.protrain_dense_attention = True
+        lowerings[wrapper] = dense

@@ -3,7 +3,7 @@
 Each tensor that a swapped block saves for backward gets a fixed slot, decided at compile time, in one host
 arena allocated once at its exact size (pinned with `cudaHostRegister` on CUDA). The rewritten graphs call:
 
-    h = protrain.swap_out(space, slot, t)                   # forward, after t's last use: copy t to its slot
+    h = protrain.swap_out(space, slot, t, stride)           # forward, after t's last use: copy t to its slot
     protrain.swap_settle(space, [slots], [h..], [t..], a)   # forward, swap_interval blocks later (or at its
                                                             # end): those copies are done; t may be freed
     protrain.swap_prefetch(space, [slots], after)           # backward, swap_interval blocks ahead: copy a block back
@@ -90,8 +90,9 @@ class SwapSpace:
         """Drop the device tensors whose copy to the host has finished."""
         self._in_flight = {s: (ev, t) for s, (ev, t) in self._in_flight.items() if not ev.query()}
 
-    def swap_out(self, slot: int, t: torch.Tensor) -> torch.Tensor:
+    def swap_out(self, slot: int, t: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
         host = self.slots[slot]
+        assert host.stride() == tuple(stride), f"swap slot {slot} has strides {host.stride()}, the graph {stride}"
         self._fetched.pop(slot, None)  # a copy fetched earlier and never taken holds an old value
         if self._d2h is None:
             host.copy_(t)
