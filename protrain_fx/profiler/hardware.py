@@ -27,6 +27,7 @@ The cache key is the device name, its memory, the world size, the host cores thi
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
@@ -35,7 +36,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -136,11 +137,7 @@ class HardwareProfile:
     def sustained_matmul_stretch(self, share: float) -> float:
         """A matmul's time in a workload that spends `share` of the device's time in matmuls, over its time as
         profiled: linear between the measured shares, 1 at share 0, the highest share's beyond it."""
-        points = [(0.0, 1.0), *self.matmul_stretch_sustained]
-        for (s0, r0), (s1, r1) in zip(points, points[1:]):
-            if share <= s1:
-                return r0 + (r1 - r0) * (share - s0) / (s1 - s0) if s1 > s0 else r1
-        return points[-1][1]
+        return interpolate([(0.0, 1.0), *self.matmul_stretch_sustained], share)
 
     def link_bytes_per_s(self, way: str, other_way: bool, host: bool) -> float:
         """The rate of copies to the device (`way` "h2d") or to the host ("d2h"), while copies run the other way
@@ -510,6 +507,15 @@ def _collectives(device: torch.device) -> dict[str, list[tuple[int, float]]]:
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             out.setdefault(op, []).append((whole.numel() * 4, float(seconds)))
     return out
+
+
+def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """The value at `x` of the line through `points` ((x, y), ascending in x): the nearest end's beyond them."""
+    k = bisect.bisect_right([p for p, _ in points], x)
+    if k == 0 or k == len(points):
+        return points[min(k, len(points) - 1)][1]
+    (x0, y0), (x1, y1) = points[k - 1], points[k]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def probe_matmul(device: torch.device, rows: int = MATMUL_DIM) -> Callable[[], torch.Tensor]:

@@ -21,7 +21,6 @@ small kernel takes:
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import dataclasses
 import logging
@@ -37,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 from protrain_fx.capture import OUTSIDE, BlockMap
 from protrain_fx.profiler.fusion import classify, is_matmul
-from protrain_fx.profiler.hardware import IDLE_CYCLES, probe_matmul
+from protrain_fx.profiler.hardware import IDLE_CYCLES, interpolate, probe_matmul
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
 from protrain_fx.profiler.on_demand import CALL_OPS, AbsentCounting, GraphRun, OnDemand, Replay, storage_key
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
@@ -193,18 +192,9 @@ class TimedGraph:
     def probe_at_records(self) -> list[float]:
         """Per record, the last run's probe time there: linear between the probes around it, the last one's after
         it (one runs before the first record)."""
-        at = [i for i, _ in self.probe_s]
-        seconds = [t for _, t in self.probe_s]
-        if not at:  # (a graph with no node to time)
+        if not self.probe_s:  # (a graph with no node to time)
             return [0.0] * len(self.records)
-        out = []
-        for i in range(len(self.records)):
-            k = bisect.bisect_right(at, i) - 1  # the last probe before record i
-            if k + 1 == len(at):
-                out.append(seconds[k])
-            else:
-                out.append(seconds[k] + (seconds[k + 1] - seconds[k]) * (i - at[k]) / (at[k + 1] - at[k]))
-        return out
+        return [interpolate(self.probe_s, i) for i in range(len(self.records))]
 
 
 class ProfilingInterpreter(fx.Interpreter):
