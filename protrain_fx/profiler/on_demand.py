@@ -197,12 +197,13 @@ class GraphRun:
             self._source[key] = (node.name, leaf)
             # a storage freed during the run leaves its key to the next one allocated where it was: what is known
             # of it goes with it (else a later storage would be dropped late, and the timed run would drop the
-            # freed one's value, held alive for it, instead of its own)
+            # freed one's value, held alive for it, instead of its own; or, on a freed input's key, never)
             weakref.finalize(t.untyped_storage(), self._freed, key)
 
     def _freed(self, key: int) -> None:
         self._source.pop(key, None)
         self.last_use.pop(key, None)
+        self._inputs.discard(key)
 
     def _read_by(self, key: int, node: fx.Node, produced_at: int) -> None:
         users = self.users[node]
