@@ -335,7 +335,16 @@ def _timed(fn: Callable[[], object], device: torch.device, repeat: int = 3) -> f
 
 
 def _rate(nbytes: int, fn: Callable[[], object], device: torch.device) -> float:
+    _together()
     return nbytes / _timed(fn, device)
+
+
+def _together() -> None:
+    """Wait for every rank, so that what is measured next runs on all of them at once, as in training: the ranks'
+    copies and host AdamWs share the host's memory bandwidth (measured apart, four ranks' host AdamW was predicted
+    at two thirds of what training measured: docs/benchmarks.md, twenty-fourth session)."""
+    if rank_and_world_size()[1] > 1:
+        dist.barrier()
 
 
 def _both_ways(dev, host, host2, dev2, device: torch.device) -> Callable[[], object]:
@@ -480,6 +489,7 @@ def _on_host_worker(
 
     queue = HostQueue("protrain-hardware", spare_core=device.type == "cuda")
     try:
+        _together()
         done = queue.submit(0, None, runs)
         while copies is not None and not done.done():
             start = time.perf_counter()
