@@ -142,14 +142,14 @@ def _late_rank(rank, world, port, errors):
         def noted(work, device, copies=None):
             if rank == 1:
                 time.sleep(0.5)
-            first = []
+            started = []
 
             def work_noted():
-                first.append(first or time.time())
+                started.append(time.time())
                 return work()
 
             out = original(work_noted, device, copies)
-            begun.append(first[0])
+            begun.append(started[0])
             return out
 
         hardware._on_host_worker = noted
