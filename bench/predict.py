@@ -156,11 +156,10 @@ def setup_share(row: dict, *, hardware: bool = True) -> float | None:
         return None
     steps = result["step_times_s"][:FIRST_STEPS]
     total = sum(steps) + (FIRST_STEPS - len(steps)) * result["step_time_s"]
-    kinds = ("profile", "hardware", "search") if hardware else ("profile", "search")
-    setup = sum(sum(g.get("seconds", {}).get(k, 0.0) for k in kinds) for g in row["graphs"])
+    spent = {k: sum(g.get("seconds", {}).get(k, 0.0) for g in row["graphs"]) for k in ("profile", "hardware", "search")}
     if not hardware:
-        total -= sum(g.get("seconds", {}).get("hardware", 0.0) for g in row["graphs"])
-    return setup / total
+        total -= spent.pop("hardware")
+    return sum(spent.values()) / total
 
 
 def from_dump(args: argparse.Namespace) -> int:
