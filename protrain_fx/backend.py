@@ -31,25 +31,37 @@ import torch
 import torch._guards
 from torch import fx, nn
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.guards import GuardBuilder
+from torch._dynamo.source import LocalSource
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition, must_recompute
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from protrain_fx.capture import (
     BlockMap,
+    FrameRoots,
     ParamEntry,
     block_index,
     build_block_map,
     build_param_map,
     check_inputs,
     find_frame_roots,
+    frame_self,
+    open_modules,
 )
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import Dumper
 from protrain_fx.debug.from_dump import GRAPHS_FILE, PLANNING_FILE, planning_inputs, retimed
 from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, PassContext, run_passes
 from protrain_fx.planner.cost import Config, CostModel, swap_interval
-from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, Plan, master_bytes
+from protrain_fx.planner.plan import (
+    ACTIVATION_FIELDS,
+    CHUNK_FIELDS,
+    OUTPUT_FIELDS,
+    Plan,
+    master_bytes,
+    with_default_master,
+)
 from protrain_fx.planner.search import NoPlanFits, plan_graph
 from protrain_fx.profiler.fusion import describe
 from protrain_fx.profiler.hardware import device_capacity, hardware_profile, host_capacity, least_on_every_rank
@@ -124,9 +136,14 @@ class ProTrainBackend:
         check_inputs(gm, example_inputs)
         record = GraphRecord(index=len(self.graphs))
         self.graphs.append(record)
-        if self.explain or not torch.is_grad_enabled():
+        if self.explain:
             return self.compile(gm, example_inputs, record)
-        return _Guarded(self, gm, example_inputs, record)
+        lend = _lent_at_break(gm, example_inputs)
+        if not torch.is_grad_enabled():
+            compiled = self.compile(gm, example_inputs, record)
+        else:
+            compiled = _Guarded(self, gm, example_inputs, record)
+        return _Run(compiled, record, example_inputs, lend) if record.manager is not None or lend else compiled
 
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], record: GraphRecord, guard=None):
         """Compile one Dynamo graph: our stages run in AOTAutograd's partitioner. `guard`: the graph's `_Guarded`
@@ -265,6 +282,79 @@ class _Guarded:
         log.warning("graph %d re-planned:\n%s", record.index, record.plan)
 
 
+def _pin_to_frame_modules(dynamo_gm: fx.GraphModule, roots: FrameRoots) -> None:
+    """Guard the compiled graph on the identity of the modules its frame's locals are (Dynamo's ID_MATCH).
+    Dynamo inlines modules and passes their parameters in, so without it a graph runs for any module whose
+    guards pass: another model of the same class (a sweep), another layer running the same code (a frame that
+    starts inside a layer after a graph break). Ours is rewritten for one model's chunks, swap space and plan.
+    The guard also drops the cache entry when the module is deleted."""
+    context = torch._guards.TracingContext.try_get()
+    if context is None or roots.model is None:
+        return
+    sources = {}
+    for node in dynamo_gm.graph.find_nodes(op="placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        while source is not None:  # (the chain from a parameter up to the frame's local)
+            name = source.name() if callable(source.name) else source.name
+            sources.setdefault(name, source)
+            source = getattr(source, "base", None)
+    for prefix in roots.paths:
+        if prefix in sources:
+            context.guards_context.dynamo_guards.add(sources[prefix].make_guard(GuardBuilder.ID_MATCH))
+
+
+def _lent_at_break(dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[object, list[int]] | None:
+    """A graph that ends in a graph break inside modules (capture.open_modules): Python runs the rest of their
+    forward, maybe outside any compiled graph (a loop over data-dependent values), so once the graph has run, their
+    offloaded parameters get their values (`ChunkManager.lend_to_python`). Their manager and indices, or None."""
+    reason = getattr(dynamo_gm, "compile_subgraph_reason", None)
+    if reason is None or not reason.graph_break:
+        return None
+    own = [
+        p
+        for m in open_modules(dynamo_gm, find_frame_roots(dynamo_gm, example_inputs))
+        for p in m.parameters(recurse=False)
+    ]
+    manager = next((p.__dict__[MANAGER_ATTR] for p in own if MANAGER_ATTR in p.__dict__), None)
+    if manager is None:  # (the chunks of a model are built at its first graph: none before)
+        return None
+    indices = sorted({manager.index[id(p)] for p in own if manager.holds(p) and not manager.is_persistent(p)})
+    if not indices:
+        return None
+    context = torch._guards.TracingContext.try_get()
+    if context is not None and frame_self() is not None:  # (these modules' parameters, not another's)
+        context.guards_context.dynamo_guards.add(LocalSource("self").make_guard(GuardBuilder.ID_MATCH))
+    return manager, indices
+
+
+class _Run:
+    """What Dynamo calls for one compiled graph of a chunked model: the graph, after checking that its parameter
+    inputs are still the chunks' (a parameter replaced after the chunks were built is an error, not silently
+    stale values; checked on what Dynamo passes, before a compiler copies an input into another layout), and
+    followed by lending parameters to Python where the graph ends inside a module's forward (`_lent_at_break`)."""
+
+    def __init__(self, compiled, record: GraphRecord, example_inputs: Sequence[Any], lend):
+        self.compiled = compiled
+        manager = record.manager() if record.manager is not None else None
+        entries = [
+            e for e in record.param_map.values() if manager is not None and manager.holds(example_inputs[e.index])
+        ]
+        self.positions = [e.index for e in entries]
+        self.indices = [manager.index[id(example_inputs[e.index])] for e in entries]
+        self.manager = record.manager
+        self.lend = (weakref.ref(lend[0]), lend[1]) if lend is not None else None
+
+    def __call__(self, *args):
+        manager = self.manager() if self.manager is not None else None
+        if manager is not None:
+            manager.check_params(self.indices, [args[i] for i in self.positions])
+        out = self.compiled(*args)
+        lender = self.lend[0]() if self.lend is not None else None
+        if lender is not None:
+            lender.lend_to_python(self.lend[1], for_backward=torch.is_grad_enabled())
+        return out
+
+
 def _offloaded_manager(example_inputs: Sequence[Any]):
     """The ChunkManager of a graph's parameters when some of them are offloaded (they hold no values)."""
     for x in example_inputs:
@@ -303,8 +393,10 @@ class _InferencePasses:
         record = self.record
         assert record is not None, f"the inference passes of {gm} ran after its compile was done"
         roots = find_frame_roots(self.dynamo_gm, self.example_inputs)
+        _pin_to_frame_modules(self.dynamo_gm, roots)
         record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, gm, roots)
         check_params_managed(self.manager, record.param_map, self.example_inputs)
+        self.manager.note_read_by_graph(self.example_inputs[e.index] for e in record.param_map.values())
         plans = roots.model.__dict__.get(PLANS_ATTR) if roots.model is not None else None
         record.plan = plans[-1][1] if plans else None  # (the training plan in force, for plan_of and the dump)
         dumper = Dumper(self.config.dump_dir) if self.config.dump_dir else None
@@ -317,6 +409,7 @@ class _InferencePasses:
             example_inputs=self.example_inputs,
         )
         record.forward = run_passes(gm, ctx, INFERENCE_PASSES, stage="forward")
+        record.manager = weakref.ref(self.manager)
         log.info("graph %d: an inference graph, its offloaded chunks gathered as used", record.index)
         return record.forward
 
@@ -392,6 +485,7 @@ class _Partitioner(CustomPartitionerFn):
         record, config = self.record, self.config
         assert record is not None, f"the partitioner of {joint} ran after its compile was done"
         roots = find_frame_roots(self.dynamo_gm, self.example_inputs)
+        _pin_to_frame_modules(self.dynamo_gm, roots)
         record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, joint, roots)
         record.block_map = build_block_map(joint, roots)
         if record.block_map.family is None and record.param_map:
@@ -443,13 +537,14 @@ class _Partitioner(CustomPartitionerFn):
             if device.type == "cuda":  # the allocator gives back what it cached for an iteration that held all
                 torch.cuda.empty_cache()
         if manager is None and (wants_chunks(params) or (self.explain and any(p.requires_grad for p in params))):
-            layout = model_layout(roots, record, self.example_inputs, config.plan)
+            layout = model_layout(roots, record, self.example_inputs, config.plan, every_trainable=self.explain)
+            self.config = config = dataclasses.replace(config, plan=with_default_master(config.plan, layout))
             record.plan = self._plan(config.plan, layout, device, bw, roots.model, None)
             if not self.explain:
                 manager = self._build_chunks(roots.model, layout, device, bw)
         else:
             # a graph without parameters (a loss after a graph break) has no chunk or block decisions to check
-            unplanned = CHUNK_FIELDS + ACTIVATION_FIELDS if record.block_map.family is None else CHUNK_FIELDS
+            unplanned = OUTPUT_FIELDS + CHUNK_FIELDS + (ACTIVATION_FIELDS if record.block_map.family is None else ())
             forced = config.plan if params else {k: v for k, v in config.plan.items() if k not in unplanned}
             if manager is not None:
                 forced = plan_fields_of(manager, forced)
@@ -465,6 +560,7 @@ class _Partitioner(CustomPartitionerFn):
         record.manager = weakref.ref(manager) if manager is not None else None
         if manager is not None and params:  # (the latest plan of the model's graphs decides)
             manager.n_clip_overlap = record.plan.n_clip_overlap
+            manager.note_read_by_graph(params)
         if roots.model is not None and params and not self.explain:
             _warn_if_reshaped(roots.model, record, self.example_inputs)
             roots.model.__dict__.setdefault(PLANS_ATTR, []).append((len(params), record.plan))
@@ -601,8 +697,8 @@ class _Partitioner(CustomPartitionerFn):
                 # the profile counts the offloaded parameters as held (profiler/on_demand.py); the persistent ones
                 # are in their chunks: on the GPU among all the chunk states, on the CPU (whose tracker counts the
                 # graph's inputs) the chunks the graph reads
-                persistent = [p for p in graph_params if manager.is_persistent(p)]
-                held = _nbytes(p for p in graph_params if not manager.is_persistent(p))
+                persistent = [p for p in graph_params if manager.holds(p) and manager.is_persistent(p)]
+                held = _nbytes(p for p in graph_params if manager.holds(p) and not manager.is_persistent(p))
                 if device.type == "cuda":
                     held += costs.state_bytes(Config(manager.n_persist, manager.n_buffer))
                 else:

@@ -230,6 +230,35 @@ def _stack_paths(node: fx.Node, roots: FrameRoots) -> list[tuple[str, ...]]:
     return paths
 
 
+def open_modules(dynamo_gm: fx.GraphModule, roots: FrameRoots) -> list[nn.Module]:
+    """The modules whose forward a graph break interrupted at this graph's end: the frame's own (its `self`, as
+    Dynamo holds it) and the module stack of its last op. Python runs the rest of their forward, which Dynamo may
+    not compile (a loop over data-dependent values), so their own parameters may be read outside any compiled
+    graph. Empty where the frame returned."""
+    reason = getattr(dynamo_gm, "compile_subgraph_reason", None)
+    if reason is None or not reason.graph_break:
+        return []
+    modules = [m for m in [frame_self()] if m is not None]
+    ops = [n for n in dynamo_gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    for path in _stack_paths(ops[-1], roots) if ops and roots.model is not None else ():
+        try:
+            modules.append(roots.model.get_submodule(".".join(path)))
+        except AttributeError:
+            continue
+    return modules
+
+
+def frame_self() -> nn.Module | None:
+    """The module whose method Dynamo is compiling now (the frame's `self`), where its translator says. Dynamo's
+    internals: nothing where they differ."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx() if hasattr(InstructionTranslator, "current_tx") else None
+    local = getattr(tx, "symbolic_locals", {}).get("self")
+    value = getattr(local, "value", None)
+    return value if isinstance(value, nn.Module) else None
+
+
 def block_index(path: Sequence[str], family: BlockFamily) -> int | None:
     """The block a module or parameter path (split on dots) lies in: `i` when it passes through `<list>.<i>`."""
     parent = family.parent.split(".") if family.parent else []

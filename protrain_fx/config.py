@@ -9,7 +9,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from protrain_fx.planner.plan import check_forced_fields
+
 EXECUTORS = ("inductor", "eager")
+MIN_MEMORY_BYTES = 2**16  # a memory option below this is a mistake (GiB given as bytes, say), not a budget
 ON_OOM = ("raise", "replan")
 DUMP_DIR_ENV = "PROTRAIN_DUMP_DIR"
 CACHE_DIR_ENV = "PROTRAIN_CACHE_DIR"
@@ -77,6 +80,12 @@ class ProTrainConfig:
                 raise ValueError(f"option {name!r} must be an int number of bytes, got {type(value).__name__}")
             if value is not None and value <= 0:
                 raise ValueError(f"option {name!r} must be positive, got {value}")
+            if value is not None and value < MIN_MEMORY_BYTES:
+                raise ValueError(
+                    f"option {name!r} is {value} bytes, too little to hold any model: it takes a number of bytes, "
+                    "e.g. 80 * 2**30 for 80 GiB"
+                )
+        check_forced_fields(self.plan)
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ValueError(f"option 'dump_dir' must be a path, got {type(self.dump_dir).__name__}")
 

@@ -62,9 +62,14 @@ class ToyTransformer(nn.Module):
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())  # next-token loss
 
 
-def hf_model(kind: str, layers: int = 2, dropout: float = 0.0) -> nn.Module:
-    """A tiny Hugging Face causal LM of `kind` (gpt2, opt, llama, mistral), random weights, no download."""
+def hf_model(kind: str, layers: int = 2, dropout: float = 0.0, experts: str | None = None) -> nn.Module:
+    """A tiny Hugging Face model of `kind`, random weights, no download: a causal LM (gpt2, opt, llama, mistral,
+    mixtral: MoE, whose `experts` implementation may be forced, e.g. "eager"), t5 (encoder-decoder, tied
+    embeddings under three names), bert (masked LM, a tied bias under two names)."""
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig
+
+    if kind in ("t5", "bert", "mixtral"):
+        return _more_hf_model(kind, layers, dropout, experts)
 
     if kind == "gpt2":
         cfg = GPT2Config(
@@ -103,6 +108,53 @@ def hf_model(kind: str, layers: int = 2, dropout: float = 0.0) -> nn.Module:
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     cfg._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _more_hf_model(kind: str, layers: int, dropout: float, experts: str | None) -> nn.Module:
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+        BertConfig,
+        BertForMaskedLM,
+        MixtralConfig,
+        T5Config,
+    )
+
+    if kind == "t5":
+        cfg = T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4, dropout_rate=dropout
+        )
+        cfg.decoder_start_token_id = 0
+        return AutoModelForSeq2SeqLM.from_config(cfg)
+    if kind == "bert":
+        cfg = BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+        )
+        cfg._attn_implementation = "eager"
+        return BertForMaskedLM(cfg)
+    cfg = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        attention_dropout=dropout,
+    )
+    cfg._attn_implementation = "eager"
+    if experts is not None:
+        cfg._experts_implementation = experts
     return AutoModelForCausalLM.from_config(cfg)
 
 

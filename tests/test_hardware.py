@@ -178,13 +178,15 @@ def test_host_capacity_leaves_room_for_the_rest_of_training(monkeypatch):
     gib, cuda = 2**30, torch.device("cuda")
     monkeypatch.setattr(hardware, "available_host_bytes", lambda: 100 * gib)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)
-    assert hardware.host_capacity(cuda) == 100 * gib - hardware.HOST_RESERVE_BYTES
-    monkeypatch.setattr(inductor_config, "compile_threads", 16)
+    with inductor_config.patch(compile_threads=1):  # (inductor's own patching: restores its config module)
+        assert hardware.host_capacity(cuda) == 100 * gib - hardware.HOST_RESERVE_BYTES
     workers = 16 * hardware.COMPILE_WORKER_BYTES
-    assert hardware.host_capacity(cuda) == 100 * gib - hardware.HOST_RESERVE_BYTES - workers
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert hardware.host_capacity(cuda) == (100 * gib - 2 * (hardware.HOST_RESERVE_BYTES + workers)) // 2
-    monkeypatch.setattr(hardware, "available_host_bytes", lambda: gib)
-    assert hardware.host_capacity(cuda) == 0
+    with inductor_config.patch(compile_threads=16):
+        assert hardware.host_capacity(cuda) == 100 * gib - hardware.HOST_RESERVE_BYTES - workers
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert hardware.host_capacity(cuda) == (100 * gib - 2 * (hardware.HOST_RESERVE_BYTES + workers)) // 2
+        monkeypatch.setattr(hardware, "available_host_bytes", lambda: gib)
+        assert hardware.host_capacity(cuda) == 0
+    with inductor_config.patch(compile_threads=None):  # (not decided yet: inductor decides as it would)
+        assert hardware.host_capacity(cuda) == 0
     assert hardware.host_capacity(torch.device("cpu")) is None  # (the CPU's host is budgeted only when told)

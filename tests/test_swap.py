@@ -210,15 +210,18 @@ def test_swap_interval_formula():
     assert swap_interval(saved, forward_s, hardware, uploads_share_link=True) == 5
 
 
-def test_prefetch_waits_for_memory():
+def test_prefetch_waits_for_memory(monkeypatch):
     """With no room under the budget, nothing is prefetched early: each tensor comes back at its swap_in, and
     training is unchanged."""
-    ref, _, backend, compiled = _compiled(
-        "toy", {"plan": {"n_swap": 2, "n_checkpoint": 0}, "gpu_memory_bytes": 1}, dropout=0.1
+    make = protrain_fx.backend.SwapSpace  # a device with no room under the budget
+    monkeypatch.setattr(
+        protrain_fx.backend, "SwapSpace", lambda device, **kw: make(device, **{**kw, "budget_bytes": 1})
     )
+    ref, _, backend, compiled = _compiled("toy", {"plan": {"n_swap": 2, "n_checkpoint": 0}}, dropout=0.1)
     assert train(compiled, "toy", 3) == train(ref, "toy", 3)
     space = next(g for g in backend.graphs if g.param_map).swap
     assert space.budget_bytes == 1 and space.deferred == 2 * 3  # two blocks, three steps
+    monkeypatch.undo()
     _, _, roomy, compiled = _compiled("toy", {"plan": {"n_swap": 2}})
     train(compiled, "toy", 3)
     assert roomy.graphs[0].swap.deferred == 0

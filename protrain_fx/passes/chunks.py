@@ -22,9 +22,12 @@ tokens of every release placed before it (not the gather before it: a buffer may
 a custom op must not have): gathers run after the releases before them in the graph, the order
 `_check_buffers` counts buffers in.
 
-param_check_pass (forward graph): `protrain.check_params(m, [i1, i2, ...], [w1, w2, ...])` after the
-placeholders: at run time each parameter input must still be the one the chunk holds (a parameter replaced
-after compile is an error, not silently ignored values and gradients).
+param_view_recompute_pass (joint graph, before partitioning): every view of an offloaded parameter (a
+transpose, an expert's slice) is tagged for recomputation, so the partitioner saves the parameter, which the
+backward gathers again, never a view of the chunk buffer the forward read it from (reused by then).
+
+    before:  t = transpose(w); ...          # saved for backward: t (a view of w's buffer)
+    after:   same, t tagged MUST_RECOMPUTE  # saved: w; the backward computes transpose(gather(...)) again
 
 grad_reduce_pass (backward graph), for each chunk c (persistent ones too):
 
@@ -46,7 +49,9 @@ from collections import defaultdict
 import networkx as nx
 import torch
 from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
 
+from protrain_fx.capture import is_backward
 from protrain_fx.passes.views import is_view, view_base
 
 TAG = "protrain_param"
@@ -65,6 +70,25 @@ class ParamTag:
     own_master: bool = False
 
 
+def param_view_recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Tag the forward's views of offloaded parameters for recomputation (see the module docstring)."""
+    manager = ctx.manager
+    if manager is None:
+        return gm
+    todo = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        entry = ctx.record.param_map.get(node.name)
+        param = ctx.example_inputs[entry.index] if entry is not None else None
+        if param is not None and manager.holds(param) and not manager.is_persistent(param):
+            todo.extend(node.users)
+    while todo:
+        node = todo.pop()
+        if is_view(node) and not is_backward(node):
+            node.meta.setdefault("recompute", CheckpointPolicy.MUST_RECOMPUTE)
+            todo.extend(node.users)
+    return gm
+
+
 def chunk_tag_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Tag the parameter placeholders of a forward or backward graph with their chunk (names are AOT primal names)."""
     manager = ctx.manager
@@ -72,9 +96,9 @@ def chunk_tag_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         return gm
     for node in gm.graph.nodes:
         entry = ctx.record.param_map.get(node.name) if node.op == "placeholder" else None
-        if entry is None:
+        param = ctx.example_inputs[entry.index] if entry is not None else None
+        if param is None or not manager.holds(param):  # (a frozen parameter, say: a plain input)
             continue
-        param = ctx.example_inputs[entry.index]
         slot = manager.slot_of(param)
         node.meta[TAG] = ParamTag(
             manager=manager.handle,
@@ -316,21 +340,3 @@ def _own_master_readers(
         deps = _downstream(_tensor_outputs(readers), dag, order)
         out[chunk] = (deps, readers + deps)
     return out
-
-
-def param_check_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Check at run time that the parameter inputs are the chunks' parameters (see the module docstring)."""
-    graph = gm.graph
-    if ctx.stage != "forward":
-        return gm
-    tagged = [n for n in graph.nodes if n.op == "placeholder" and TAG in n.meta]
-    if not tagged:
-        return gm
-    with graph.inserting_after(tagged[-1]):
-        graph.call_function(
-            torch.ops.protrain.check_params.default,
-            (tagged[0].meta[TAG].manager, [n.meta[TAG].index for n in tagged], tagged),
-        )
-    graph.lint()
-    gm.recompile()
-    return gm

@@ -22,7 +22,12 @@ from torch import fx
 
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.passes.activations import checkpoint_tag_pass, recompute_order_pass, swap_in_pass, swap_out_pass
-from protrain_fx.passes.chunks import chunk_gather_pass, chunk_tag_pass, grad_reduce_pass, param_check_pass
+from protrain_fx.passes.chunks import (
+    chunk_gather_pass,
+    chunk_tag_pass,
+    grad_reduce_pass,
+    param_view_recompute_pass,
+)
 from protrain_fx.passes.monitor import step_mark_pass
 from protrain_fx.planner.plan import Plan
 
@@ -49,7 +54,7 @@ class PassContext:
 
 Pass = Callable[..., fx.GraphModule]
 
-JOINT_PASSES: tuple[Pass, ...] = (checkpoint_tag_pass,)
+JOINT_PASSES: tuple[Pass, ...] = (checkpoint_tag_pass, param_view_recompute_pass)
 GRAPH_PASSES: tuple[Pass, ...] = (
     recompute_order_pass,
     swap_out_pass,
@@ -57,11 +62,10 @@ GRAPH_PASSES: tuple[Pass, ...] = (
     chunk_tag_pass,
     chunk_gather_pass,
     grad_reduce_pass,
-    param_check_pass,
     step_mark_pass,
 )
 # the graph AOTAutograd compiles for inference (no_grad): offloaded parameters read through gather/release
-INFERENCE_PASSES: tuple[Pass, ...] = (chunk_tag_pass, chunk_gather_pass, param_check_pass)
+INFERENCE_PASSES: tuple[Pass, ...] = (chunk_tag_pass, chunk_gather_pass)
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *, stage: str) -> fx.GraphModule:

@@ -2,7 +2,8 @@
 
 Parameters are laid out in execution order (first use; a shared parameter at its first use) into chunks of
 one size. The parameters of one transformer block go into one chunk where the size allows: a block that
-does not fit in what is left of the current chunk starts a new one. The chunk size is chosen by a grid
+does not fit in what is left of the current chunk starts a new one. Parameters of different groups (the
+optimizers stepping them) never share a chunk. The chunk size is chosen by a grid
 search that simulates the layout at each candidate size and keeps the one wasting the fewest bytes (ties:
 the larger size, for fewer transfers). Every chunk is padded to a multiple of `world_size * ALIGN`
 elements, so each rank's shard of a chunk has the same size for any world size.
@@ -29,6 +30,7 @@ class ParamInfo:
     name: str
     numel: int
     block: int | None  # transformer block, None outside blocks
+    group: int = 0  # the optimizer stepping it: a chunk holds one group's parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +78,7 @@ def _units(params: Sequence[ParamInfo]) -> list[list[ParamInfo]]:
     """Runs of consecutive parameters of one block; each parameter outside blocks is a run of its own."""
     units: list[list[ParamInfo]] = []
     for p in params:
-        if units and p.block is not None and units[-1][-1].block == p.block:
+        if units and p.block is not None and units[-1][-1].block == p.block and units[-1][-1].group == p.group:
             units[-1].append(p)
         else:
             units.append([p])
@@ -91,11 +93,12 @@ def layout_at(params: Sequence[ParamInfo], chunk_elems: int, element_size: int, 
     """The layout at one chunk size (elements, already a multiple of world_size * ALIGN)."""
     assert chunk_elems % (world_size * ALIGN) == 0, f"chunk of {chunk_elems} elements is not shard-aligned"
     slots: list[Slot] = []
-    chunk, used = 0, 0
+    chunk, used, group = 0, 0, params[0].group if params else 0
     for unit in _units(params):
         size = sum(p.numel for p in unit)
-        if size <= chunk_elems and used + size > chunk_elems:
-            chunk, used = chunk + 1, 0  # keep the block whole: start it in a fresh chunk
+        if used and (unit[0].group != group or (size <= chunk_elems and used + size > chunk_elems)):
+            chunk, used = chunk + 1, 0  # another optimizer's, or a block kept whole: a fresh chunk
+        group = unit[0].group
         for p in unit:
             assert p.numel <= chunk_elems, f"parameter {p.name} ({p.numel} elements) exceeds the chunk size"
             if used + p.numel > chunk_elems:

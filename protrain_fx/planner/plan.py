@@ -16,7 +16,7 @@ from typing import Any
 from protrain_fx.planner.chunking import ChunkLayout
 
 BLOCK_MODES = ("none", "checkpoint", "swap")
-MASTER_BYTES = {"float32": 4, "bfloat16": 2}  # the master dtypes a plan may name, and their size
+MASTER_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}  # the master dtypes a plan may name, and their size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +105,44 @@ CHUNK_FIELDS = (
 ACTIVATION_FIELDS = ("n_swap", "n_checkpoint", "block_modes", "swap_interval")
 
 
+# fields a plan records as what came out of the layout and the search; a replayed plan file holds them
+OUTPUT_FIELDS = ("n_chunk", "n_block")
+INT_FIELDS = tuple(f.name for f in dataclasses.fields(Plan) if f.type in ("int", int) and f.name not in OUTPUT_FIELDS)
+
+
+def check_forced_fields(forced: Mapping[str, Any]) -> None:
+    """The types of `options['plan']`'s fields, checked once when the options are read (what each field means
+    against the model is checked by `make_plan`): a ValueError naming the field and what it takes."""
+    unknown = sorted(set(forced) - set(PLAN_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown plan field(s) {unknown} in options['plan']; plan fields are {list(PLAN_FIELDS)}")
+    for key in INT_FIELDS:
+        if key in forced:
+            _int_field(forced, key, 0)
+    modes = forced.get("block_modes")
+    if modes is not None and (
+        isinstance(modes, str) or not isinstance(modes, (list, tuple)) or not all(isinstance(m, str) for m in modes)
+    ):
+        raise ValueError(
+            f"options['plan']['block_modes'] must be a list of modes, one per block (each one of "
+            f"{list(BLOCK_MODES)}), got {modes!r}"
+        )
+    if "master_dtype" in forced:
+        master_bytes(forced)
+
+
+def _check_outputs(forced: Mapping[str, Any], n_block: int, layout: ChunkLayout | None) -> None:
+    """A forced output field (a replayed plan file's) must be what this model has."""
+    actual = {"n_block": n_block, "n_chunk": layout.n_chunk if layout is not None else 0}
+    for key, value in actual.items():
+        if key in forced and forced[key] != value:
+            raise ValueError(
+                f"options['plan'][{key!r}]={forced[key]!r}, but this model has {value}: {key} is an output of the "
+                "chunk layout and block search, not a setting (a plan file of another model or layout?); drop it, "
+                "and force chunk_bytes to change the layout"
+            )
+
+
 def _int_field(forced: Mapping[str, Any], key: str, default: int) -> int:
     value = forced.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -117,6 +155,14 @@ def _grad_slots(forced: Mapping[str, Any], key: str, chunks: int, where: str) ->
     if chunks and key in forced and _int_field(forced, key, 0) < 1:
         raise ValueError(f"options['plan'][{key!r}] must be at least 1 where {where}")
     return min(chunks, _int_field(forced, key, chunks))
+
+
+def with_default_master(forced: Mapping[str, Any], layout: ChunkLayout | None) -> dict[str, Any]:
+    """`forced`, with the master dtype of a float64 model where none is forced: its own (float32 would lose
+    precision the model was built with)."""
+    if layout is not None and layout.element_size == 8 and "master_dtype" not in forced:
+        return {**forced, "master_dtype": "float64"}
+    return dict(forced)
 
 
 def master_bytes(forced: Mapping[str, Any]) -> int:
@@ -142,9 +188,8 @@ def make_plan(
     default). `swap_interval` is the measured one (planner/cost.py), unless the user forces another.
     """
     forced = dict(forced or {})
-    unknown = sorted(set(forced) - set(PLAN_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown plan field(s) {unknown} in options['plan']; plan fields are {list(PLAN_FIELDS)}")
+    check_forced_fields(forced)
+    _check_outputs(forced, n_block, layout)
     modes = _block_modes(n_block, forced)
     n_swap, n_checkpoint = modes.count("swap"), modes.count("checkpoint")
     interval = _int_field(forced, "swap_interval", swap_interval)
@@ -166,10 +211,11 @@ def make_plan(
                 "is trained with protrain_fx.optim.AdamW; create that optimizer before the first step"
             )
         return Plan(n_block=n_block, **activations)
-    if size not in (4, layout.element_size):
+    if size not in (4, layout.element_size) or size < layout.element_size:
         raise ValueError(
             f"options['plan']['master_dtype']={master_dtype!r} is for parameters of that dtype, and this model's "
-            f"have {layout.element_size} bytes an element: use 'float32' (the default)"
+            f"have {layout.element_size} bytes an element: use 'float32' (the default; 'float64' for a float64 "
+            "model, which is its default)"
         )
     n_persist = _int_field(forced, "n_persist", layout.n_chunk)
     if n_persist > layout.n_chunk:

@@ -705,7 +705,11 @@ def host_capacity(device: torch.device) -> int | None:
     from torch._inductor import config as inductor_config
 
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    workers = inductor_config.compile_threads if inductor_config.compile_threads > 1 else 0
+    threads = inductor_config.compile_threads
+    if threads is None:  # (inductor decides it at its first compile on some builds: as it will)
+        decide = getattr(inductor_config, "decide_compile_threads", None)
+        threads = decide() if decide is not None else 1
+    workers = threads if threads > 1 else 0
     reserve = HOST_RESERVE_BYTES + COMPILE_WORKER_BYTES * workers  # (each rank's process)
     return max(0, available - reserve * ranks) // ranks
 

@@ -52,7 +52,7 @@ class OnDemand:
 
     def __init__(self, manager=None, params: Sequence[nn.Parameter] = ()):
         self.manager = manager
-        offloaded = [p for p in params if manager is not None and not manager.is_persistent(p)]
+        offloaded = [p for p in params if manager is not None and manager.holds_no_values(p)]
         self.params: dict[int, nn.Parameter] = {storage_key(p): p for p in offloaded}
         self.sizes: dict[int, int] = {k: p.numel() * p.element_size() for k, p in self.params.items()}
         self.dropped: dict[int, torch.Tensor] = {}  # storage -> a tensor on it, while it holds 0 bytes

@@ -5,8 +5,11 @@ can step parameters whose gradients live in chunks). The first compiled graph ho
 builds the layout and the `ChunkManager`; the manager is kept on the model object, so every later graph
 of the same model (graph breaks) shares it. `no_sync(model)` marks backward passes that only accumulate.
 
-Order of the layout: the parameters of the first graph by first use, then any other trainable parameter of
-the model in registration order (a later graph's, which the first graph cannot see).
+What goes in chunks: the trainable parameters a `protrain_fx.optim.AdamW` steps. Frozen parameters, and
+parameters no such optimizer steps, stay plain tensors where they are (inference weights, as a LoRA
+fine-tune's base model). Order of the layout: the parameters of the first graph by first use, then any other
+of the model in registration order (a later graph's, which the first graph cannot see); the parameters of
+different optimizers never share a chunk (each chunk is stepped by one).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch import nn
 
 from protrain_fx.capture import FrameRoots, block_index, find_block_family
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
-from protrain_fx.planner.plan import Plan, make_plan
+from protrain_fx.planner.plan import Plan, make_plan, with_default_master
 from protrain_fx.runtime.chunks import (
     NO_SYNC_ATTR,
     ChunkManager,
@@ -82,23 +85,39 @@ def updates_wait(params: Sequence[nn.Parameter]) -> bool:
     return bool(params) and skips_nonfinite(owner() if owner is not None else None, params[0].dtype)
 
 
-def _ordered_params(roots: FrameRoots, record, example_inputs: Sequence[Any]) -> list[tuple[str, nn.Parameter]]:
+def _in_chunks(p: nn.Parameter) -> bool:
+    """Whether a parameter goes in chunks: trainable and stepped by a protrain_fx.optim.AdamW."""
+    return p.requires_grad and OPTIMIZER_ATTR in p.__dict__
+
+
+def _ordered_params(
+    roots: FrameRoots, record, example_inputs: Sequence[Any], every_trainable: bool
+) -> list[tuple[str, nn.Parameter]]:
     entries = sorted(
         record.param_map.values(),
         key=lambda e: (e.first_use_index is None, e.first_use_index or 0),
     )
-    ordered = [(e.name, example_inputs[e.index]) for e in entries if example_inputs[e.index].requires_grad]
+    chunked = (lambda p: p.requires_grad) if every_trainable else _in_chunks
+    ordered = [(e.name, example_inputs[e.index]) for e in entries if chunked(example_inputs[e.index])]
     seen = {id(p) for _, p in ordered}
     for name, p in roots.model.named_parameters():
-        if p.requires_grad and id(p) not in seen:
+        if chunked(p) and id(p) not in seen:
             ordered.append((name, p))
             seen.add(id(p))
     return ordered
 
 
-def model_layout(roots: FrameRoots, record, example_inputs: Sequence[Any], forced: Mapping[str, Any]) -> ChunkLayout:
-    """The chunk layout of the whole model (see the module docstring)."""
-    return _layout(_ordered_params(roots, record, example_inputs), record.block_map.family, forced)
+def model_layout(
+    roots: FrameRoots,
+    record,
+    example_inputs: Sequence[Any],
+    forced: Mapping[str, Any],
+    *,
+    every_trainable: bool = False,
+) -> ChunkLayout:
+    """The chunk layout of the whole model (see the module docstring); `every_trainable`: as if a
+    protrain_fx.optim.AdamW stepped every trainable parameter (protrain_fx.explain)."""
+    return _layout(_ordered_params(roots, record, example_inputs, every_trainable), record.block_map.family, forced)
 
 
 def _layout(ordered: list[tuple[str, nn.Parameter]], family, forced: Mapping[str, Any]) -> ChunkLayout:
@@ -109,8 +128,14 @@ def _layout(ordered: list[tuple[str, nn.Parameter]], family, forced: Mapping[str
             f"trainable parameters have several dtypes {sorted(map(str, dtypes))}; chunks hold one dtype: "
             "cast the model to one (e.g. model.to(torch.bfloat16))"
         )
+    owners: dict[int, int] = {}  # id of the optimizer stepping a parameter -> its group in the layout
     infos = [
-        ParamInfo(name=n, numel=p.numel(), block=block_index(n.split("."), family) if family else None)
+        ParamInfo(
+            name=n,
+            numel=p.numel(),
+            block=block_index(n.split("."), family) if family else None,
+            group=owners.setdefault(_owner_id(p), len(owners)),
+        )
         for n, p in ordered
     ]
     _, world_size = rank_and_world_size()
@@ -124,8 +149,14 @@ def _layout(ordered: list[tuple[str, nn.Parameter]], family, forced: Mapping[str
     return layout
 
 
+def _owner_id(p: nn.Parameter) -> int:
+    """Which protrain_fx.optim.AdamW steps the parameter (0: none yet)."""
+    ref = p.__dict__.get(OPTIMIZER_ATTR)
+    return id(ref()) if ref is not None and ref() is not None else 0
+
+
 def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkManager:
-    by_name = dict(model.named_parameters())
+    by_name = dict(model.named_parameters(remove_duplicate=False))  # (a tied weight under any of its names)
     params = [by_name[slot.name] for slot in layout.slots]
     with eager():  # called from the partitioner, under AOTAutograd's fake mode
         manager = ChunkManager(
@@ -143,10 +174,12 @@ def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkMan
 
 
 def check_params_managed(manager: ChunkManager, param_map: Mapping, example_inputs: Sequence[Any]) -> None:
-    """A graph compiled after the chunks were built may only read the parameters they were built from."""
+    """A graph compiled after the chunks were built may read the parameters they hold, and plain ones (frozen, or
+    stepped by another optimizer); not a parameter put where a chunked one was, or given to a protrain_fx AdamW
+    after the chunks were built."""
     for name, entry in param_map.items():
         p = example_inputs[entry.index]
-        if p.requires_grad and id(p) not in manager.index:
+        if not manager.holds(p) and (name in manager.names or _in_chunks(p)):
             raise replaced_param_error(name)
 
 
@@ -214,7 +247,7 @@ def prepare(
         raise ValueError("the model has no trainable parameters; nothing to put in chunks")
     family = find_block_family(model)
     layout = _layout(ordered, family, plan or {})
-    chosen = make_plan(family.n_blocks if family else 0, plan, layout)
+    chosen = make_plan(family.n_blocks if family else 0, with_default_master(plan or {}, layout), layout)
     owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
 
     def materialize(module: nn.Module) -> None:

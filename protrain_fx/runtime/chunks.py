@@ -61,13 +61,15 @@ from torch import nn
 from protrain_fx.planner.chunking import ChunkLayout, Slot
 from protrain_fx.planner.plan import MASTER_BYTES
 from protrain_fx.progress import progress
-from protrain_fx.runtime import ops
+from protrain_fx.runtime import model_hooks, ops
+from protrain_fx.runtime.grads import ParamGrads
 from protrain_fx.runtime.host import available_host_bytes, check_host_memory, meminfo_bytes, pinned_arena
 from protrain_fx.runtime.host_queue import HostQueue
 
 log = logging.getLogger(__name__)
 
 MANAGER_ATTR = "_protrain_chunk_manager"  # set on each managed nn.Parameter: the manager that owns it
+OPTIMIZER_ATTR = "_protrain_optimizer"  # set on each parameter of a protrain_fx.optim.AdamW: a weak reference to it
 NO_SYNC_ATTR = "_protrain_no_sync"  # on the model: how many `protrain_fx.no_sync` contexts are open
 # on a parameter loaded before its chunks were built: its fp32 values (the master; the parameter may be bf16)
 LOADED_MASTER_ATTR = "_protrain_loaded_master"
@@ -207,6 +209,13 @@ class ChunkManager:
         self.own_master = self.dtype == self.master_dtype
         check_ranks_agree(layout, n_persist, n_buffer)
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        # every name the chunked parameters have in the model (a tied weight has several) -> its index
+        self._by_name = {s.name: i for i, s in enumerate(layout.slots)}
+        for n, p in model.named_parameters(remove_duplicate=False) if model is not None else ():
+            if id(p) in self.index:
+                self._by_name[n] = self.index[id(p)]
+        self.names = set(self._by_name)
+        self.read_by_graphs: set[int] = set()  # parameters some compiled graph reads (`note_read_by_graph`)
         self._host = HostQueue(spare_core=self.device.type == "cuda")  # runs the offloaded chunks' CPU steps
         if self.device.type == "cuda" and n_persist < layout.n_chunk and _spinning_openmp():
             log.warning(
@@ -249,13 +258,16 @@ class ChunkManager:
         # float16 needs loss scaling, whose overflow check must see every gradient of the step before any update:
         # offloaded updates then start in AdamW.step() instead of during the backward (`skips_nonfinite`)
         self.loss_scaled = self.dtype == torch.float16
-        # gradient clipping (runtime/clip.py), whose coefficient needs every gradient: the norm type of the last
-        # clip_grad_norm_ call (None: never clipped) and whether that call scaled the gradients. A clipped model's
-        # last `n_clip_overlap` offloaded chunks update during the backward while the last clip did not apply,
-        # keeping what the update changes (`speculates`); the others defer to `AdamW.step()`, and all of them while
-        # it did. The first step always defers
-        self.clip_norm_type: float | None = None
-        self.clip_applied = True
+        self.torch_scaled = False  # stepped by torch.amp.GradScaler (`scale_losses`)
+        # gradients or hyperparameters looked at or changed between backward() and optimizer.step() (clipping,
+        # loss scaling, gradient logging, an lr set there: `note_edit`), which updates that start during the
+        # backward would miss. From the first step that does so, updates wait for `AdamW.step()`, but the last
+        # `n_clip_overlap` offloaded chunks, which update during the backward while the last step changed nothing
+        # (`speculates`), keeping what the update changes to undo it. The first step always waits
+        self.edits_grads = False
+        self.last_step_edited = True  # (whether the last step changed gradients or hyperparameters after its backward)
+        self._edited_this_step = False
+        self.clip_norm_type: float | None = None  # the norm type of the last clip_grad_norm_ call (arrival norms)
         self.n_clip_overlap = 0  # the plan's (planner/plan.py): the last chunks that may update before a clip
         self._first_step = True
         self._speculative: set[int] = set()  # offloaded chunks updated this step with what they changed kept
@@ -266,13 +278,34 @@ class ChunkManager:
         # a backward ran out of memory under on_oom="replan" (runtime/oom.py): the step's gradients are ignored
         # until the optimizer step, which skips
         self.step_lost = False
-        owner = next((p.__dict__.get("_protrain_optimizer") for p in self.params), None)
-        self.optimizer = owner() if owner is not None else None  # the protrain_fx.optim.AdamW stepping us
+        self._owners: dict[int, object] = {}  # chunk -> the AdamW stepping it (`optimizer_of`), as last looked up
+        self._owners_stepped: set[int] = set()  # the optimizers (ids) whose step() ran since the step's backward
+        self.in_window = False  # between a step's first gradient and the end of its optimizer steps
+        # backward passes per optimizer step, as the first step showed (gradient accumulation without no_sync):
+        # a chunk's gradient is complete once every frame reducing into it ran that many backward passes
+        self.backwards_per_step = 1
+        # chunks holding a parameter used outside the compiled graphs: their gradient gets that use's part at
+        # `AdamW.step()` (`fold_plain_grads`), so they update there
+        self.eager_chunks: set[int] = set()
+        # the hyperparameters each started update used, and those of the last gradient's arrival, per optimizer
+        self._hyper_used: dict[int, list[dict]] = {}
+        self.hyper_at_backward: dict[int, list[dict]] = {}
+        self.param_grads = ParamGrads(self)  # param.grad of the chunked parameters (runtime/grads.py)
+        self._chunk_params: dict[int, list[int]] = collections.defaultdict(list)
+        for i, slot in enumerate(layout.slots):
+            self._chunk_params[slot.chunk].append(i)
         self._build(source or (lambda p: p.detach()), grad_slots, device_grad_slots)
         for p in self.params:
             p.__dict__[MANAGER_ATTR] = self
+        self._lent: dict[int, bool] = {}  # offloaded parameters given their values for a forward outside the graphs
+        # the parameters of persistent chunks that are not their own master -> their version as the runtime left it,
+        # to take in what is written into them from outside (an in-place init, say: `_take_outside_writes`)
+        self._param_versions = {
+            i: p._version for i, p in enumerate(self.params) if not self.own_master and self.is_persistent(p)
+        }
         if model is not None:
             model.register_state_dict_post_hook(functools.partial(_full_values_into_state_dict, self))
+            model_hooks.install(self, model)
         self.handle = ops.register(self)
 
     # ----- storage -----------------------------------------------------------------------------------
@@ -405,7 +438,9 @@ class ChunkManager:
                 p.untyped_storage().resize_(0)
 
     def check_params(self, indices: Sequence[int], inputs: Sequence[torch.Tensor]) -> None:
-        """The parameters a compiled graph was called with must be the ones in the chunks."""
+        """The parameters a compiled graph was called with must be the ones in the chunks. (And what was written
+        into persistent parameters from outside is taken into their masters, `_take_outside_writes`.)"""
+        self._take_outside_writes()
         for i, t in zip(indices, inputs):
             if t is not self.params[i]:
                 name = self.slots[i].name
@@ -418,6 +453,14 @@ class ChunkManager:
                         "backend object: torch.compile(model, backend=protrain_fx.ProTrainBackend())"
                     )
                 raise replaced_param_error(name)
+
+    def holds(self, p: nn.Parameter) -> bool:
+        """Whether the parameter is in this manager's chunks."""
+        return id(p) in self.index
+
+    def holds_no_values(self, p: nn.Parameter) -> bool:
+        """Whether the parameter is offloaded and holds no values of its own now (none lent to Python: `lend`)."""
+        return self.holds(p) and not self.is_persistent(p) and self.index[id(p)] not in self._lent
 
     def is_persistent(self, p: nn.Parameter) -> bool:
         return self.slots[self.index[id(p)]].chunk < self.n_persist
@@ -507,7 +550,7 @@ class ChunkManager:
         """A backward ran out of memory and its step is given up (on_oom="replan"; after `abandon_step`): its
         gradients so far are dropped and later ones ignored; `AdamW.step()` skips the step and clears this."""
         assert not self._stepped, f"chunks {sorted(self._stepped)} started their update in the lost step"
-        self.zero_grad()
+        self.drop_all_grads()
         self.step_lost = True
 
     def release(self, chunk: int) -> None:
@@ -525,30 +568,80 @@ class ChunkManager:
         once every frame reducing into it has (recompiles of one frame count once: only one of them runs)."""
         self._grad_sources.setdefault(chunk, set()).add(source)
 
+    def optimizer_of(self, chunk: int):
+        """The protrain_fx.optim.AdamW stepping the chunk's parameters (None: no optimizer steps them). The layout
+        keeps the parameters of different optimizers in different chunks."""
+        ref = self._owners.get(chunk)
+        if ref is not None and ref() is not None:
+            return ref()
+        owners = {}
+        for i in self._chunk_params[chunk]:
+            ref = self.params[i].__dict__.get(OPTIMIZER_ATTR)
+            if ref is not None and ref() is not None:
+                owners[id(ref())] = ref
+        if len(owners) > 1:
+            raise ValueError(
+                f"chunk {chunk} holds parameters of {len(owners)} protrain_fx.optim.AdamW optimizers, and a chunk "
+                "is stepped by one: build every optimizer before the model's chunks are built (its first compiled "
+                "step, or protrain_fx.prepare), so that the layout keeps each optimizer's parameters apart"
+            )
+        ref = next(iter(owners.values()), None)
+        if ref is not None:
+            self._owners[chunk] = ref
+        return ref() if ref is not None else None
+
+    def forget_owners(self) -> None:
+        """A protrain_fx.optim.AdamW was built over some of the parameters: look the chunks' optimizers up again."""
+        self._owners.clear()
+
+    def check_owners(self) -> None:
+        """Raise now where a chunk holds parameters of several optimizers (`optimizer_of`)."""
+        for chunk in range(self.layout.n_chunk):
+            self.optimizer_of(chunk)
+
+    @property
+    def optimizers(self) -> list:
+        """The protrain_fx.optim.AdamW optimizers stepping this model's chunks."""
+        found = {}
+        for chunk in range(self.layout.n_chunk):
+            owner = self.optimizer_of(chunk)
+            if owner is not None:
+                found[id(owner)] = owner
+        return list(found.values())
+
     @property
     def skips_nonfinite(self) -> bool:
         """A step with an inf or NaN gradient is skipped (on every rank), not an error (`skips_nonfinite`)."""
-        return skips_nonfinite(self.optimizer, self.dtype)
+        return self.torch_scaled or any(skips_nonfinite(o, self.dtype) for o in self.optimizers or [None])
+
+    def scale_losses(self, what: str) -> None:
+        """`what` scales the loss (torch.amp.GradScaler, seen at a step): from now on every update waits for the
+        step, which divides the scale out and skips a step with an inf or NaN gradient."""
+        if not self.torch_scaled:
+            log.info("%s: chunk updates wait for optimizer.step()", what)
+            self.torch_scaled = True
+        self._check_not_started(sorted(self._stepped), f"{what}, first seen at this step,")
 
     @property
     def defer_updates(self) -> bool:
         """Updates start in `AdamW.step()`, not as each chunk's gradient completes (but `speculates`)."""
-        return self.skips_nonfinite or self._first_step or self.clip_norm_type is not None
+        return self.skips_nonfinite or self._first_step or self.edits_grads
 
     def _update_now(self, chunk: int) -> bool:
         """Whether an offloaded chunk whose gradient is complete starts its host update now."""
-        if self.optimizer is None or self.skips_nonfinite or self._first_step:
+        if self.optimizer_of(chunk) is None or self.skips_nonfinite or self._first_step or chunk in self.eager_chunks:
             return False
-        return self.clip_norm_type is None or (chunk >= self.layout.n_chunk - self.n_clip_overlap and self.speculates)
+        return not self.edits_grads or (chunk >= self.layout.n_chunk - self.n_clip_overlap and self.speculates)
 
     @property
     def speculates(self) -> bool:
-        """A clipped model whose last clip did not apply updates its offloaded chunks during the backward as if
-        this one will not either, keeping each chunk's master and AdamW states as they were (`snapshot` of
+        """A model whose gradients or hyperparameters are looked at between backward() and step() (`edits_grads`:
+        clipping, say), and whose last step changed none of them, updates its offloaded chunks during the backward
+        as if this step will not either, keeping each chunk's master and AdamW states as they were (`snapshot` of
         `AdamW.chunk_update`); if it does, `undo_speculative_updates` puts them back and `AdamW.step()` updates
-        again from the clipped gradients. Only the last `n_clip_overlap` chunks, as the plan chose (the copy costs
+        again from the changed gradients. Only the last `n_clip_overlap` chunks, as the plan chose (the copy costs
         host memory bandwidth: the cost model weighs it against waiting for the clip), where the host has room."""
-        if self.clip_norm_type is None or self.clip_applied or not self.n_clip_overlap:
+        if not self.edits_grads or self.last_step_edited or not self.n_clip_overlap:
             return False
         if self._room_for_undo is None:
             needed = HOST_STATES * self.master_bytes * self.layout.shard_elems * self.n_clip_overlap
@@ -570,7 +663,7 @@ class ChunkManager:
         accumulated in fp32) is not finite. On the device, no sync, and each gradient is only read, once (a norm
         also overflows past about 1e19, where training has failed anyway). `AdamW.step()` reads it, and the fused
         AdamW skips an update where it is exactly 1."""
-        norms = torch._foreach_norm(list(grads), 2, dtype=torch.float32)
+        norms = torch._foreach_norm(list(grads), 2, dtype=torch.promote_types(grads[0].dtype, torch.float32))
         nonfinite = torch.isfinite(torch.stack(norms).sum()).logical_not().to(self.found_inf.dtype)
         torch.maximum(self.found_inf, nonfinite, out=self.found_inf)
 
@@ -600,6 +693,13 @@ class ChunkManager:
                 "optimizer.step() after each backward, or, to accumulate gradients over several backward passes, "
                 "run all but the last inside `with protrain_fx.no_sync(model):`"
             )
+        self._reconcile(chunk)
+        indices = [self.index[id(p)] for p in params]
+        grads = self._with_plain_grads(indices, grads)
+        owner = self.optimizer_of(chunk)
+        if owner is not None:
+            self.hyper_at_backward[id(owner)] = owner.hyperparameters()
+        self.in_window = True
         accumulate = chunk in self.has_grad  # the first gradient of a step overwrites: zero_grad never memsets
         self.has_grad.add(chunk)
         sync = self.sync_grads
@@ -613,10 +713,12 @@ class ChunkManager:
             written = self._write_grads(grad, params, grads, seen)
             # the gradients as they came (compute dtype: fewer bytes read), or as added up (a sum may overflow)
             self._check_finite(written if any(seen) else grads)
-            self.params_with_grad.update(self.index[id(p)] for p in params)
+            self.params_with_grad.update(indices)
+            self.param_grads.publish(indices)
             self._step_persistent_early(chunk)
             return
-        self.params_with_grad.update(self.index[id(p)] for p in params)
+        self.params_with_grad.update(indices)
+        self.param_grads.publish(indices)
         self._land_reductions()  # (at most one in flight: the reduce buffer it holds is the next to be taken)
         flat, slot = self._reduce_buffer()
         self._write_grads(flat, params, grads, [False] * len(params))
@@ -666,13 +768,13 @@ class ChunkManager:
             if stream is not None:
                 copied = stream.record_event()
         last = self._complete(chunk) and self._update_now(chunk)
-        update, speculative = None, self.clip_norm_type is not None
+        update, speculative = None, self.edits_grads
         if last:
             self._stepped.add(chunk)
             if speculative:
                 self._speculative.add(chunk)
             # hyperparameters and gradients as of now; skipped if a gradient of the step so far is not finite
-            update = self.optimizer.chunk_update(self, chunk, found_inf=found, snapshot=speculative)
+            update = self._start_update(chunk, found_inf=found, snapshot=speculative)
 
         self._reduce_read[slot] = copied  # the buffer (and its shard) is reused once this copy has ended
 
@@ -818,8 +920,16 @@ class ChunkManager:
 
     def _complete(self, chunk: int) -> bool:
         """Whether the chunk's gradient is final for this step: this is the step's last backward (not inside
-        `no_sync`) and every compiled frame reducing into the chunk has run its backward."""
-        return self.sync_grads and self._arrivals.get(chunk, 0) >= len(self._grad_sources.get(chunk, ()))
+        `no_sync`) and every compiled frame reducing into the chunk has run its backward, as many times as a step
+        has backward passes (`backwards_per_step`: gradient accumulation without `no_sync`)."""
+        expected = len(self._grad_sources.get(chunk, ())) * self.backwards_per_step
+        return self.sync_grads and self._arrivals.get(chunk, 0) >= expected
+
+    def _start_update(self, chunk: int, **kwargs) -> Callable[[], None]:
+        """The chunk's update, to run now (during the backward), with the hyperparameters of this moment."""
+        owner = self.optimizer_of(chunk)
+        self._hyper_used[chunk] = owner.hyperparameters()
+        return owner.chunk_update(self, chunk, **kwargs)
 
     def _step_persistent_early(self, chunk: int) -> None:
         """Update a persistent chunk as soon as its gradient is final (reduced across ranks), when updates need
@@ -831,8 +941,9 @@ class ChunkManager:
         (`_join_at_end`), so what runs after it reads the new values. Like an offloaded chunk's update, it skips
         itself if a gradient of the step so far is inf or NaN."""
         if (
-            self.optimizer is None
+            self.optimizer_of(chunk) is None
             or self.defer_updates  # (clipped: GPU memory is not spent on undoing them, they update in step())
+            or chunk in self.eager_chunks
             or not self._complete(chunk)
         ):
             return
@@ -840,7 +951,7 @@ class ChunkManager:
         self._early.add(chunk)
         found = self._found_early[chunk]
         found.copy_(self.found_inf[0])  # as of now: later gradients' flags do not reach this update
-        update = self.optimizer.chunk_update(self, chunk, found_inf=found)
+        update = self._start_update(chunk, found_inf=found)
         stream = self._optim_stream
         if stream is None:
             update()
@@ -904,11 +1015,11 @@ class ChunkManager:
         dist.reduce_scatter_tensor(shard, flat)
         return shard
 
-    def unstepped(self) -> list[int]:
+    def unstepped(self, owner=None) -> list[int]:
         """Chunks with a gradient this step whose update has not started (updates deferred to the step, a frame
-        reducing into them did not run its backward, or the optimizer was not known yet): `AdamW.step()` steps
-        them."""
-        return sorted(self.has_grad - self._stepped)
+        reducing into them did not run its backward, or the optimizer was not known yet), of `owner` (an AdamW;
+        None: of any): its `step()` steps them."""
+        return sorted(c for c in self.has_grad - self._stepped if owner is None or self.optimizer_of(c) is owner)
 
     def updates_started(self, *, undoable: bool = True) -> list[int]:
         """Chunks whose update has started this step, during the backward (reading this step's gradients).
@@ -929,7 +1040,7 @@ class ChunkManager:
         master and AdamW states they had, and `AdamW.step()` updates them again from the clipped gradients."""
         self.wait_for_update()
         for chunk in sorted(self._speculative):
-            self.optimizer.restore(self, chunk)
+            self.optimizer_of(chunk).restore(self, chunk)
             self.publish(chunk)  # (the master changed again: a buffered copy is stale)
             self._stepped.discard(chunk)
         self._speculative.clear()
@@ -979,21 +1090,42 @@ class ChunkManager:
             self._gives_back.add(chunk)
         self._pending[chunk] = self._host.submit(chunk, None, update_and_give_back)
 
-    def end_step(self) -> None:
-        """After the optimizer step: the next backward starts a new step (gradients still add up until
-        zero_grad, as in torch)."""
+    def end_step(self, owner=None) -> None:
+        """After `owner`'s step (an AdamW; None: every chunk's step is over): its chunks' next gradient starts a new
+        step (gradients still add up until zero_grad, as in torch). Once every optimizer holding a chunk with a
+        gradient has stepped, the step is over."""
+        chunks = set(range(self.layout.n_chunk))
+        if owner is not None:
+            chunks = {c for c in chunks if self.optimizer_of(c) is owner}
+            self._owners_stepped.add(id(owner))
+            self.hyper_at_backward.pop(id(owner), None)
         self._join_early_updates()
         self._join_queued = False  # (a backward that raised ran no final callback)
-        early, self._early = sorted(self._early), set()
-        for chunk in early:  # the parameters take the masters updated during the backward
+        for chunk in sorted(self._early & chunks):  # the parameters take the masters updated during the backward
+            self._early.discard(chunk)
             self.publish(chunk)
-        self._arrivals.clear()
-        self._stepped.clear()
-        self._speculative.clear()
-        self._arrival_norms.clear()
-        if self.has_grad:  # (zero_grad before the first backward does not end the first step)
-            self._first_step = False
-        self.found_inf.zero_()
+        counts = [
+            self._arrivals[c] // len(self._grad_sources[c])
+            for c in chunks & self._arrivals.keys()
+            if self._grad_sources.get(c)
+        ]
+        if self._first_step and counts:  # (how many backward passes the first step had)
+            self.backwards_per_step = max(1, min(counts))
+        for kept in (self._arrivals, self._arrival_norms, self._hyper_used):
+            for chunk in chunks & kept.keys():
+                del kept[chunk]
+        self._stepped -= chunks
+        self._speculative -= chunks
+        waiting = {id(o) for c in self.has_grad if (o := self.optimizer_of(c)) is not None} - self._owners_stepped
+        if self.in_window and (owner is None or not waiting):
+            if self.has_grad:  # (zero_grad before the first backward does not end the first step)
+                self._first_step = False
+            self.found_inf.zero_()
+            self.take_back(all_of_them=True)  # (parameters lent to a forward outside the graphs: stale now)
+            self.last_step_edited, self._edited_this_step = self._edited_this_step, False
+            self.in_window = False
+            self._owners_stepped.clear()
+            self.hyper_at_backward.clear()
 
     def wait_for_update(self, chunk: int | None = None) -> None:
         """Block until the CPU optimizer step of `chunk` (of every chunk if None) is done; a persistent chunk's
@@ -1006,24 +1138,266 @@ class ChunkManager:
                 future.result()
 
     def zero_grad(self) -> None:
-        """Forget this step's gradients; the next one overwrites each chunk's fp32 gradient (no memset). Shared
-        host gradient shards not given back by an update are given back now."""
-        self._land_reductions(discard=True)
-        if self.shares_grads:
-            with self._grad_lock:
-                held = [c for c in self.grad if c >= self.n_persist and c not in self._gives_back]
-            for chunk in held:
-                self.wait_for_update(chunk)  # (a copy into it may be landing)
-                self._give_back_grad(chunk)
-        if self.shares_device_grads:
-            with self._grad_lock:
-                held = [c for c in self.grad if c < self.n_persist]
-            for chunk in held:
-                self._give_back_device_grad(chunk)
-        self.has_grad.clear()
-        self.params_with_grad.clear()
-        self._unreduced.clear()
-        self.end_step()
+        """After the parameters' `.grad` were set to None (by an optimizer's `zero_grad`): the chunks forget those
+        gradients, and the next one overwrites each chunk's gradient (no memset). Shared host gradient shards not
+        given back by an update are given back now. Once no chunk holds a gradient, the step is over."""
+        self.reconcile_all()
+        if not self.has_grad:
+            self._land_reductions(discard=True)
+            self._unreduced.clear()
+            self.end_step()
+
+    def drop_all_grads(self) -> None:
+        """Forget every gradient of the step, whatever `.grad` holds (a step lost to an out-of-memory error)."""
+        for i in sorted(self.params_with_grad):
+            self.params[i].grad = None
+        self.zero_grad()
+
+    # ----- param.grad: what runtime/grads.py reads and writes -------------------------------------------------
+
+    def _piece(self, i: int) -> torch.Tensor:
+        """This rank's piece of parameter `i`'s gradient in its chunk: parameter-shaped where the rank holds it
+        whole, else the flat elements `local_range(i)`."""
+        slot = self.slots[i]
+        a, b = self._slot_range(slot)
+        grad = self.grad[slot.chunk]
+        if not self.is_sharded(slot.chunk):
+            return grad[a:b].view(self.params[i].shape)
+        lo, hi = self._shard_bounds()
+        return grad[max(a, lo) - lo : max(min(b, hi), lo) - lo]
+
+    def local_range(self, i: int) -> tuple[int, int]:
+        """The elements of parameter `i` (flattened) whose gradient this rank holds."""
+        slot = self.slots[i]
+        if not self.is_sharded(slot.chunk):
+            return 0, slot.numel
+        a, b = self._slot_range(slot)
+        lo, hi = self._shard_bounds()
+        s, e = max(a, lo), min(b, hi)
+        return (s - a, e - a) if s < e else (0, 0)
+
+    def grad_is_sharded(self, i: int) -> bool:
+        return self.is_sharded(self.slots[i].chunk)
+
+    def _settle_grads(self, chunk: int) -> None:
+        """Before a gradient of the chunk is read or written outside the graphs: every reduction landed, the copy
+        to the host taken in, what the user did to `.grad` taken into account."""
+        self.finish_reduction()
+        if chunk >= self.n_persist:
+            self.wait_for_update(chunk)
+        self._reconcile(chunk)
+
+    def grad_piece(self, i: int) -> torch.Tensor | None:
+        """Parameter `i`'s gradient as this rank holds it (`_piece`), None where it has none this step."""
+        chunk = self.slots[i].chunk
+        self.note_read()
+        self._settle_grads(chunk)
+        if i not in self.params_with_grad:
+            return None
+        if chunk not in self.grad:
+            raise RuntimeError(
+                f"the gradient of {self.slots[i].name!r} is gone: this plan shares {self.grad_slots} host gradient "
+                "shards among the offloaded chunks (the host has no room for one each), so a chunk's gradient lasts "
+                "only until its update; read .grad between backward() and optimizer.step()"
+            )
+        return self._piece(i)
+
+    def gather_param_grad(self, i: int, piece: torch.Tensor) -> torch.Tensor:
+        """Parameter `i`'s whole gradient (flat, master dtype) from every rank's piece (a collective)."""
+        full = torch.zeros(self.slots[i].numel, dtype=self.master_dtype, device=self.device)
+        lo, hi = self.local_range(i)
+        full[lo:hi] = piece.to(self.device)
+        return self.all_reduce(full, dist.ReduceOp.SUM, f"the all-gather of {self.slots[i].name!r}'s gradient")
+
+    def all_reduce(self, t: torch.Tensor, op, what: str) -> torch.Tensor:
+        """`t` reduced over the ranks in place (through the device where the backend needs it)."""
+        with across_ranks(what):
+            if dist.get_backend() == "gloo" or t.device == self.device:
+                dist.all_reduce(t, op=op)
+                return t
+            on_device = t.to(self.device)
+            dist.all_reduce(on_device, op=op)
+            return t.copy_(on_device)
+
+    def editable_grad(self, i: int, what: str) -> torch.Tensor:
+        """Parameter `i`'s gradient piece (`_piece`) for an in-place write outside the graphs (zeros first where it
+        has none this step). Its chunk's update must not have started with it (a kept copy undoes it)."""
+        chunk = self.slots[i].chunk
+        self._settle_grads(chunk)
+        self._check_not_started([chunk], f"{what} on the gradient of {self.slots[i].name!r}")
+        self.note_edit(what)
+        if i not in self.params_with_grad:
+            self._new_grad(i)
+        return self._piece(i)
+
+    def drop_grad(self, i: int, what: str) -> None:
+        """Parameter `i` has no gradient this step any more (`zero_()` of its `.grad`)."""
+        chunk = self.slots[i].chunk
+        self._settle_grads(chunk)
+        if i in self.params_with_grad:
+            self._check_not_started([chunk], f"{what} on the gradient of {self.slots[i].name!r}")
+            self.note_edit(what)
+            self._drop(chunk, [i])
+
+    def _new_grad(self, i: int) -> None:
+        """Zeros for parameter `i`'s gradient in its chunk (the chunk's gradient taken, and zeroed, if it has none
+        this step: later gradients add to it)."""
+        chunk = self.slots[i].chunk
+        if chunk not in self.has_grad:
+            grad = self._take_device_grad(chunk, False) if chunk < self.n_persist else self._take_grad(chunk)
+            grad.zero_()
+            self.has_grad.add(chunk)
+            self.in_window = True
+        else:
+            self._piece(i).zero_()
+        self.params_with_grad.add(i)
+        self.param_grads.publish([i])
+
+    def _reconcile(self, chunk: int) -> None:
+        """Parameters of the chunk whose `.grad` the user dropped (set to None, or replaced) since it took their
+        gradient leave it: the optimizer skips them, as torch's skips a parameter without a gradient."""
+        if chunk not in self.has_grad:
+            return
+        dropped = [i for i in self._chunk_params[chunk] if i in self.params_with_grad and self.param_grads.cleared(i)]
+        if dropped:
+            if chunk >= self.n_persist:
+                self.wait_for_update(chunk)  # (its copy to the host landed)
+            what = f"dropping the gradient of {self.slots[dropped[0]].name!r}"
+            self._check_not_started([chunk], what)
+            owner = self.optimizer_of(chunk)
+            if self.in_window and owner is not None and id(owner) not in self._owners_stepped:
+                self.note_edit(what)  # (between its backward and its step)
+            self._drop(chunk, dropped)
+
+    def reconcile_all(self) -> None:
+        for chunk in sorted(self.has_grad):
+            self._reconcile(chunk)
+
+    def _drop(self, chunk: int, indices: Sequence[int]) -> None:
+        """The parameters' gradients leave the chunk; a chunk left without any forgets its gradient (a shared
+        buffer or shard is given back), else their slices are zeroed, since later gradients add to the chunk's."""
+        self.params_with_grad.difference_update(indices)
+        if any(i in self.params_with_grad for i in self._chunk_params[chunk]):
+            for i in indices:
+                self._piece(i).zero_()
+            return
+        self.has_grad.discard(chunk)
+        self._arrival_norms.pop(chunk, None)
+        self._unreduced.discard(chunk)
+        for entry in [e for e in self._in_flight if e[0] == chunk]:
+            entry[2].wait()
+            self._in_flight.remove(entry)
+        if chunk < self.n_persist:
+            self._give_back_device_grad(chunk)
+        elif chunk not in self._gives_back:
+            self._give_back_grad(chunk)
+
+    def _with_plain_grads(self, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """`grads`, each plus the plain tensor in its parameter's `.grad` (see `fold_plain_grads`)."""
+        out = []
+        for i, g in zip(indices, grads):
+            plain = self.param_grads.take_plain(i)
+            out.append(g if plain is None else g + plain.to(g.device, g.dtype))
+        return out
+
+    def fold_plain_grads(self) -> None:
+        """Before the step: plain tensors in the chunked parameters' `.grad` (autograd's, for a use outside the
+        compiled graphs, or the user's) are their gradients: added into the chunks (averaged across ranks, as the
+        graphs' gradients are), whose update then waits for the step from now on (`eager_chunks`)."""
+        for i, p in enumerate(self.params):
+            if p.grad is None or self.param_grads.mine(p.grad):
+                continue
+            chunk = self.slots[i].chunk
+            self._settle_grads(chunk)
+            if chunk not in self.eager_chunks:
+                log.info(
+                    "parameter %r has a gradient from outside the compiled graphs: chunk %d updates in "
+                    "optimizer.step() from now on",
+                    self.slots[i].name,
+                    chunk,
+                )
+                self.eager_chunks.add(chunk)
+            plain = self.param_grads.take_plain(i).to(self.master_dtype)
+            if self.world_size > 1:
+                plain = self.all_reduce(plain.to(self.device), dist.ReduceOp.SUM, "the all-reduce of a gradient")
+                plain /= self.world_size
+            self._check_not_started([chunk], f"the gradient of {self.slots[i].name!r} from outside the graphs")
+            if i not in self.params_with_grad:
+                self._new_grad(i)
+            piece = self._piece(i)
+            lo, hi = self.local_range(i)
+            piece.add_(plain.reshape(-1)[lo:hi].view(piece.shape).to(piece.device))
+            self._check_finite([piece])
+
+    def _check_not_started(self, chunks: Sequence[int], what: str) -> None:
+        """A change to the chunks' gradients (or hyperparameters) outside the graphs: their update must not have
+        started with them during the backward. Updates that kept a copy of what they changed are undone (and run
+        again in the step); others cannot be, which is an error."""
+        started = sorted(set(chunks) & self._stepped)
+        if not started:
+            return
+        self.note_edit(what)
+        if set(started) <= self._speculative:
+            self.undo_speculative_updates()
+            return
+        raise RuntimeError(
+            f"{what}: the optimizer update of chunk(s) {started} had started during the backward with things as "
+            "they were then (chunks update as soon as their gradient is complete, unless an earlier step changed "
+            "gradients or hyperparameters between backward() and optimizer.step()). From the next step on updates "
+            "wait for optimizer.step(); this step's cannot be redone, so resume from the last checkpoint. To avoid "
+            "it, make such changes in every step, from the first (clip every step, say), or before the forward"
+        )
+
+    def note_read(self) -> None:
+        """A gradient is read outside the graphs between backward() and optimizer.step() (clipping or logging a
+        norm): from now on updates wait for the step, where the gradient may have been changed."""
+        if self.in_window:
+            self.expect_edits("gradients read")
+
+    def expect_edits(self, what: str) -> None:
+        """Gradients or hyperparameters are looked at, and may be changed, between backward() and step() (not by a
+        backward): from now on updates wait for the step (`edits_grads`)."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if not self.edits_grads:
+            log.info("%s between backward() and optimizer.step(): chunk updates wait for the step", what)
+        self.edits_grads = True
+
+    def note_edit(self, what: str) -> None:
+        """Gradients or hyperparameters changed between backward() and optimizer.step() (not by a backward)."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self.expect_edits(what)
+        self._edited_this_step = True
+
+    def edit_grads(self, what: str) -> None:
+        """Every gradient of the step is about to change (clipping): updates that started with them are undone
+        where they kept a copy, and an error otherwise."""
+        self.note_edit(what)
+        self._check_not_started(sorted(self._stepped), what)
+
+    def carried_scale(self) -> float | None:
+        """The loss scale the gradients carry, as announced by `protrain_fx.amp.GradScaler.unscale_`."""
+        return next((o.carried_scale for o in self.optimizers if o.carried_scale is not None), None)
+
+    def note_hyperparameter_set(self, owner, key: str) -> None:
+        """`owner`'s hyperparameter `key` was set: between the backward and `owner`'s step, its updates must see
+        it, from this step on (the value may be the same: what is set after the backward counts)."""
+        if (
+            self.in_window
+            and id(owner) not in self._owners_stepped
+            and any(self.optimizer_of(c) is owner for c in self.has_grad)
+        ):
+            self.note_edit(f"the optimizer's {key!r} set")
+
+    def check_hyperparameters(self, owner, now: list[dict]) -> None:
+        """At `owner`'s step: hyperparameters changed since its chunks' gradients arrived apply to this step, as in
+        torch's AdamW (the updates started with the old ones are undone, where they can be)."""
+        seen = self.hyper_at_backward.get(id(owner))
+        stale = [c for c, used in self._hyper_used.items() if self.optimizer_of(c) is owner and used != now]
+        if (seen is not None and seen != now) or stale:
+            self.note_edit("hyperparameters (lr, betas, eps, weight_decay) set")
+            self._check_not_started(stale, "hyperparameters (lr, betas, eps, weight_decay) set after the backward")
 
     def param_pieces(self, chunk: int) -> list[tuple[int, int, int, int]]:
         """(param index, start, end, first element of the parameter) of this rank's pieces of a chunk: `start`
@@ -1061,6 +1435,87 @@ class ChunkManager:
         if chunk < self.n_persist and chunk not in self._early and not self.own_master:
             self.flat[chunk].copy_(self.master[chunk])
         self._version[chunk] = self._version.get(chunk, 0) + 1
+
+    # ----- the model used outside the compiled graphs (runtime/model_hooks.py) ------------------------------------
+
+    def _take_outside_writes(self) -> None:
+        """Parameters of a persistent chunk written in place from outside the runtime (`nn.init`, a user's
+        `p.mul_(...)`: their version moved; the runtime writes their chunk, not them) take their masters with
+        them, where the parameters are not their own master."""
+        for i, version in self._param_versions.items():
+            p = self.params[i]
+            if p._version != version:
+                slot = self.slots[i]
+                a, b = self._slot_range(slot)
+                self._join_early_updates()
+                self.master[slot.chunk][a:b].copy_(p.detach().reshape(-1))
+                self._param_versions[i] = p._version
+
+    def param_values(self, i: int) -> torch.Tensor:
+        """Parameter `i`'s current values, whole, in the compute dtype on the chunks' device (a collective where its
+        chunk is sharded)."""
+        slot = self.slots[i]
+        a, b = self._slot_range(slot)
+        self.wait_for_update(slot.chunk)
+        if slot.chunk < self.n_persist:
+            return self.params[i].detach()
+        flat = self.full_values(slot.chunk) if self.world_size > 1 else self.master[slot.chunk]
+        return flat[a:b].to(self.device, self.dtype).view(self.params[i].shape)
+
+    def note_read_by_graph(self, params) -> None:
+        """A compiled graph reads these parameters (it gathers the offloaded ones itself)."""
+        self.read_by_graphs.update(self.index[id(p)] for p in params if self.holds(p))
+
+    def lend_to_python(self, indices: Sequence[int], *, for_backward: bool) -> None:
+        """A compiled forward ends inside these parameters' modules, whose forward Python goes on with: those no
+        compiled graph reads get their values (`lend`)."""
+        self.lend([i for i in indices if i not in self.read_by_graphs], for_backward=for_backward)
+
+    def lend(self, indices: Sequence[int], *, for_backward: bool) -> None:
+        """A forward outside the compiled graphs is about to read these parameters: offloaded ones get their values
+        (storage of their own again) until `take_back`, or the end of the step where the backward may read them.
+        Where their gradients will come (`for_backward`), their chunks update in the step (`eager_chunks`)."""
+        for i in indices:
+            p = self.params[i]
+            if for_backward and p.requires_grad:
+                self.eager_chunks.add(self.slots[i].chunk)
+            if self.is_persistent(p):
+                continue
+            if i not in self._lent:
+                values = self.param_values(i)
+                p.untyped_storage().resize_((p.storage_offset() + p.numel()) * p.element_size())
+                with torch.no_grad():
+                    p.copy_(values)
+            self._lent[i] = self._lent.get(i, False) or (for_backward and p.requires_grad)
+
+    def take_back(self, indices: Sequence[int] | None = None, *, all_of_them: bool = False) -> None:
+        """Offloaded parameters lent for a forward give their storage back, but those the backward may still read
+        (until `end_step`, which takes back `all_of_them`)."""
+        for i in list(self._lent if indices is None else indices):
+            if i in self._lent and (all_of_them or not self._lent[i]):
+                del self._lent[i]
+                self.params[i].untyped_storage().resize_(0)
+
+    def load_param(self, i: int, value: torch.Tensor) -> None:
+        """Parameter `i` takes `value` (whole, parameter-shaped; model.load_state_dict): its master and compute
+        copy, this rank's part where sharded. Its optimizer states stay, as torch's do."""
+        slot = self.slots[i]
+        a, b = self._slot_range(slot)
+        self.wait_for_update(slot.chunk)
+        self._join_early_updates()
+        flat = value.detach().reshape(-1)
+        lo, hi = (0, self.layout.chunk_elems) if not self.is_sharded(slot.chunk) else self._shard_bounds()
+        s, e = max(a, lo), min(b, hi)
+        if s < e:
+            with torch.no_grad():
+                self.master[slot.chunk][s - lo : e - lo].copy_(flat[s - a : e - a])
+        if slot.chunk < self.n_persist and self.own_master:
+            self._version[slot.chunk] = self._version.get(slot.chunk, 0) + 1
+        else:
+            self.publish(slot.chunk)
+        if i in self._lent:
+            with torch.no_grad():
+                self.params[i].copy_(value)
 
     def full_params(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """Every parameter with its current values, whole, on the host in the compute dtype, fetched chunk by

@@ -45,20 +45,14 @@ def clip_grad_norm_(
     scale = 1.0  # the loss scale the gradients carry (float16, announced by GradScaler.unscale_)
     if manager is not None:
         if manager.loss_scaled:
-            scale = manager.optimizer.carried_scale if manager.optimizer is not None else None
+            scale = manager.carried_scale()
             if scale is None:
                 raise ValueError(
                     "float16 gradients carry the loss scale: call scaler.unscale_(optimizer) before "
                     "clip_grad_norm_, as with torch.amp.GradScaler"
                 )
-        started = manager.updates_started(undoable=False)
-        if started:
-            raise RuntimeError(
-                "clip_grad_norm_ came after chunks had started their optimizer step with unclipped "
-                f"gradients (chunks {started}): call it in every step, from the first, between backward() and "
-                "optimizer.step()"
-            )
         manager.clip_norm_type = norm_type
+        manager.expect_edits("clip_grad_norm_")
     known = manager.arrival_norms(norm_type) if manager is not None else {}
     pieces = _gradient_pieces(model, manager, without=set(known))
     pieces.local_norms = list(known.values())
@@ -70,10 +64,8 @@ def clip_grad_norm_(
         )
     coef = max_norm / (total + 1e-6)
     clips = coef < 1
-    if manager is not None:
-        manager.clip_applied = clips
-        if clips:
-            manager.undo_speculative_updates()
+    if manager is not None and clips:
+        manager.edit_grads("clip_grad_norm_ scaling the gradients")
     if clips:
         pieces = _gradient_pieces(model, manager) if known else pieces
         for tensors in _by_device(pieces.local + pieces.once):

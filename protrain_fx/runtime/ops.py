@@ -8,7 +8,6 @@
     protrain.materialize([y])                                  # y, a reader's output, computed into a buffer
     protrain.reduce_grads(manager, chunk, [param indices], [grads], [last readers])  # after the chunk's last
                                                                # gradient and (offloaded) its last read
-    protrain.check_params(manager, [param indices], [parameters])        # forward: inputs are still ours
     h = protrain.swap_out(space, slot, t, stride)              # swapped activations (runtime/swap.py): forward,
     protrain.swap_settle(space, [slot, ...], [h, ...], [t, ...], after)  # forward, swap_interval blocks later
     protrain.swap_prefetch(space, [slot, ...], after)          # backward, a block's tensors ahead of their use,
@@ -112,16 +111,6 @@ def _(manager: int, chunk: int, params: list[int], grads: list[torch.Tensor], af
     return None
 
 
-@torch.library.custom_op("protrain::check_params", mutates_args=())
-def check_params(manager: int, params: list[int], inputs: list[torch.Tensor]) -> None:
-    _manager(manager).check_params(params, inputs)
-
-
-@check_params.register_fake
-def _(manager: int, params: list[int], inputs: list[torch.Tensor]) -> None:
-    return None
-
-
 # A compiler may hand `t` over in another layout than the graph's (inductor does, for ops a pass inserted), so
 # the slot's strides are an argument and the host copy's layout never depends on t's: a copy between layouts is
 # still right, only slower. (A layout constraint would make inductor copy `t` into a buffer of its own, which
@@ -192,7 +181,6 @@ def _(x: torch.Tensor, deps: list[torch.Tensor]) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-has_side_effect(torch.ops.protrain.check_params.default)
 has_side_effect(torch.ops.protrain.swap_prefetch.default)
 has_side_effect(torch.ops.protrain.swap_settle.default)
 has_side_effect(torch.ops.protrain.step_mark.default)

@@ -39,11 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from protrain_fx.runtime.chunks import MANAGER_ATTR, across_ranks, skips_nonfinite
+from protrain_fx.runtime.chunks import MANAGER_ATTR, OPTIMIZER_ATTR, across_ranks, skips_nonfinite
 
 log = logging.getLogger(__name__)
 
-OPTIMIZER_ATTR = "_protrain_optimizer"  # set on each parameter: a weak reference to its AdamW
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
@@ -76,6 +75,7 @@ class AdamW(torch.optim.Optimizer):
         # norms by it; the gradients themselves keep it until the fused update divides it out)
         self.carried_scale: float | None = None
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.param_groups[:] = [_Group(self, g) for g in self.param_groups]
         self._inner: dict[tuple[int, int], torch.optim.AdamW | None] = {}
         self._plain: torch.optim.AdamW | None = None
         self._loaded: dict[int, dict] = {}  # id(param) -> state from load_state_dict, not yet placed
@@ -86,10 +86,34 @@ class AdamW(torch.optim.Optimizer):
         me = weakref.ref(self)
         for group in self.param_groups:
             for p in group["params"]:
+                if OPTIMIZER_ATTR in p.__dict__ and p.__dict__[OPTIMIZER_ATTR]() is not None:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} is stepped by another protrain_fx.optim.AdamW "
+                        "already; give each parameter to one optimizer"
+                    )
                 p.__dict__[OPTIMIZER_ATTR] = me
         for manager in self._managers():  # chunks built before the optimizer (protrain_fx.prepare)
-            if manager.optimizer is None:
-                manager.optimizer = self
+            manager.forget_owners()
+            manager.check_owners()  # (a chunk stepped by two optimizers is an error now, not at the step)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_inner"):  # (torch's __init__ adds the first groups)
+            self.param_groups[-1] = _Group(self, self.param_groups[-1])
+
+    def hyperparameter_set(self, key: str) -> None:
+        """A param group's `key` was set (a scheduler, a manual warmup): between backward() and step() that is a
+        change the step's updates must see (`ChunkManager.note_hyperparameter_set`)."""
+        for manager in self._managers():
+            manager.note_hyperparameter_set(self, key)
+
+    def hyperparameters(self) -> list[dict]:
+        """Each param group's hyperparameters as of now, as plain numbers: what a chunk's update uses."""
+        return [{k: _number(g[k]) for k in _HYPER} for g in self.param_groups]
+
+    # torch.amp.GradScaler hands a fused optimizer its scale and inf flag as attributes (`grad_scale`, `found_inf`)
+    # for step() to apply, instead of unscaling `param.grad`: so does this one
+    _step_supports_amp_scaling = True
 
     def _group_index(self) -> dict[int, int]:
         return {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
@@ -172,7 +196,7 @@ class AdamW(torch.optim.Optimizer):
         gradients carry, divided out by the fused kernel. `found_inf`: a flag on the piece's device; the fused
         kernel skips the update (and keeps `step`) when it is set by the time the update runs. `snapshot`: keep
         the master and states as they were, for `restore`."""
-        hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
+        hyper = self.hyperparameters()
         with_grad = {i for i, _, _, _ in manager.param_pieces(chunk) if i in manager.params_with_grad}
 
         @torch.no_grad()
@@ -256,22 +280,33 @@ class AdamW(torch.optim.Optimizer):
         self.carried_scale = None
         if any(m.step_lost for m in managers):
             for manager in managers:
-                manager.zero_grad()
+                manager.drop_all_grads()
                 manager.step_lost = False
             self.last_step_skipped = True
             log.warning("a backward ran out of GPU memory and was re-planned: optimizer step skipped")
             return loss
-        for manager in managers:  # (the step's last backward ran inside no_sync)
-            manager.finish_reduction()
         if grad_scale is not None and any(not m.loss_scaled for m in managers):
             raise ValueError(
                 "loss scaling (protrain_fx.amp.GradScaler) is for float16 models; this model's chunks are "
                 f"{managers[0].dtype}, which trains without it: call optimizer.step() directly"
             )
-        if self._found_inf(managers):
+        torch_scaled = isinstance(getattr(self, "found_inf", None), torch.Tensor)  # (torch.amp.GradScaler's step)
+        if torch_scaled:
+            scale = getattr(self, "grad_scale", None)
+            grad_scale = None if scale is None else float(scale)
+        hyper = self.hyperparameters()
+        for manager in managers:
+            manager.finish_reduction()  # (the step's last backward ran inside no_sync)
+            if torch_scaled:
+                manager.scale_losses("torch.amp.GradScaler's loss scaling")
+            manager.reconcile_all()
+            manager.fold_plain_grads()
+            manager.check_hyperparameters(self, hyper)
+        found = self._found_inf(managers) or (torch_scaled and bool(self.found_inf.sum().item()))
+        if found:
             for manager in managers:
-                manager.end_step()
-            skip = any(skips_nonfinite(self, m.dtype) for m in managers)
+                manager.end_step(self)
+            skip = torch_scaled or any(skips_nonfinite(self, m.dtype) for m in managers)
             if not skip:
                 raise FloatingPointError(
                     "a gradient of this step is inf or NaN (on this rank or another): training stopped before the "
@@ -284,12 +319,10 @@ class AdamW(torch.optim.Optimizer):
             log.warning("a gradient is inf or NaN: optimizer step skipped on every rank (loss scale %s)", grad_scale)
             return loss
         for manager in managers:
-            if manager.optimizer is not self:
-                manager.optimizer = self
-            for chunk in manager.unstepped():  # chunks not started during the backward
+            for chunk in manager.unstepped(self):  # chunks not started during the backward
                 update = self.chunk_update(manager, chunk, grad_scale)
                 manager.submit_update(chunk, update)
-            manager.end_step()
+            manager.end_step(self)
         self._step_plain(grad_scale)
         return loss
 
@@ -330,6 +363,7 @@ class AdamW(torch.optim.Optimizer):
         self._plain.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's: the parameters' `.grad` set to None (or zeroed); their chunks forget those gradients."""
         super().zero_grad(set_to_none=set_to_none)
         for manager in self._managers():
             manager.zero_grad()
@@ -473,6 +507,41 @@ class AdamW(torch.optim.Optimizer):
                         for k in ("exp_avg", "exp_avg_sq")
                     },
                 }
+
+
+class _Group(dict):
+    """A param group that tells its optimizer when a hyperparameter is set (schedulers and warmups set them)."""
+
+    def __init__(self, optimizer: AdamW, group: dict):
+        super().__init__(group)
+        self._optimizer = weakref.ref(optimizer)
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._tell(key)
+
+    def update(self, *args, **kwargs) -> None:
+        changed = dict(*args, **kwargs)
+        super().update(changed)
+        for key in changed:
+            self._tell(key)
+
+    def _tell(self, key) -> None:
+        optimizer = self._optimizer()
+        if key in _HYPER and optimizer is not None:
+            optimizer.hyperparameter_set(key)
+
+    def __reduce__(self):  # (copied and pickled as the plain dict torch's optimizers keep)
+        return dict, (dict(self),)
+
+
+def _number(value):
+    """A hyperparameter as a plain number (a tensor lr, say, as a float; betas as a tuple of floats)."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return tuple(_number(v) for v in value)
+    return value
 
 
 def _kept_states(kept: torch.Tensor, master: torch.Tensor, view: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -71,10 +71,13 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
 
 
 @torch.no_grad()
-def load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: Mapping[str, Any]) -> None:
+def load_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, state: Mapping[str, Any], *, strict: bool = True
+) -> None:
     """Put `state` back: the dict `state_dict(model, optimizer)` gave and `torch.distributed.checkpoint.load`
     filled (already in place), or any dict of the same keys with whole tensors (a consolidated checkpoint),
-    whose values are copied in. Chunks then compute with the loaded values."""
+    whose values are copied in. Chunks then compute with the loaded values. Every entry of the model and
+    optimizer must be in `state`; with `strict` (as `nn.Module.load_state_dict`'s), `state` may hold no other."""
     model = user_model(model, "protrain_fx.load_state_dict()")
     if "model" not in state:
         raise ValueError(f"state has keys {sorted(state)}; expected the dict protrain_fx.state_dict() returns")
@@ -85,6 +88,10 @@ def load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, s
         )
     manager = model_manager(model)
     mine = state_dict(model, optimizer)
+    if strict:
+        _no_unexpected(mine["model"], state["model"], "model")
+        if optimizer is not None:
+            _no_unexpected(mine["optim"]["state"], state["optim"]["state"], "optim.state")
     _copy_into(mine["model"], state["model"], "model")
     if manager is not None:
         for chunk in range(manager.layout.n_chunk):
@@ -231,6 +238,15 @@ def boxes(start: int, end: int, shape: tuple[int, ...]) -> list[Box]:
 
 
 # ----- loading ----------------------------------------------------------------------------------------------
+
+
+def _no_unexpected(mine: Mapping, theirs: Mapping, where: str) -> None:
+    unexpected = [k for k in theirs if k not in mine]
+    if unexpected:
+        raise RuntimeError(
+            f"Error(s) in loading the state: unexpected key(s) in {where}: {unexpected[:5]} ({len(unexpected)} in "
+            "all), which this model (and optimizer) does not have; pass strict=False to ignore them"
+        )
 
 
 def _copy_into(mine: dict, theirs: Mapping, where: str) -> None:

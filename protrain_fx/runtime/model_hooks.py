@@ -1,0 +1,130 @@
+"""What a chunked model's own methods do to its chunks: the hooks a `ChunkManager` puts on the model.
+
+Chunked parameters are views of a device chunk (persistent) or hold no storage at all (offloaded: their values
+live in the host arena, and the compiled graphs read them through `protrain.gather`). Everything else the
+model is used for outside the compiled graphs goes through these hooks, on each module whose own parameters
+are chunked:
+
+- **forward outside the compiled graphs** (the uncompiled model, `generate()`, an eager region such as a
+  function under `torch.compiler.disable`): a forward pre-hook gives the module's offloaded parameters their
+  current values for the call (`ChunkManager.lend`), and the forward hook takes them back after it, or, where
+  autograd may read them in the backward, once the step is over. Their gradients reach `.grad` through autograd,
+  and the chunks take them in at the step (`ChunkManager.fold_plain_grads`). Compiled code never runs these
+  hooks: traced into a graph, they return at once; and Dynamo never compiles their own frames (`skip_code`),
+  which would make them return at once when a module is called from Python.
+- **`load_state_dict`**: a pre-hook writes each chunked parameter's entry into its chunk (master and compute
+  copy) and takes it out of what torch copies in; a post-hook takes those keys out of the missing ones, so
+  `strict` works as for any model. `assign=True` cannot give a chunked parameter another tensor: an error.
+- **`_apply`** (`.to()`, `.half()`, `.cuda()`, `.float()`, ...): where it would change a chunked parameter's
+  dtype or device, an error saying what to do; where it changes nothing for them (`model.to(its device)`), it
+  runs as usual.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from protrain_fx.runtime.chunks import ChunkManager
+
+
+def install(manager: ChunkManager, model: nn.Module) -> None:
+    """Hook every module of `model` whose own parameters `manager` holds."""
+    ref = weakref.ref(manager)
+    for module in model.modules():
+        own = {
+            name: manager.index[id(p)] for name, p in module._parameters.items() if p is not None and manager.holds(p)
+        }
+        if not own:
+            continue
+        indices = sorted(set(own.values()))
+        module.register_forward_pre_hook(functools.partial(_before_forward, ref, indices))
+        module.register_forward_hook(functools.partial(_after_forward, ref, indices), always_call=True)
+        module.register_load_state_dict_pre_hook(functools.partial(_load_into_chunks, ref, own))
+        module.register_load_state_dict_post_hook(functools.partial(_not_missing, own))
+        module._apply = functools.partial(_guarded_apply, ref, indices, module._apply)
+
+
+def _run_in_python(fn: Callable) -> Callable:
+    """Dynamo runs `fn`'s frame as Python wherever Python calls it, instead of compiling it on its own (where
+    `is_dynamo_compiling()` would be True); traced from compiled code, it is inlined as usual."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
+    return fn
+
+
+@_run_in_python
+def _before_forward(ref: weakref.ref, indices: list[int], module: nn.Module, args: Any) -> None:
+    manager = ref()
+    if torch.compiler.is_dynamo_compiling() or manager is None:
+        return
+    manager.lend(indices, for_backward=torch.is_grad_enabled())
+
+
+@_run_in_python
+def _after_forward(ref: weakref.ref, indices: list[int], module: nn.Module, args: Any, output: Any) -> None:
+    manager = ref()
+    if torch.compiler.is_dynamo_compiling() or manager is None:
+        return
+    manager.take_back(indices)
+
+
+_LOADED = "_protrain_loaded_keys"  # in load_state_dict's local metadata: the keys written into chunks
+
+
+def _load_into_chunks(
+    ref: weakref.ref,
+    own: dict[str, int],
+    module: nn.Module,
+    state_dict: dict,
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing_keys: list,
+    unexpected_keys: list,
+    error_msgs: list,
+) -> None:
+    manager = ref()
+    if manager is None:
+        return
+    for name, index in own.items():
+        key = prefix + name
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(manager.params[index].shape):
+            continue  # (torch reports what is missing or of the wrong size)
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise ValueError(
+                f"load_state_dict(assign=True) would replace {key!r}, which lives in protrain chunks; load without "
+                "assign (the values are copied into the chunks)"
+            )
+        manager.load_param(index, value)
+        del state_dict[key]
+        module.__dict__.setdefault(_LOADED, set()).add(key)
+
+
+def _not_missing(own: dict[str, int], module: nn.Module, incompatible_keys) -> None:
+    loaded = module.__dict__.pop(_LOADED, set())
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in loaded]
+
+
+def _guarded_apply(ref: weakref.ref, indices: list[int], original: Callable, fn: Callable, *args: Any, **kwargs: Any):
+    """`module._apply`: an error where `fn` would change a chunked parameter's dtype or device."""
+    manager = ref()
+    for i in indices if manager is not None else ():
+        p = manager.params[i]
+        probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+        if isinstance(probe, torch.Tensor) and (probe.dtype != p.dtype or probe.device != p.device):
+            raise ValueError(
+                f"this would make {manager.slots[i].name!r} a {probe.dtype} tensor on {probe.device}, but it lives "
+                f"in protrain chunks ({p.dtype} on {p.device}), built at the model's first compiled training step "
+                "or by protrain_fx.prepare: cast or move the model before that. For the weights in another dtype "
+                "or on the CPU, take protrain_fx.full_state_dict(model)"
+            )
+    return original(fn, *args, **kwargs)
