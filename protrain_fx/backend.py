@@ -38,7 +38,6 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from protrain_fx.capture import (
     BlockMap,
     ParamEntry,
-    block_index,
     build_block_map,
     build_param_map,
     check_inputs,
@@ -392,9 +391,9 @@ class _Partitioner(CustomPartitionerFn):
         record, config = self.record, self.config
         assert record is not None, f"the partitioner of {joint} ran after its compile was done"
         roots = find_frame_roots(self.dynamo_gm, self.example_inputs)
-        record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, joint, roots)
         record.block_map = build_block_map(joint, roots)
-        if record.block_map.family is None and record.param_map:
+        record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, joint, roots, record.block_map)
+        if not record.block_map.families and record.param_map:
             log.warning(
                 "graph %d has %d parameters but its model has no transformer blocks (no ModuleList of repeated "
                 "modules): it is planned as one region, so no per-block checkpointing or swapping applies",
@@ -449,7 +448,7 @@ class _Partitioner(CustomPartitionerFn):
                 manager = self._build_chunks(roots.model, layout, device, bw)
         else:
             # a graph without parameters (a loss after a graph break) has no chunk or block decisions to check
-            unplanned = CHUNK_FIELDS + ACTIVATION_FIELDS if record.block_map.family is None else CHUNK_FIELDS
+            unplanned = CHUNK_FIELDS + ACTIVATION_FIELDS if not record.block_map.families else CHUNK_FIELDS
             forced = config.plan if params else {k: v for k, v in config.plan.items() if k not in unplanned}
             if manager is not None:
                 forced = plan_fields_of(manager, forced)
@@ -572,11 +571,8 @@ class _Partitioner(CustomPartitionerFn):
         hardware = hardware_profile(device)
         record.seconds["hardware"] = time.perf_counter() - start
         shared = layout is not None and forced.get("n_persist", 0) < layout.n_chunk  # uploads during the forward
-        family = record.block_map.family
         output = next(n for n in bw.graph.nodes if n.op == "output")
-        block_of_param = (
-            [block_index(s.name.split("."), family) if family else None for s in layout.slots] if layout else []
-        )
+        block_of_param = [record.block_map.block_of(s.name) for s in layout.slots] if layout else []
         grad_outputs = frozenset(a.name for a in output.args[0] if isinstance(a, fx.Node))
         fused = self.config.executor == "inductor"
         costs = CostModel.build(

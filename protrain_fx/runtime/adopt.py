@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from protrain_fx.capture import FrameRoots, block_index, find_block_family
+from protrain_fx.capture import FrameRoots, block_index, find_block_families
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
 from protrain_fx.planner.plan import Plan, make_plan
 from protrain_fx.runtime.chunks import (
@@ -98,21 +98,20 @@ def _ordered_params(roots: FrameRoots, record, example_inputs: Sequence[Any]) ->
 
 def model_layout(roots: FrameRoots, record, example_inputs: Sequence[Any], forced: Mapping[str, Any]) -> ChunkLayout:
     """The chunk layout of the whole model (see the module docstring)."""
-    return _layout(_ordered_params(roots, record, example_inputs), record.block_map.family, forced)
+    return _layout(_ordered_params(roots, record, example_inputs), record.block_map.block_of, forced)
 
 
-def _layout(ordered: list[tuple[str, nn.Parameter]], family, forced: Mapping[str, Any]) -> ChunkLayout:
-    """Lay out `ordered` (name, parameter) pairs, in that order, in chunks."""
+def _layout(
+    ordered: list[tuple[str, nn.Parameter]], block_of: Callable[[str], int | None], forced: Mapping[str, Any]
+) -> ChunkLayout:
+    """Lay out `ordered` (name, parameter) pairs, in that order, in chunks (`block_of`: a name's block)."""
     dtypes = {p.dtype for _, p in ordered}
     if len(dtypes) > 1:
         raise ValueError(
             f"trainable parameters have several dtypes {sorted(map(str, dtypes))}; chunks hold one dtype: "
             "cast the model to one (e.g. model.to(torch.bfloat16))"
         )
-    infos = [
-        ParamInfo(name=n, numel=p.numel(), block=block_index(n.split("."), family) if family else None)
-        for n, p in ordered
-    ]
+    infos = [ParamInfo(name=n, numel=p.numel(), block=block_of(n)) for n, p in ordered]
     _, world_size = rank_and_world_size()
     layout = search_layout(infos, ordered[0][1].element_size(), world_size, chunk_bytes=forced.get("chunk_bytes"))
     log.info(
@@ -212,9 +211,13 @@ def prepare(
     ordered = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not ordered:
         raise ValueError("the model has no trainable parameters; nothing to put in chunks")
-    family = find_block_family(model)
-    layout = _layout(ordered, family, plan or {})
-    chosen = make_plan(family.n_blocks if family else 0, plan, layout)
+    families = find_block_families(model)
+
+    def block_of(name: str) -> int | None:
+        return block_index(name.split("."), families)
+
+    layout = _layout(ordered, block_of, plan or {})
+    chosen = make_plan(sum(f.n_blocks for f in families), plan, layout)
     owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
 
     def materialize(module: nn.Module) -> None:
