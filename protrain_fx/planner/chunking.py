@@ -1,11 +1,14 @@
 """Chunk layout: which parameter lives where in which chunk (paper §4.1, "Chunk Organization and Size Search").
 
-Parameters are laid out in execution order (first use; a shared parameter at its first use) into chunks of
-one size. The parameters of one transformer block go into one chunk where the size allows: a block that
-does not fit in what is left of the current chunk starts a new one. The chunk size is chosen by a grid
-search that simulates the layout at each candidate size and keeps the one wasting the fewest bytes (ties:
-the larger size, for fewer transfers). Every chunk is padded to a multiple of `world_size * ALIGN`
-elements, so each rank's shard of a chunk has the same size for any world size.
+Parameters are laid out in execution order (first use; a shared parameter at its first use) into chunks of one size. The
+parameters of one transformer block go into one chunk where the size allows: a block that does not fit in what is left
+of the current chunk starts a new one. A parameter the forward reads again after other blocks ran (`alone`: a tied
+embedding, which the head reads at the end) gets a chunk of its own: the graph gathers its chunk once per stretch of
+reads and releases it between (passes/chunks.py), so it holds a buffer only while read, and gathering it again loads
+that parameter alone, not the first block with it. The chunk size is chosen by a grid search that simulates the layout
+at each candidate size and keeps the one wasting the fewest bytes (ties: the larger size, for fewer transfers). Every
+chunk is padded to a multiple of `world_size * ALIGN` elements, so each rank's shard of a chunk has the same size for
+any world size.
 
 Search range: from the largest parameter (a parameter is never split) to twice the largest block (so that
 chunks stay near block size and `n_persist` keeps a fine grain), on a geometric grid.
@@ -29,6 +32,7 @@ class ParamInfo:
     name: str
     numel: int
     block: int | None  # transformer block, None outside blocks
+    alone: bool = False  # in a chunk of its own (read again after other blocks: a tied embedding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +80,7 @@ def _units(params: Sequence[ParamInfo]) -> list[list[ParamInfo]]:
     """Runs of consecutive parameters of one block; each parameter outside blocks is a run of its own."""
     units: list[list[ParamInfo]] = []
     for p in params:
-        if units and p.block is not None and units[-1][-1].block == p.block:
+        if units and p.block is not None and units[-1][-1].block == p.block and not p.alone:
             units[-1].append(p)
         else:
             units.append([p])
@@ -96,12 +100,17 @@ def layout_at(params: Sequence[ParamInfo], chunk_elems: int, element_size: int, 
         size = sum(p.numel for p in unit)
         if size <= chunk_elems and used + size > chunk_elems:
             chunk, used = chunk + 1, 0  # keep the block whole: start it in a fresh chunk
+        alone = unit[0].alone
+        if alone and used:
+            chunk, used = chunk + 1, 0
         for p in unit:
             assert p.numel <= chunk_elems, f"parameter {p.name} ({p.numel} elements) exceeds the chunk size"
             if used + p.numel > chunk_elems:
                 chunk, used = chunk + 1, 0
             slots.append(Slot(name=p.name, chunk=chunk, offset=used, numel=p.numel))
             used += p.numel
+        if alone:
+            used = chunk_elems  # (the next parameter starts a chunk)
     n_chunk = chunk + 1 if slots else 0
     return ChunkLayout(chunk_elems, element_size, world_size, tuple(slots), n_chunk)
 

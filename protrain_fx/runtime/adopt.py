@@ -11,6 +11,7 @@ the model in registration order (a later graph's, which the first graph cannot s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -98,20 +99,25 @@ def _ordered_params(roots: FrameRoots, record, example_inputs: Sequence[Any]) ->
 
 def model_layout(roots: FrameRoots, record, example_inputs: Sequence[Any], forced: Mapping[str, Any]) -> ChunkLayout:
     """The chunk layout of the whole model (see the module docstring)."""
-    return _layout(_ordered_params(roots, record, example_inputs), record.block_map.block_of, forced)
+    alone = {e.name for e in record.param_map.values() if e.read_again_at}  # read again after blocks ran: tied
+    return _layout(_ordered_params(roots, record, example_inputs), record.block_map.block_of, forced, alone)
 
 
 def _layout(
-    ordered: list[tuple[str, nn.Parameter]], block_of: Callable[[str], int | None], forced: Mapping[str, Any]
+    ordered: list[tuple[str, nn.Parameter]],
+    block_of: Callable[[str], int | None],
+    forced: Mapping[str, Any],
+    alone: set[str],
 ) -> ChunkLayout:
-    """Lay out `ordered` (name, parameter) pairs, in that order, in chunks (`block_of`: a name's block)."""
+    """Lay out `ordered` (name, parameter) pairs, in that order, in chunks; the parameters named in `alone` each
+    in a chunk of its own (planner/chunking.py)."""
     dtypes = {p.dtype for _, p in ordered}
     if len(dtypes) > 1:
         raise ValueError(
             f"trainable parameters have several dtypes {sorted(map(str, dtypes))}; chunks hold one dtype: "
             "cast the model to one (e.g. model.to(torch.bfloat16))"
         )
-    infos = [ParamInfo(name=n, numel=p.numel(), block=block_of(n)) for n, p in ordered]
+    infos = [ParamInfo(name=n, numel=p.numel(), block=block_of(n), alone=n in alone) for n, p in ordered]
     _, world_size = rank_and_world_size()
     layout = search_layout(infos, ordered[0][1].element_size(), world_size, chunk_bytes=forced.get("chunk_bytes"))
     log.info(
@@ -124,7 +130,7 @@ def _layout(
 
 
 def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkManager:
-    by_name = dict(model.named_parameters())
+    by_name = dict(model.named_parameters(remove_duplicate=False))  # (a tied parameter under any of its names)
     params = [by_name[slot.name] for slot in layout.slots]
     with eager():  # called from the partitioner, under AOTAutograd's fake mode
         manager = ChunkManager(
@@ -194,8 +200,9 @@ def prepare(
       just before they are copied into the chunks; so the host never holds the whole model besides the chunks.
 
     Layout order is registration order (`model.named_parameters()`), blocks kept whole where the size
-    allows. Returns the model (changed in place). Build `protrain_fx.optim.AdamW(model.parameters())` before
-    or after, then compile.
+    allows, a tied parameter outside the blocks (an embedding the head reads too) in a chunk of its own. Returns
+    the model (changed in place). Build `protrain_fx.optim.AdamW(model.parameters())` before or after, then
+    compile.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare() takes an nn.Module, got {type(model).__name__}")
@@ -216,7 +223,10 @@ def prepare(
     def block_of(name: str) -> int | None:
         return block_index(name.split("."), families)
 
-    layout = _layout(ordered, block_of, plan or {})
+    # no graph says which parameters the forward reads again after the blocks: those tied, outside the blocks
+    names = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    alone = {n for n, p in ordered if names[id(p)] > 1 and block_of(n) is None}
+    layout = _layout(ordered, block_of, plan or {}, alone)
     chosen = make_plan(sum(f.n_blocks for f in families), plan, layout)
     owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
 
