@@ -573,6 +573,7 @@ class _Partitioner(CustomPartitionerFn):
         shared = layout is not None and forced.get("n_persist", 0) < layout.n_chunk  # uploads during the forward
         output = next(n for n in bw.graph.nodes if n.op == "output")
         block_of_param = [record.block_map.block_of(s.name) for s in layout.slots] if layout else []
+        regathers = _regathers(record.param_map, layout, model) if layout else ()
         grad_outputs = frozenset(a.name for a in output.args[0] if isinstance(a, fx.Node))
         fused = self.config.executor == "inductor"
         costs = CostModel.build(
@@ -581,6 +582,7 @@ class _Partitioner(CustomPartitionerFn):
             n_block=n_block,
             layout=layout,
             block_of_param=block_of_param,
+            regathers=regathers,
             grad_outputs=grad_outputs,
             fused=fused,
             master_bytes=master_bytes(forced),
@@ -629,6 +631,7 @@ class _Partitioner(CustomPartitionerFn):
             n_block=n_block,
             layout=layout,
             block_of_param=block_of_param,
+            regathers=regathers,
             grad_outputs=grad_outputs,
             fused=fused,
             swap_interval=costs.swap_interval,
@@ -639,6 +642,20 @@ class _Partitioner(CustomPartitionerFn):
             hardware=hardware,
         )
         return plan
+
+
+def _regathers(param_map: dict[str, ParamEntry], layout, model) -> tuple[tuple[int, int], ...]:
+    """(chunk, block) for each time the forward gathers a chunk again, in or before that block (the last block + 1:
+    after it), where a parameter of it is read again after other blocks ran (capture: `read_again_at`). Slots are
+    matched by parameter: a tied parameter's name in the graph may be another of its names than the layout's."""
+    ident = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)} if model is not None else {}
+    chunk_of = {ident.get(s.name, s.name): s.chunk for s in layout.slots}
+    found = set()
+    for entry in param_map.values():
+        chunk = chunk_of.get(ident.get(entry.name, entry.name))
+        if chunk is not None:
+            found.update((chunk, block) for block in entry.read_again_at)
+    return tuple(sorted(found))
 
 
 def _cost_terms(costs: CostModel, plan: Plan) -> dict[str, Any]:
