@@ -11,7 +11,7 @@ lists (their paths, lengths and block indices in the plan) and how many graph no
 per graph; for a tiny T5:
 
     graph 0: block lists encoder.block (2 x T5Block, blocks 0-1), decoder.block (2 x T5Block, blocks 2-3); 63 of
-    1216 graph nodes outside them (pre 1, between 23, post 39)
+    1216 graph nodes outside them (pre 2, between 23, post 38)
 """
 
 from __future__ import annotations
