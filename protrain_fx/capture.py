@@ -45,7 +45,8 @@ from torch._dynamo.eval_frame import OptimizedModule
 log = logging.getLogger(__name__)
 
 PRE, POST, OUTSIDE, BLOCK, BETWEEN = "pre", "post", "outside", "block", "between"
-# a graph with more than this share of its nodes in no block gets a warning: its block lists may miss some blocks
+# a graph running blocks with more than this share of its nodes in none gets a warning: the lists may miss some
+# (a graph of the head alone, after a graph break, runs no block and gets none)
 OUTSIDE_WARN_SHARE = 0.5
 
 _SOURCE_PREFIX = re.compile(r"^L\[[^\]]+\](\[\d+\])?")
@@ -438,7 +439,7 @@ def build_block_map(joint: fx.GraphModule, roots: FrameRoots) -> BlockMap:
     outside = {r: sum(1 for n in nodes if block[n.name] is None and region[n.name] == r) for r in (PRE, BETWEEN, POST)}
     block_map = BlockMap(families=families, region=region, block=block, outside=outside, n_nodes=len(nodes))
     log.info("graph holds blocks %s; %s", block_map.blocks_in_graph, block_map.describe())
-    if block_map.n_outside > OUTSIDE_WARN_SHARE * len(nodes):
+    if block_map.blocks_in_graph and block_map.n_outside > OUTSIDE_WARN_SHARE * len(nodes):
         log.warning(
             "%s: more than half the graph is in no block, so per-block checkpointing and swapping reach little of "
             "it; if the model has other repeated layers, name their class in its `_no_split_modules`",
