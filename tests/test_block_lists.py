@@ -25,8 +25,9 @@ STEPS = 3
 STACKS = {"t5": ("encoder.block", "decoder.block"), "bart": ("model.encoder.layers", "model.decoder.layers")}
 PLANS = {
     "persistent": {},
-    "offloaded": {"n_persist": 0, "n_buffer": 2},
-    "checkpoint": {"n_persist": 0, "n_buffer": 3, "n_checkpoint": 3},  # both encoder blocks and the first decoder's
+    "offloaded": {"n_persist": 0, "n_buffer": 2, "n_checkpoint": 0, "n_swap": 0},
+    # both encoder blocks and the first decoder's (n_swap forced too: the search may swap the fourth)
+    "checkpoint": {"n_persist": 0, "n_buffer": 3, "n_checkpoint": 3, "n_swap": 0},
     "swap": {"block_modes": ["swap", "checkpoint", "swap", "none"]},  # a swapped block in each stack
 }
 
@@ -115,8 +116,8 @@ def _swap_outs(record):
 
 
 TIED_PLANS = {
-    "offloaded": {"n_persist": 0, "n_buffer": 2},
-    "checkpoint": {"n_persist": 0, "n_buffer": 3, "n_checkpoint": 2},
+    "offloaded": {"n_persist": 0, "n_buffer": 2, "n_checkpoint": 0, "n_swap": 0},
+    "checkpoint": {"n_persist": 0, "n_buffer": 3, "n_checkpoint": 2, "n_swap": 0},
 }
 
 
@@ -144,7 +145,7 @@ def test_a_prepared_model_lays_its_tied_weight_alone():
 
 
 def test_shared_embedding_of_an_encoder_decoder_is_gathered_for_each_stack_and_the_head():
-    _, model, backend = train_both("t5", {"n_persist": 0, "n_buffer": 2}, steps=1, layers=2)
+    _, model, backend = train_both("t5", PLANS["offloaded"], steps=1, layers=2)
     shared = model_manager(model).slot_of(model.shared.weight)
     gathers = [n.args[1] for n in backend.graphs[0].forward.graph.find_nodes(op="call_function", target=_GATHER)]
     assert gathers.count(shared.chunk) == 3 and gathers[0] == gathers[-1] == shared.chunk
