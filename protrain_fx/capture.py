@@ -21,7 +21,8 @@ each list (an encoder's blocks before its decoder's), so block `i` is one index 
 whatever list it comes from. A node belongs to a block when its `nn_module_stack` passes through
 `<list>.<i>`; backward nodes carry the stack of the forward op they differentiate; nodes with no stack take
 the block of their inputs (see `_inherited_block`). Nodes in no block are counted per region (before the
-first list, between two, after the last) and logged, with a warning where they are most of the graph.
+first list, between two, after the last) and logged, with a warning where they are most of the graph
+(`OUTSIDE_WARN_SHARE`).
 
 A parameter outside the blocks that the forward reads again after blocks ran (a tied embedding, read by the
 head at the end; T5's shared embedding, read by the encoder, the decoder and the head) records where
@@ -441,9 +442,10 @@ def build_block_map(joint: fx.GraphModule, roots: FrameRoots) -> BlockMap:
     log.info("graph holds blocks %s; %s", block_map.blocks_in_graph, block_map.describe())
     if block_map.blocks_in_graph and block_map.n_outside > OUTSIDE_WARN_SHARE * len(nodes):
         log.warning(
-            "%s: more than half the graph is in no block, so per-block checkpointing and swapping reach little of "
-            "it; if the model has other repeated layers, name their class in its `_no_split_modules`",
+            "%s: more than %.0f%% of the graph is in no block, so per-block checkpointing and swapping reach little "
+            "of it; if the model has other repeated layers, name their class in its `_no_split_modules`",
             block_map.describe(),
+            100 * OUTSIDE_WARN_SHARE,
         )
     return block_map
 
