@@ -41,7 +41,6 @@ from protrain_fx.capture import (
     BlockMap,
     FrameRoots,
     ParamEntry,
-    block_index,
     build_block_map,
     build_param_map,
     check_inputs,
@@ -486,9 +485,9 @@ class _Partitioner(CustomPartitionerFn):
         assert record is not None, f"the partitioner of {joint} ran after its compile was done"
         roots = find_frame_roots(self.dynamo_gm, self.example_inputs)
         _pin_to_frame_modules(self.dynamo_gm, roots)
-        record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, joint, roots)
         record.block_map = build_block_map(joint, roots)
-        if record.block_map.family is None and record.param_map:
+        record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, joint, roots, record.block_map)
+        if not record.block_map.families and record.param_map:
             log.warning(
                 "graph %d has %d parameters but its model has no transformer blocks (no ModuleList of repeated "
                 "modules): it is planned as one region, so no per-block checkpointing or swapping applies",
@@ -544,7 +543,7 @@ class _Partitioner(CustomPartitionerFn):
                 manager = self._build_chunks(roots.model, layout, device, bw)
         else:
             # a graph without parameters (a loss after a graph break) has no chunk or block decisions to check
-            unplanned = OUTPUT_FIELDS + CHUNK_FIELDS + (ACTIVATION_FIELDS if record.block_map.family is None else ())
+            unplanned = OUTPUT_FIELDS + CHUNK_FIELDS + (ACTIVATION_FIELDS if not record.block_map.families else ())
             forced = config.plan if params else {k: v for k, v in config.plan.items() if k not in unplanned}
             if manager is not None:
                 forced = plan_fields_of(manager, forced)
@@ -668,11 +667,9 @@ class _Partitioner(CustomPartitionerFn):
         hardware = hardware_profile(device)
         record.seconds["hardware"] = time.perf_counter() - start
         shared = layout is not None and forced.get("n_persist", 0) < layout.n_chunk  # uploads during the forward
-        family = record.block_map.family
         output = next(n for n in bw.graph.nodes if n.op == "output")
-        block_of_param = (
-            [block_index(s.name.split("."), family) if family else None for s in layout.slots] if layout else []
-        )
+        block_of_param = [record.block_map.block_of(s.name) for s in layout.slots] if layout else []
+        regathers = _regathers(record.param_map, layout, model) if layout else ()
         grad_outputs = frozenset(a.name for a in output.args[0] if isinstance(a, fx.Node))
         fused = self.config.executor == "inductor"
         costs = CostModel.build(
@@ -681,6 +678,7 @@ class _Partitioner(CustomPartitionerFn):
             n_block=n_block,
             layout=layout,
             block_of_param=block_of_param,
+            regathers=regathers,
             grad_outputs=grad_outputs,
             fused=fused,
             master_bytes=master_bytes(forced),
@@ -729,6 +727,7 @@ class _Partitioner(CustomPartitionerFn):
             n_block=n_block,
             layout=layout,
             block_of_param=block_of_param,
+            regathers=regathers,
             grad_outputs=grad_outputs,
             fused=fused,
             swap_interval=costs.swap_interval,
@@ -739,6 +738,20 @@ class _Partitioner(CustomPartitionerFn):
             hardware=hardware,
         )
         return plan
+
+
+def _regathers(param_map: dict[str, ParamEntry], layout, model) -> tuple[tuple[int, int], ...]:
+    """(chunk, block) for each time the forward gathers a chunk again, in or before that block (the last block + 1:
+    after it), where a parameter of it is read again after other blocks ran (capture: `read_again_at`). Slots are
+    matched by parameter: a tied parameter's name in the graph may be another of its names than the layout's."""
+    ident = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)} if model is not None else {}
+    chunk_of = {ident.get(s.name, s.name): s.chunk for s in layout.slots}
+    found = set()
+    for entry in param_map.values():
+        chunk = chunk_of.get(ident.get(entry.name, entry.name))
+        if chunk is not None:
+            found.update((chunk, block) for block in entry.read_again_at)
+    return tuple(sorted(found))
 
 
 def _cost_terms(costs: CostModel, plan: Plan) -> dict[str, Any]:

@@ -12,11 +12,22 @@ decoder layer (OPT on torch 2.11 compiles each layer as its own graph, with the 
 Dynamo's sources and module stacks are relative to the frame's locals. `find_frame_roots` finds one
 parameter of each local among the parameters of the outermost modules alive (those no other module holds),
 which gives the model and every source's full qualified name.
-The blocks are then read off the model with no per-model code: the `ModuleList` (or `Sequential`) of
-repeated children of one type with modules inside; Hugging Face models name that type in
-`_no_split_modules`, which wins when present, otherwise the longest list does. A node belongs to block `i`
-when its `nn_module_stack` passes through `<list>.<i>`; backward nodes carry the stack of the forward op
-they differentiate; nodes with no stack take the block of their inputs (see `_inherited_block`).
+The blocks are then read off the model with no per-model code: every `ModuleList` (or `Sequential`) of
+repeated children of one type with modules inside, outermost lists only (an MoE block's list of experts is
+inside a block). Hugging Face models name their block types in `_no_split_modules`: where they do, the lists of
+those types are the blocks (T5's `encoder.block` and `decoder.block`, BART's encoder and decoder layers),
+otherwise every list of two or more. Blocks are numbered list after list in the order the forward first runs
+each list (an encoder's blocks before its decoder's), so block `i` is one index in the plan's `block_modes`
+whatever list it comes from. A node belongs to a block when its `nn_module_stack` passes through
+`<list>.<i>`; backward nodes carry the stack of the forward op they differentiate; nodes with no stack take
+the block of their inputs (see `_inherited_block`). Nodes in no block are counted per region (before the
+first list, between two, after the last) and logged, with a warning where they are most of the graph
+(`OUTSIDE_WARN_SHARE`).
+
+A parameter outside the blocks that the forward reads again after blocks ran (a tied embedding, read by the
+head at the end; T5's shared embedding, read by the encoder, the decoder and the head) records where
+(`ParamEntry.read_again_at`): the chunk layout gives it a chunk of its own, and the planner prices the
+gathers again.
 """
 
 from __future__ import annotations
@@ -34,7 +45,10 @@ from torch._dynamo.eval_frame import OptimizedModule
 
 log = logging.getLogger(__name__)
 
-PRE, POST, OUTSIDE, BLOCK = "pre", "post", "outside", "block"
+PRE, POST, OUTSIDE, BLOCK, BETWEEN = "pre", "post", "outside", "block", "between"
+# a graph running blocks with more than this share of its nodes in none gets a warning: the lists may miss some
+# (a graph of the head alone, after a graph break, runs no block and gets none)
+OUTSIDE_WARN_SHARE = 0.5
 
 _SOURCE_PREFIX = re.compile(r"^L\[[^\]]+\](\[\d+\])?")
 _SOURCE_TOKEN = re.compile(r"\['([^'\]]+)'\]|\.(\w+)|\[(\d+)\]")
@@ -130,15 +144,23 @@ class ParamEntry:
     dtype: str
     first_use: str | None  # name of the first node reading it, in execution order (None if unused)
     first_use_index: int | None
+    # where the forward reads it again after other blocks ran since its last read (only for parameters outside
+    # the blocks): in or before block b (b), after the last block (its index + 1); e.g. a tied embedding read
+    # by the head of an 8-block model: (8,)
+    read_again_at: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 def build_param_map(
-    dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any], joint: fx.GraphModule, roots: FrameRoots
+    dynamo_gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    joint: fx.GraphModule,
+    roots: FrameRoots,
+    block_map: BlockMap | None = None,
 ) -> dict[str, ParamEntry]:
-    """Parameter map of one graph: AOT primal placeholder name -> ParamEntry."""
+    """Parameter map of one graph: AOT primal placeholder name -> ParamEntry (`read_again_at` with a block map)."""
     dynamo_phs = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
     primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     assert len(dynamo_phs) == len(example_inputs), "Dynamo placeholders and example inputs differ in number"
@@ -146,77 +168,144 @@ def build_param_map(
         f"joint graph has {len(primals)} primals for {len(example_inputs)} inputs; AOT added inputs we cannot map"
     )
     order = {n: i for i, n in enumerate(joint.graph.nodes)}
+    forward = [n for n in joint.graph.nodes if n.op not in ("placeholder", "output") and not is_backward(n)]
+    position = {n: i for i, n in enumerate(forward)}
     entries: dict[str, ParamEntry] = {}
     for i, (ph, value, primal) in enumerate(zip(dynamo_phs, example_inputs, primals)):
         if not isinstance(value, nn.Parameter):
             continue
         source = _source_text(ph)
+        name = qualified_name(source, roots.paths) if source else ph.name
         users = sorted(primal.users, key=order.__getitem__)
+        again = ()
+        if block_map is not None and block_map.families and block_map.block_of(name) is None:
+            readers = [u for u in users if u in position]
+            again = _read_again_at(readers, forward, position, block_map.block)
         entries[primal.name] = ParamEntry(
             index=i,
             placeholder=primal.name,
-            name=qualified_name(source, roots.paths) if source else ph.name,
+            name=name,
             shape=tuple(value.shape),
             dtype=str(value.dtype).removeprefix("torch."),
             first_use=users[0].name if users else None,
             first_use_index=order[users[0]] if users else None,
+            read_again_at=again,
         )
     return entries
 
 
+def _read_again_at(
+    readers: list[fx.Node], forward: list[fx.Node], position: dict[fx.Node, int], block: dict[str, int | None]
+) -> tuple[int, ...]:
+    """Where the `readers` of a parameter (forward nodes in graph order) start reading it again after other
+    blocks ran: the block a later stretch of reads runs in or before (the last block + 1 after it)."""
+    places, reached = set(), -1
+    for node in forward[: position[readers[0]]] if readers else ():
+        reached = max(reached, block[node.name] if block[node.name] is not None else -1)
+    for before, after in zip(readers, readers[1:]):
+        own = {block[before.name], block[after.name]}
+        ran = False
+        for node in forward[position[before] + 1 : position[after]]:
+            b = block[node.name]
+            if b is not None:
+                reached = max(reached, b)
+                ran = ran or b not in own
+        if ran:
+            places.add(block[after.name] if block[after.name] is not None else reached + 1)
+    return tuple(sorted(places))
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockFamily:
-    """The repeated blocks of a model: the children `<parent>.<i>` of one module list, all of one type."""
+    """One list of repeated blocks: the children `<parent>.<i>` of one module list, all of one type. Its blocks are
+    `first` .. `first + n_blocks - 1` among the model's blocks (those of every list, list after list)."""
 
-    parent: str  # e.g. model.layers
+    parent: str  # e.g. model.layers, or encoder.block
     type_name: str  # e.g. LlamaDecoderLayer
-    n_blocks: int  # blocks in the model (a graph may hold only some of them)
+    n_blocks: int  # blocks in the list (a graph may hold only some of them)
+    first: int = 0  # index of the list's block 0 among the model's blocks
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockMap:
-    """Node name -> (region, block index). region is pre | block | post | outside (a graph with no block)."""
+    """Node name -> (region, block index), and the block lists the indices count through.
 
-    family: BlockFamily | None
+    region is pre | block | between | post, or outside (a model with no block list: one region). `outside` counts
+    the joint graph's computing nodes (neither placeholder nor output) in no block, per region; `n_nodes` counts
+    them all."""
+
+    families: tuple[BlockFamily, ...]
     region: dict[str, str]
     block: dict[str, int | None]
+    outside: dict[str, int] = dataclasses.field(default_factory=dict)
+    n_nodes: int = 0
 
     @property
     def n_blocks(self) -> int:
-        return self.family.n_blocks if self.family else 0
+        return sum(f.n_blocks for f in self.families)
+
+    @property
+    def n_outside(self) -> int:
+        return sum(self.outside.values())
 
     @property
     def blocks_in_graph(self) -> list[int]:
         return sorted({b for b in self.block.values() if b is not None})
 
+    def block_of(self, name: str) -> int | None:
+        """The block of a parameter or module by its qualified name; None outside every block."""
+        return block_index(name.split("."), self.families)
+
+    def describe(self) -> str:
+        """The block lists found and the nodes outside them, in one line."""
+        if not self.families:
+            return f"no block list: all {self.n_nodes} graph nodes are one region"
+        lists = ", ".join(
+            f"{f.parent or '<root>'} ({f.n_blocks} x {f.type_name}, blocks {f.first}-{f.first + f.n_blocks - 1})"
+            for f in self.families
+        )
+        where = ", ".join(f"{region} {n}" for region, n in self.outside.items() if n)
+        return f"block lists {lists}; {self.n_outside} of {self.n_nodes} graph nodes outside them ({where or 'none'})"
+
     def to_json(self) -> dict[str, Any]:
         return {
-            "family": dataclasses.asdict(self.family) if self.family else None,
+            "families": [dataclasses.asdict(f) for f in self.families],
+            "outside": dict(self.outside),
+            "n_nodes": self.n_nodes,
             "nodes": {name: {"region": self.region[name], "block": self.block[name]} for name in self.region},
         }
 
 
-def find_block_family(model: nn.Module | None) -> BlockFamily | None:
-    """The model's block list (see the module docstring), or None."""
+def find_block_families(model: nn.Module | None) -> tuple[BlockFamily, ...]:
+    """The model's block lists (see the module docstring), numbered in registration order; () when it has none."""
     if model is None:
-        return None
+        return ()
     no_split = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
-    candidates = []
+    candidates = []  # (path, type name, length)
     for name, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
             continue
         types = {type(child) for child in container}
         if len(types) != 1 or not any(True for _ in container[0].children()):
             continue  # mixed types (Sequential(Linear, ReLU, ...)) or leaf modules are no transformer blocks
-        type_name = types.pop().__name__
-        score = (type_name in no_split, len(container), -name.count("."))
-        candidates.append((score, name, type_name, len(container)))
-    if not candidates:
-        return None
-    (named, _, _), parent, type_name, n = max(candidates)
-    if not named and n < 2:
-        return None
-    return BlockFamily(parent=parent, type_name=type_name, n_blocks=n)
+        candidates.append((name, types.pop().__name__, len(container)))
+    chosen = [c for c in candidates if c[1] in no_split] or [c for c in candidates if c[2] >= 2]
+    outermost = [c for c in chosen if not any(_inside(c[0], other[0]) for other in chosen if other is not c)]
+    return _numbered(BlockFamily(parent=name, type_name=type_name, n_blocks=n) for name, type_name, n in outermost)
+
+
+def _inside(path: str, parent: str) -> bool:
+    """Module `path` lies strictly inside module `parent` (qualified names; "" is the model)."""
+    return path != parent and (parent == "" or path.startswith(parent + "."))
+
+
+def _numbered(families) -> tuple[BlockFamily, ...]:
+    """The lists in this order, their blocks numbered one list after the other."""
+    numbered, first = [], 0
+    for family in families:
+        numbered.append(dataclasses.replace(family, first=first))
+        first += family.n_blocks
+    return tuple(numbered)
 
 
 def _stack_paths(node: fx.Node, roots: FrameRoots) -> list[tuple[str, ...]]:
@@ -259,12 +348,14 @@ def frame_self() -> nn.Module | None:
     return value if isinstance(value, nn.Module) else None
 
 
-def block_index(path: Sequence[str], family: BlockFamily) -> int | None:
-    """The block a module or parameter path (split on dots) lies in: `i` when it passes through `<list>.<i>`."""
-    parent = family.parent.split(".") if family.parent else []
-    n = len(parent)
-    if len(path) > n and list(path[:n]) == parent and path[n].isdigit():
-        return int(path[n])
+def block_index(path: Sequence[str], families: Sequence[BlockFamily]) -> int | None:
+    """The block a module or parameter path (split on dots) lies in: `first + i` of the list whose `<parent>.<i>`
+    it passes through."""
+    for family in families:
+        parent = family.parent.split(".") if family.parent else []
+        n = len(parent)
+        if len(path) > n and list(path[:n]) == parent and path[n].isdigit():
+            return family.first + int(path[n])
     return None
 
 
@@ -289,47 +380,102 @@ def _module_order(model: nn.Module | None) -> dict[tuple[str, ...], int]:
     return {tuple(name.split(".")) if name else (): i for i, (name, _) in enumerate(model.named_modules())}
 
 
+def _in_execution_order(
+    families: tuple[BlockFamily, ...], nodes: list[fx.Node], paths: dict[str, list[tuple[str, ...]]]
+) -> tuple[BlockFamily, ...]:
+    """The lists in the order the forward first runs one of their blocks (lists this graph does not run last,
+    in registration order), renumbered: checkpointing, swapping and the cost model count blocks in execution
+    order (an encoder's before its decoder's, a vision tower's before a text model's it runs first)."""
+    first_run: dict[int, int] = {}
+    for position, node in enumerate(nodes):
+        if len(first_run) == len(families) or is_backward(node):
+            break
+        for path in paths[node.name]:
+            for k, family in enumerate(families):
+                if k not in first_run and block_index(path, (family,)) is not None:
+                    first_run[k] = position
+    order = sorted(range(len(families)), key=lambda k: (first_run.get(k, len(nodes)), k))
+    return _numbered(families[k] for k in order)
+
+
+def _related(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """One module path holds the other (or they are the same)."""
+    return a[: len(b)] == b[: len(a)]
+
+
+def _regions(
+    nodes: list[fx.Node],
+    block: dict[str, int | None],
+    paths: dict[str, list[tuple[str, ...]]],
+    parents: list[tuple[str, ...]],
+    order: dict[tuple[str, ...], int],
+) -> dict[str, str]:
+    """The region of each node. In a block: block. Otherwise by where it runs among the block nodes of its graph
+    (the forward runs pre, blocks, post, with between where block nodes come before and after it; the backward
+    the other way round); a backward node of a module outside every list takes the region of that module's
+    forward. Where a graph runs no block, a module outside every list goes by its registration among the lists
+    (before all of them: pre, after all: post, else between): a head after a graph break is post."""
+    spans: dict[bool, tuple[int, int]] = {}
+    for i, node in enumerate(nodes):
+        if block[node.name] is not None:
+            first, _ = spans.get(is_backward(node), (i, i))
+            spans[is_backward(node)] = (first, i)
+    parent_orders = [order.get(p, 0) for p in parents]
+    module_region: dict[tuple[str, ...], str] = {}
+    region: dict[str, str] = {}
+    for i, node in enumerate(nodes):
+        backward = is_backward(node)
+        inner = paths[node.name][-1] if paths[node.name] else None
+        if inner is not None and (inner not in order or any(_related(inner, p) for p in parents)):
+            inner = None  # no module of the model, or one holding a list: its place says nothing
+        if block[node.name] is not None:
+            region[node.name] = BLOCK
+        elif backward and inner in module_region:
+            region[node.name] = module_region[inner]
+        elif inner is not None and backward not in spans:
+            at = order[inner]
+            region[node.name] = PRE if at < min(parent_orders) else POST if at > max(parent_orders) else BETWEEN
+        else:
+            first, last = spans.get(backward, (len(nodes), len(nodes)))
+            before, after = (POST, PRE) if backward else (PRE, POST)
+            region[node.name] = before if i < first else after if i > last else BETWEEN
+        if not backward and inner is not None:
+            module_region.setdefault(inner, region[node.name])
+    return region
+
+
 def build_block_map(joint: fx.GraphModule, roots: FrameRoots) -> BlockMap:
     """Map every node of the joint graph to its transformer block (see the module docstring)."""
-    family = find_block_family(roots.model)
     nodes = [n for n in joint.graph.nodes if n.op not in ("placeholder", "output")]
     block: dict[str, int | None] = {n.name: None for n in joint.graph.nodes}
     region: dict[str, str] = {n.name: (PRE if n.op == "placeholder" else POST) for n in joint.graph.nodes}
-    if family is None:
+    families = find_block_families(roots.model)
+    if not families:
         region.update({n.name: OUTSIDE for n in nodes})
         log.info("no transformer blocks in a graph of %d nodes; it is one region", len(nodes))
-        return BlockMap(family=None, region=region, block=block)
+        return BlockMap(families=(), region=region, block=block, outside={OUTSIDE: len(nodes)}, n_nodes=len(nodes))
 
-    parent = tuple(family.parent.split(".")) if family.parent else ()
-    order = _module_order(roots.model)
-    parent_order = order.get(parent, 0)
+    paths = {n.name: _stack_paths(n, roots) for n in nodes}
+    families = _in_execution_order(families, nodes, paths)
     previous_block: dict[bool, int | None] = {False: None, True: None}
-    seen_block = {False: False, True: False}  # forward runs pre, blocks, post; backward post, blocks, pre
     for node in nodes:
         backward = is_backward(node)
-        paths = _stack_paths(node, roots)
-        idx = next((b for p in paths if (b := block_index(p, family)) is not None), None)
-        if idx is None and not paths:
+        idx = next((b for p in paths[node.name] if (b := block_index(p, families)) is not None), None)
+        if idx is None and not paths[node.name]:
             idx = _inherited_block(node, block, backward, previous_block[backward])
         block[node.name] = previous_block[backward] = idx
-        seen_block[backward] |= idx is not None
-        inner = paths[-1] if paths else None
-        if idx is not None:
-            region[node.name] = BLOCK
-        elif inner in order and inner[: len(parent)] != parent[: len(inner)]:
-            # a module outside the block list: before or after the list in the model
-            region[node.name] = PRE if order[inner] < parent_order else POST
-        else:
-            # no module, or one holding the list: by position relative to the blocks in execution order
-            region[node.name] = (PRE if backward else POST) if seen_block[backward] else (POST if backward else PRE)
-    block_map = BlockMap(family=family, region=region, block=block)
-    log.info(
-        "graph holds blocks %s of %d %s blocks under %s",
-        block_map.blocks_in_graph,
-        family.n_blocks,
-        family.type_name,
-        family.parent or "<root>",
-    )
+    parents = [tuple(f.parent.split(".")) if f.parent else () for f in families]
+    region.update(_regions(nodes, block, paths, parents, _module_order(roots.model)))
+    outside = {r: sum(1 for n in nodes if block[n.name] is None and region[n.name] == r) for r in (PRE, BETWEEN, POST)}
+    block_map = BlockMap(families=families, region=region, block=block, outside=outside, n_nodes=len(nodes))
+    log.info("graph holds blocks %s; %s", block_map.blocks_in_graph, block_map.describe())
+    if block_map.blocks_in_graph and block_map.n_outside > OUTSIDE_WARN_SHARE * len(nodes):
+        log.warning(
+            "%s: more than %.0f%% of the graph is in no block, so per-block checkpointing and swapping reach little "
+            "of it; if the model has other repeated layers, name their class in its `_no_split_modules`",
+            block_map.describe(),
+            100 * OUTSIDE_WARN_SHARE,
+        )
     return block_map
 
 

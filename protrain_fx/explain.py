@@ -6,11 +6,17 @@
 `explain` compiles a throwaway copy of the model's forward with the backend in explain mode: the graph is
 captured, profiled (one real forward and backward of the example batch) and planned as training with
 `protrain_fx.optim.AdamW` would plan it, and nothing is rewritten or moved: the model's parameters stay where
-they are, and no optimizer is needed.
+they are, and no optimizer is needed. Printed, its plan first says what capture found in each graph: the block
+lists (their paths, lengths and block indices in the plan) and how many graph nodes lie outside them, one line
+per graph; for a tiny T5:
+
+    graph 0: block lists encoder.block (2 x T5Block, blocks 0-1), decoder.block (2 x T5Block, blocks 2-3); 63 of
+    1216 graph nodes outside them (pre 2, between 23, post 38)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,7 +50,25 @@ def explain(model: nn.Module, example_batch: Mapping[str, Any] | tuple, options:
             "explain() found no trainable parameters in the compiled graphs: pass a model with parameters that "
             "require grad, and a batch its forward accepts"
         )
-    return _main(planned, lambda g: (len(g.param_map), g.plan))
+    plan = _main(planned, lambda g: (len(g.param_map), g.plan))
+    return Explained.of(plan, tuple(f"graph {g.index}: {g.block_map.describe()}" for g in planned))
+
+
+class Explained(Plan):
+    """What `explain` returns: the plan, a `Plan` in every other respect (fields, JSON, replay), printed after one
+    line per graph saying what capture found in it (`BlockMap.describe`: the block lists, and the graph nodes
+    outside them). The lines are no dataclass field: they are no decision, and a replayed plan has none."""
+
+    blocks: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, plan: Plan, blocks: tuple[str, ...]) -> Explained:
+        explained = cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)})
+        object.__setattr__(explained, "blocks", blocks)  # (a frozen dataclass: as its own __init__ sets fields)
+        return explained
+
+    def __str__(self) -> str:
+        return "\n".join([*self.blocks, super().__str__()])
 
 
 def plan_of(compiled_model: nn.Module) -> Plan:

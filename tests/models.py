@@ -62,15 +62,51 @@ class ToyTransformer(nn.Module):
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())  # next-token loss
 
 
+def seq2seq_model(kind: str, layers: int = 2, dropout: float = 0.0) -> nn.Module:
+    """A tiny Hugging Face encoder-decoder of `kind` (t5, bart), `layers` blocks in each stack, the embedding
+    shared by both stacks and tied to the head; random weights, no download."""
+    from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
+
+    if kind == "t5":
+        cfg = T5Config(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=layers,
+            num_decoder_layers=layers,
+            num_heads=4,
+            dropout_rate=dropout,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+        return T5ForConditionalGeneration(cfg)
+    cfg = BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        dropout=dropout,
+    )
+    cfg._attn_implementation = "eager"
+    return BartForConditionalGeneration(cfg)
+
+
 def hf_model(kind: str, layers: int = 2, dropout: float = 0.0, experts: str | None = None) -> nn.Module:
     """A tiny Hugging Face model of `kind`, random weights, no download: a causal LM (gpt2, opt, llama, mistral,
-    mixtral: MoE, whose `experts` implementation may be forced, e.g. "eager"), t5 (encoder-decoder, tied
-    embeddings under three names), bert (masked LM, a tied bias under two names)."""
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig
+    qwen2: its embedding tied to the head; mixtral: MoE, whose `experts` implementation may be forced, e.g.
+    "eager"), an encoder-decoder (SEQ2SEQ_KINDS), bert (masked LM, a tied bias under two names)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
-    if kind in ("t5", "bert", "mixtral"):
+    if kind in SEQ2SEQ_KINDS:
+        return seq2seq_model(kind, layers, dropout)
+    if kind in ("bert", "mixtral"):
         return _more_hf_model(kind, layers, dropout, experts)
-
     if kind == "gpt2":
         cfg = GPT2Config(
             vocab_size=VOCAB,
@@ -105,6 +141,17 @@ def hf_model(kind: str, layers: int = 2, dropout: float = 0.0, experts: str | No
             attention_dropout=dropout,
         )
         cfg = LlamaConfig(**common) if kind == "llama" else MistralConfig(**common, sliding_window=16)
+    elif kind == "qwen2":
+        cfg = Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     cfg._attn_implementation = "eager"
@@ -112,21 +159,8 @@ def hf_model(kind: str, layers: int = 2, dropout: float = 0.0, experts: str | No
 
 
 def _more_hf_model(kind: str, layers: int, dropout: float, experts: str | None) -> nn.Module:
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSeq2SeqLM,
-        BertConfig,
-        BertForMaskedLM,
-        MixtralConfig,
-        T5Config,
-    )
+    from transformers import AutoModelForCausalLM, BertConfig, BertForMaskedLM, MixtralConfig
 
-    if kind == "t5":
-        cfg = T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4, dropout_rate=dropout
-        )
-        cfg.decoder_start_token_id = 0
-        return AutoModelForSeq2SeqLM.from_config(cfg)
     if kind == "bert":
         cfg = BertConfig(
             vocab_size=VOCAB,
@@ -159,6 +193,7 @@ def _more_hf_model(kind: str, layers: int, dropout: float, experts: str | None) 
 
 
 MODEL_KINDS = ("toy", "gpt2", "opt", "llama", "mistral")
+SEQ2SEQ_KINDS = ("t5", "bart")  # encoder-decoders: a block list in each stack
 
 
 def build(kind: str, seed: int = 0, **kw) -> nn.Module:

@@ -3,9 +3,11 @@
 import models
 import pytest
 import torch
+from torch import nn
 
 import protrain_fx
-from protrain_fx.capture import BLOCK, POST, PRE, qualified_name
+from protrain_fx import capture
+from protrain_fx.capture import BETWEEN, BLOCK, POST, PRE, find_block_families, qualified_name
 
 
 def compile_once(kind, **model_kw):
@@ -82,7 +84,93 @@ def test_graph_rooted_inside_a_block():
     cos_sin = model.model.rotary_emb(hidden, torch.arange(16)[None])
     compiled(hidden, position_embeddings=cos_sin)[0].sum().backward()
     record = backend.graphs[0]
-    assert record.block_map.family.parent == "model.layers" and record.block_map.n_blocks == 3
+    assert [f.parent for f in record.block_map.families] == ["model.layers"] and record.block_map.n_blocks == 3
     assert record.block_map.blocks_in_graph == [1]
     names = {e.name for e in record.param_map.values()}
     assert names == {f"model.layers.1.{n}" for n, _ in layer.named_parameters()}
+
+
+class Layer(nn.Module):
+    def __init__(self, dim=8, experts=0):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim)) for _ in range(experts))
+
+    def forward(self, x):
+        return x + torch.tanh(self.proj(x)) + sum((e(x) for e in self.experts), torch.zeros_like(x))
+
+
+class Tower(nn.Module):
+    def __init__(self, layers, experts=0):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(Layer(experts=experts) for _ in range(layers))
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class TwoTowers(nn.Module):
+    """A text tower registered first, a vision tower run first, a head after both."""
+
+    def __init__(self, experts=0):
+        super().__init__()
+        self.text = Tower(3, experts)
+        self.vision = Tower(2, experts)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.text(self.vision(x))).sum()
+
+
+def test_every_outermost_block_list_is_found():
+    """Every list of repeated blocks is found, in registration order; lists inside a block (an MoE block's experts)
+    are not; a type named in `_no_split_modules` wins over the other lists."""
+    found = find_block_families(TwoTowers(experts=4))
+    assert [(f.parent, f.type_name, f.n_blocks, f.first) for f in found] == [
+        ("text.layers", "Layer", 3, 0),
+        ("vision.layers", "Layer", 2, 3),
+    ]
+    named = TwoTowers(experts=4)
+    named._no_split_modules = ["Sequential"]  # (as if the experts were the blocks)
+    assert [f.parent for f in find_block_families(named)][:2] == ["text.layers.0.experts", "text.layers.1.experts"]
+    assert find_block_families(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == ()
+
+
+def test_blocks_are_numbered_in_execution_order():
+    """The vision tower runs first: its blocks are 0-1 and the text tower's 2-4, whatever the registration order;
+    the text tower's embedding, between the lists, is in region `between`."""
+    model = TwoTowers()
+    backend = protrain_fx.ProTrainBackend({"executor": "eager"})
+    torch.compile(model, backend=backend, dynamic=False)(torch.randn(2, 4, 8)).backward()
+    block_map = backend.graphs[0].block_map
+    assert [(f.parent, f.first) for f in block_map.families] == [("vision.layers", 0), ("text.layers", 2)]
+    assert block_map.blocks_in_graph == [0, 1, 2, 3, 4] and block_map.n_blocks == 5
+    forward = [n for n in backend.graphs[0].forward.graph.nodes if n.name in block_map.block]
+    blocks = [block_map.block[n.name] for n in forward]
+    assert [blocks.index(b) for b in range(5)] == sorted(blocks.index(b) for b in range(5))  # run in index order
+    regions = [block_map.region[n.name] for n in forward if n.op == "call_function" and n.name in block_map.region]
+    outside = [r for r in regions if r != BLOCK]
+    assert regions[0] == PRE and outside[-1] == POST
+    assert outside == sorted(outside, key=[PRE, BETWEEN, POST].index)  # the vision norm and the text embedding
+    assert block_map.outside[BETWEEN] > 0 and block_map.n_outside == sum(block_map.outside.values())
+
+
+def test_a_graph_mostly_outside_its_block_lists_is_warned_of(caplog, monkeypatch):
+    """Where more than OUTSIDE_WARN_SHARE of what a graph runs is in no block (here one small expert per layer
+    named as the block type: 35% of the nodes outside, against 19% with the layers as blocks; the share lowered
+    to 25% for these small towers), a warning says so."""
+    monkeypatch.setattr(capture, "OUTSIDE_WARN_SHARE", 0.25)
+    named = TwoTowers(experts=1)
+    named._no_split_modules = ["Sequential"]
+    for model, warned in ((TwoTowers(), False), (named, True)):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="protrain_fx.capture"):
+            compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=False)
+            compiled(torch.randn(2, 4, 8)).backward()
+        assert ("more than 25% of the graph is in no block" in caplog.text) == warned
+        assert "graph nodes outside them" in caplog.text

@@ -192,7 +192,7 @@ def test_checkpoint_pass_alone():
     names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
     gm.graph.find_nodes(op="call_function", target=torch.exp)[0].meta["partitioner_tag"] = "is_backward"
     block_map = BlockMap(
-        family=None,
+        families=(),
         region=dict(zip(names, ["block", "block", "block", "post"])),
         block=dict(zip(names, [0, 1, 1, None])),
     )

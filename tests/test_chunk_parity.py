@@ -152,7 +152,7 @@ def test_offloaded_parameters_hold_no_storage_and_arena_is_exact():
 
 
 def test_too_few_buffers_is_a_compile_time_error():
-    with pytest.raises(Exception, match=r"n_buffer=1 chunk buffers, but the forward graph uses chunks \[0, 1"):
+    with pytest.raises(Exception, match=r"n_buffer=1 chunk buffers, but the forward graph uses chunks \[\d+, \d+\] at"):
         run("gpt2", {"n_persist": 0, "n_buffer": 1}, steps=1)
 
 
@@ -239,9 +239,9 @@ def test_chunked_training_through_inductor():
 
 
 def test_offloaded_chunks_share_the_host_gradient_shards_of_the_plan(monkeypatch):
-    """host_grad_slots=1 for 4 offloaded chunks: training is bitwise eager's, and the arena holds one gradient
+    """host_grad_slots=1 for n offloaded chunks: training is bitwise eager's, and the arena holds one gradient
     shard besides the masters. The first step, whose host updates wait for optimizer.step(), holds every
-    gradient: it takes plain host memory for the 3 shards it lacks and lets it go; later steps update during
+    gradient: it takes plain host memory for the n - 1 shards it lacks and lets it go; later steps update during
     the backward and share the one. Every shard is given back after a step."""
     from protrain_fx.runtime import chunks
 
@@ -255,20 +255,21 @@ def test_offloaded_chunks_share_the_host_gradient_shards_of_the_plan(monkeypatch
     assert all(torch.equal(state[name], value) for name, value in ref.state_dict().items())
     manager = model_manager(model)
     manager.wait_for_update()
-    assert (manager.layout.n_chunk, manager.n_persist, manager.grad_slots) == (4, 0, 1)
-    assert manager.arena.numel() == manager.layout.shard_elems * 4 * (4 + 1)
-    assert sum("gradients" in what for what in asked) == 3, asked
+    n = manager.layout.n_chunk
+    assert n > 1 and (manager.n_persist, manager.grad_slots) == (0, 1)
+    assert manager.arena.numel() == manager.layout.shard_elems * 4 * (n + 1)
+    assert sum("gradients" in what for what in asked) == n - 1, asked
     assert len(manager._free_grads) == 1 and not manager.grad
 
 
-# plan (gpt2: 4 chunks), the error where the memory for a step's gradients is not there, and the one for a
+# plan (gpt2), the error where the memory for a step's gradients is not there, and the one for a
 # backward adding to the gradients of a step already taken
 SHARING = {
-    "host": (SHARED_GRADIENTS, ValueError, r"chunk \d's gradients need .* host memory .* shares 1 among the 4 ", ""),
+    "host": (SHARED_GRADIENTS, ValueError, r"chunk \d+'s gradients need .* host memory .* shares 1 among the \d+ ", ""),
     "device": (
         {"device_grad_slots": 1},
         torch.OutOfMemoryError,
-        r"chunk \d's gradients need a float32 gradient buffer .* shares 1 among the 4 persistent chunks .* Train "
+        r"chunk \d+'s gradients need a float32 gradient buffer .* shares 1 among the \d+ persistent chunks .* Train "
         r"without clipping or gradient accumulation",
         r"shares 1 gradient buffers among the persistent chunks .*",
     ),

@@ -74,6 +74,33 @@ def test_tagged_graph_gathers_and_computes_the_same():
     assert not backward.graph.find_nodes(op="call_function", target=torch.ops.protrain.prefetch.default)
 
 
+def test_a_chunk_read_again_after_another_is_gathered_again():
+    """`e` (chunk 0) is read at the start and, through a view made at the start, at the end; `w` (chunk 1) in
+    between: chunk 0 is released before chunk 1 is gathered and gathered again after, so one buffer does. Each run
+    reads its own copy of the view chain, and the values are the same."""
+
+    def tied(e, w, x):
+        et = e.t()  # one view, read at the start and (through another view) at the end
+        h = torch.relu(torch.relu(x @ et) @ w.t())
+        return h @ et.t()
+
+    torch.manual_seed(0)
+    e, w, x = nn.Parameter(torch.randn(4, 8)), nn.Parameter(torch.randn(4, 4)), torch.randn(5, 8)
+    expected = tied(e, w, x).detach()
+    gm = make_fx(tied)(e.detach(), w.detach(), x)
+    layout = layout_at([ParamInfo("e", 32, None, alone=True), ParamInfo("w", 16, None)], 64, 4, 1)
+    manager = ChunkManager([e, w], layout, n_persist=0, n_buffer=1)
+    for node, param in zip([n for n in gm.graph.nodes if n.op == "placeholder"], [e, w]):
+        slot = manager.slot_of(param)
+        node.meta[TAG] = ParamTag(manager.handle, manager.index[id(param)], slot.chunk, slot.offset, slot.numel, False)
+    gm = chunk_gather_pass(gm, types.SimpleNamespace(manager=manager, stage="forward"))
+    ops = {torch.ops.protrain.gather.default: "gather", torch.ops.protrain.release.default: "release"}
+    sequence = [(ops[n.target], n.args[1]) for n in gm.graph.nodes if n.target in ops]
+    assert sequence == [("gather", 0), ("release", 0), ("gather", 1), ("release", 1), ("gather", 0), ("release", 0)]
+    assert all(not n.users for n in gm.graph.find_nodes(op="placeholder")[:2])  # every read goes through a gather
+    torch.testing.assert_close(gm(e, w, x), expected, rtol=0, atol=0)
+
+
 def test_grad_reduce_pass_hands_gradients_over():
     """A backward graph returning gradients of two tagged primals: they go to reduce_grads, the output gets None."""
     w1, w2, x, _, _ = setup()

@@ -1,5 +1,7 @@
 """Chunk layout (planner/chunking.py): order, block alignment, waste, padding for any world size."""
 
+import dataclasses
+
 import pytest
 
 from protrain_fx.planner.chunking import ALIGN, ParamInfo, layout_at, search_layout
@@ -61,3 +63,19 @@ def test_forced_chunk_bytes():
         search_layout(toy_params(), element_size=4, chunk_bytes=1000)
     with pytest.raises(ValueError, match="no trainable parameters"):
         search_layout([], element_size=4)
+
+
+def test_a_parameter_read_again_gets_a_chunk_of_its_own():
+    """A tied embedding (read again by the head after the blocks) shares its chunk with nothing: gathered again,
+    it loads itself alone, and the first block's chunk is not held across the forward with it."""
+    params = [ParamInfo("embed", 2000, None, alone=True), *toy_params()[1:-1], ParamInfo("norm", 100, None)]
+    for layout in (search_layout(params, element_size=4), layout_at(params, 8 * 1024, 4, 1)):
+        assert [s.name for s in layout.chunk_slots(0)] == ["embed"]
+        assert layout.slots[1].chunk == 1 and layout.slots[1].offset == 0
+    # the same parameters without it: the first block shares the embedding's chunk
+    shared = layout_at([dataclasses.replace(params[0], alone=False), *params[1:]], 8 * 1024, 4, 1)
+    assert shared.slots[1].chunk == 0
+    # in the middle of the order too: what follows it starts a chunk
+    middle = layout_at([*params[1:4], dataclasses.replace(params[0], alone=True), *params[4:]], 8 * 1024, 4, 1)
+    embed = next(s for s in middle.slots if s.name == "embed")
+    assert [s.name for s in middle.chunk_slots(embed.chunk)] == ["embed"] and embed.offset == 0

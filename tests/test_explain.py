@@ -4,6 +4,7 @@ runtime/monitor.py)."""
 import collections
 import dataclasses
 import json
+import re
 
 import models
 import pytest
@@ -40,6 +41,22 @@ def test_explain_takes_positional_batches_and_says_what_is_wrong():
         protrain_fx.explain(model, [1, 2], {"executor": "eager"})
     with pytest.raises(TypeError, match="takes the model"):
         protrain_fx.explain(lambda x: x, batch)
+
+
+def test_explain_says_which_block_lists_it_found():
+    """Printed, the plan says which block lists capture found (paths, lengths, their block indices) and how many
+    graph nodes lie outside them: an encoder-decoder's two stacks, a decoder's one list."""
+    plan = protrain_fx.explain(models.build("t5", layers=2), models.batch("t5"), {"executor": "eager"})
+    first = str(plan).splitlines()[0]
+    assert first.startswith(
+        "graph 0: block lists encoder.block (2 x T5Block, blocks 0-1), decoder.block (2 x T5Block, blocks 2-3); "
+    )
+    outside, nodes = (int(x) for x in re.search(r"(\d+) of (\d+) graph nodes outside them", first).groups())
+    assert 0 < outside < nodes and re.search(r"\(pre \d+, between \d+, post \d+\)$", first)
+    assert plan.n_block == 4 and "n_persist" in str(plan)
+    assert "graph 0" not in json.dumps(plan.to_json())  # (what capture found is no plan field)
+    llama = protrain_fx.explain(models.build("llama", layers=3), models.batch("llama"), {"executor": "eager"})
+    assert str(llama).startswith("graph 0: block lists model.layers (3 x LlamaDecoderLayer, blocks 0-2); ")
 
 
 def test_plan_of_the_compiled_model():

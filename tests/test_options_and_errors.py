@@ -168,7 +168,7 @@ def test_dump_dir_files(tmp_path, monkeypatch):
     assert "def forward" in (g0 / "forward.py").read_text()
     params = json.loads((g0 / "params.json").read_text())
     assert "transformer.wte.weight" in {e["name"] for e in params.values()}
-    assert json.loads((g0 / "blocks.json").read_text())["family"]["type_name"] == "GPT2Block"
+    assert [f["type_name"] for f in json.loads((g0 / "blocks.json").read_text())["families"]] == ["GPT2Block"]
 
 
 class _Terminal(io.StringIO):

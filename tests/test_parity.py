@@ -49,5 +49,5 @@ def test_gpt2_has_two_graphs_both_trained():
     _, (losses, _), backend = eager_and_protrain("gpt2", steps=2)
     assert len(backend.graphs) == 2
     loss_graph = backend.graphs[1]
-    assert loss_graph.block_map.family is None and not loss_graph.param_map
+    assert not loss_graph.block_map.families and not loss_graph.param_map
     assert loss_graph.profile.backward_s > 0

@@ -399,6 +399,21 @@ def test_uploads_run_ahead_as_far_as_the_buffers_allow():
     assert one == pytest.approx(max(persistent, load) + sum(offloaded) + 2 * load)
 
 
+def test_a_chunk_gathered_again_is_uploaded_again_where_offloaded():
+    """A tied embedding's chunk (0), read again by the head beside the last chunk's compute (`regathers`):
+    offloaded, the forward uploads it a second time as that compute starts, and the compute (the head's) ends no
+    sooner than that upload; persistent, it costs nothing. The search then weighs keeping it on the device."""
+    model = _link(dataclasses.replace(synthetic(n_chunk=6), regathers=((0, 5),)), rate=1e9)
+    untied = dataclasses.replace(model, regathers=())
+    load = model.shard_elems * 4 / 1e9  # > any chunk's compute
+    offloaded, persistent = Config(n_persist=0, n_buffer=2), Config(n_persist=1, n_buffer=2)
+    last = model._per_chunk(offloaded)["forward"][5]
+    forward = model.phases(offloaded)["forward_s"]
+    assert forward == pytest.approx(untied.phases(offloaded)["forward_s"] - last + load)
+    assert model.step_s(offloaded) > untied.step_s(offloaded)
+    assert model.step_s(persistent) == untied.step_s(persistent)
+
+
 def test_copies_beside_the_host_optimizer_run_slower():
     """The host's AdamW shares the host's memory bandwidth with the link: an offloaded plan whose uploads run
     while the host steps earlier chunks takes longer where the profile measured the link slower beside it. A

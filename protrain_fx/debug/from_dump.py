@@ -45,6 +45,7 @@ def planning_inputs(
     n_block: int,
     layout: ChunkLayout | None,
     block_of_param: Sequence[int | None],
+    regathers: Sequence[tuple[int, int]],
     grad_outputs: frozenset[str],
     fused: bool,
     swap_interval: int,
@@ -60,6 +61,7 @@ def planning_inputs(
         "n_block": n_block,
         "layout": layout.to_json() if layout is not None else None,
         "block_of_param": list(block_of_param),
+        "regathers": [list(r) for r in regathers],
         "grad_outputs": sorted(grad_outputs),
         "fused": fused,
         "swap_interval": swap_interval,
@@ -82,6 +84,7 @@ def cost_model_from_dump(
         n_block=planning["n_block"],
         layout=layout,
         block_of_param=planning["block_of_param"],
+        regathers=[tuple(r) for r in planning.get("regathers", ())],  # (a dump written before they were kept: none)
         grad_outputs=frozenset(planning["grad_outputs"]),
         fused=planning["fused"],
         master_bytes=master_bytes(forced),

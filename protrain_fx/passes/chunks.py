@@ -16,6 +16,11 @@ chunk_gather_pass (forward and backward graphs), for each offloaded chunk c:
              r = protrain.release(m, c, [z])      # after the last reader of any parameter of c: it waits
                                                   # for the readers' outputs none of the others feeds (z, not y)
 
+A chunk whose reads enclose the whole span of another chunk's reads is gathered once per run of its reads and
+released between (`_runs`): a tied embedding, read at the forward's start and by the head at its end, holds a
+buffer only while read, not across every block (each run reads views of its own gather, through copies of the
+view chains, `_reroute`).
+
 A gather has no data input but the tokens it is given, and inductor schedules a kernel as soon as its inputs
 exist: without them it hoists gathers above the releases that free their buffers. So each gather takes the
 tokens of every release placed before it (not the gather before it: a buffer may be its own input then, which
@@ -166,23 +171,25 @@ def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if not by_chunk:
         return gm
     order = {n: i for i, n in enumerate(graph.nodes)}
-    readers_of: dict[int, list[fx.Node]] = {}
     by_chunk = {c: phs for c, phs in by_chunk.items() if _readers(phs)}
+    runs = _runs({c: [r for ph in phs for r in _param_readers(ph)] for c, phs in by_chunk.items()}, order)
+    readers_of: list[tuple[int, list[fx.Node]]] = []  # (chunk, the readers of one gather), gather by gather
     for chunk, placeholders in sorted(by_chunk.items(), key=lambda kv: min(map(order.__getitem__, _readers(kv[1])))):
-        first = min(_readers(placeholders), key=order.__getitem__)
         tag = placeholders[0].meta[TAG]
+        if len(runs[chunk]) > 1:
+            readers_of += [(chunk, run) for run in _gather_per_run(graph, tag, placeholders, runs[chunk])]
+            continue
+        first = min(_readers(placeholders), key=order.__getitem__)
         with graph.inserting_before(first):
             buf = graph.call_function(torch.ops.protrain.gather.default, (tag.manager, chunk, []))
-            readers_of[chunk] = []
+            readers = []
             for ph in placeholders:
-                t = ph.meta[TAG]
-                piece = graph.call_function(torch.ops.aten.slice.Tensor, (buf, 0, t.offset, t.offset + t.numel))
-                view = graph.call_function(torch.ops.aten.view.default, (piece, list(ph.meta["val"].shape)))
-                view.meta["val"] = ph.meta.get("val")
+                view = _param_view(graph, buf, ph)
                 # the graph's output keeps the placeholder: a forward that saves a parameter for backward
                 # hands over the parameter itself, and the backward gathers it again
                 ph.replace_all_uses_with(view, delete_user_cb=lambda u: u.op != "output")
-                readers_of[chunk].extend(_data_readers(view))
+                readers.extend(_data_readers(view))
+        readers_of.append((chunk, readers))
     gathers = [n for n in graph.nodes if n.target is torch.ops.protrain.gather.default]
     for gather, following in zip(gathers, gathers[1:]):
         with graph.inserting_after(gather):
@@ -190,7 +197,7 @@ def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     _prefetch_first(graph, gathers[0], ctx)
     order = {n: i for i, n in enumerate(graph.nodes)}
     dag = nx.DiGraph((a, n) for n in graph.nodes for a in n.all_input_nodes)
-    for chunk, readers in readers_of.items():
+    for chunk, readers in readers_of:
         outputs = _tensor_outputs(readers)
         deps = _downstream(outputs, dag, order)
         last = max(readers + deps, key=order.__getitem__)
@@ -203,6 +210,73 @@ def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _param_view(graph: fx.Graph, buf: fx.Node, placeholder: fx.Node) -> fx.Node:
+    """The parameter `placeholder` as a view of its chunk's gathered buffer `buf` (inserted at the graph's
+    insertion point)."""
+    t = placeholder.meta[TAG]
+    piece = graph.call_function(torch.ops.aten.slice.Tensor, (buf, 0, t.offset, t.offset + t.numel))
+    view = graph.call_function(torch.ops.aten.view.default, (piece, list(placeholder.meta["val"].shape)))
+    view.meta["val"] = placeholder.meta.get("val")
+    return view
+
+
+def _param_readers(placeholder: fx.Node) -> list[fx.Node]:
+    """The nodes that read a parameter's data, seen through views (the output only passes the parameter on)."""
+    users = [u for u in placeholder.users if u.op != "output"]
+    return [r for u in users for r in (_data_readers(u) if is_view(u) else [u])]
+
+
+def _runs(readers: dict[int, list[fx.Node]], order: dict[fx.Node, int]) -> dict[int, list[list[fx.Node]]]:
+    """Each chunk's readers in graph order, cut into runs where the whole span of another chunk's readers lies
+    between two of them: the chunk is released and gathered again around it, so it holds no buffer meanwhile
+    (a tied embedding, read at the start of the forward and by its head at the end; T5's shared embedding, read by
+    the encoder, the decoder and the head). Chunks whose reads overlap or touch stay in one run."""
+    spans = {c: (min(map(order.__getitem__, rs)), max(map(order.__getitem__, rs))) for c, rs in readers.items()}
+    runs: dict[int, list[list[fx.Node]]] = {}
+    for chunk, rs in readers.items():
+        rs = sorted(set(rs), key=order.__getitem__)
+        runs[chunk] = [[rs[0]]]
+        for before, after in zip(rs, rs[1:]):
+            if any(order[before] < a and b < order[after] for c, (a, b) in spans.items() if c != chunk):
+                runs[chunk].append([])
+            runs[chunk][-1].append(after)
+    return runs
+
+
+def _gather_per_run(graph: fx.Graph, tag: ParamTag, placeholders: list[fx.Node], runs: list[list[fx.Node]]):
+    """Gather the chunk before each run of its reads (`_runs`): the run's readers read views of that gather's
+    buffer, through copies of the view chains between the parameter and them (one per run). Returns the runs."""
+    run_of = {r: k for k, run in enumerate(runs) for r in run}
+    stand_ins: dict[fx.Node, dict[int, fx.Node]] = {ph: {} for ph in placeholders}
+    for k, run in enumerate(runs):
+        with graph.inserting_before(run[0]):
+            buf = graph.call_function(torch.ops.protrain.gather.default, (tag.manager, tag.chunk, []))
+            for ph in placeholders:
+                if any(run_of[r] == k for r in _param_readers(ph)):
+                    stand_ins[ph][k] = _param_view(graph, buf, ph)
+    for ph in placeholders:
+        _reroute(graph, ph, stand_ins[ph], run_of)
+    return runs
+
+
+def _reroute(graph: fx.Graph, node: fx.Node, stand_ins: dict[int, fx.Node], run_of: dict[fx.Node, int]) -> None:
+    """Each user of `node` (a parameter, or a view of one) reads the stand-in of its run instead: a reader
+    directly, a view through a copy of it per run it serves, made right after that run's stand-in (the view
+    itself is erased)."""
+    for user in list(node.users):
+        if user.op == "output":
+            continue
+        if not is_view(user):
+            user.replace_input_with(node, stand_ins[run_of[user]])
+            continue
+        copies = {}
+        for k in sorted({run_of[r] for r in _data_readers(user)}):
+            with graph.inserting_after(stand_ins[k]):
+                copies[k] = graph.node_copy(user, lambda a, k=k: stand_ins[k] if a is node else a)
+        _reroute(graph, user, copies, run_of)
+        graph.erase_node(user)
 
 
 def _prefetch_first(graph: fx.Graph, first: fx.Node, ctx) -> None:

@@ -1,12 +1,14 @@
 """Chunk layout: which parameter lives where in which chunk (paper §4.1, "Chunk Organization and Size Search").
 
-Parameters are laid out in execution order (first use; a shared parameter at its first use) into chunks of
-one size. The parameters of one transformer block go into one chunk where the size allows: a block that
-does not fit in what is left of the current chunk starts a new one. Parameters of different groups (the
-optimizers stepping them) never share a chunk. The chunk size is chosen by a grid
-search that simulates the layout at each candidate size and keeps the one wasting the fewest bytes (ties:
-the larger size, for fewer transfers). Every chunk is padded to a multiple of `world_size * ALIGN`
-elements, so each rank's shard of a chunk has the same size for any world size.
+Parameters are laid out in execution order (first use; a shared parameter at its first use) into chunks of one size. The
+parameters of one transformer block go into one chunk where the size allows: a block that does not fit in what is left
+of the current chunk starts a new one. A parameter the forward reads again after other blocks ran (`alone`: a tied
+embedding, which the head reads at the end) gets a chunk of its own: the graph gathers its chunk once per stretch of
+reads and releases it between (passes/chunks.py), so it holds a buffer only while read, and gathering it again loads
+that parameter alone, not the first block with it. Parameters of different groups (the optimizers stepping them) never
+share a chunk. The chunk size is chosen by a grid search that simulates the layout at each candidate size and keeps the
+one wasting the fewest bytes (ties: the larger size, for fewer transfers). Every chunk is padded to a multiple of
+`world_size * ALIGN` elements, so each rank's shard of a chunk has the same size for any world size.
 
 Search range: from the largest parameter (a parameter is never split) to twice the largest block (so that
 chunks stay near block size and `n_persist` keeps a fine grain), on a geometric grid.
@@ -30,6 +32,7 @@ class ParamInfo:
     name: str
     numel: int
     block: int | None  # transformer block, None outside blocks
+    alone: bool = False  # in a chunk of its own (read again after other blocks: a tied embedding)
     group: int = 0  # the optimizer stepping it: a chunk holds one group's parameters
 
 
@@ -78,7 +81,8 @@ def _units(params: Sequence[ParamInfo]) -> list[list[ParamInfo]]:
     """Runs of consecutive parameters of one block; each parameter outside blocks is a run of its own."""
     units: list[list[ParamInfo]] = []
     for p in params:
-        if units and p.block is not None and units[-1][-1].block == p.block and units[-1][-1].group == p.group:
+        same = units and units[-1][-1].block == p.block and units[-1][-1].group == p.group
+        if same and p.block is not None and not p.alone:
             units[-1].append(p)
         else:
             units.append([p])
@@ -98,13 +102,17 @@ def layout_at(params: Sequence[ParamInfo], chunk_elems: int, element_size: int, 
         size = sum(p.numel for p in unit)
         if used and (unit[0].group != group or (size <= chunk_elems and used + size > chunk_elems)):
             chunk, used = chunk + 1, 0  # another optimizer's, or a block kept whole: a fresh chunk
-        group = unit[0].group
+        group, alone = unit[0].group, unit[0].alone
+        if alone and used:
+            chunk, used = chunk + 1, 0
         for p in unit:
             assert p.numel <= chunk_elems, f"parameter {p.name} ({p.numel} elements) exceeds the chunk size"
             if used + p.numel > chunk_elems:
                 chunk, used = chunk + 1, 0
             slots.append(Slot(name=p.name, chunk=chunk, offset=used, numel=p.numel))
             used += p.numel
+        if alone:
+            used = chunk_elems  # (the next parameter starts a chunk)
     n_chunk = chunk + 1 if slots else 0
     return ChunkLayout(chunk_elems, element_size, world_size, tuple(slots), n_chunk)
 

@@ -28,7 +28,9 @@ each is laid out chunk by chunk on three lanes, the compute and the link's two w
   forward: a non-persistent chunk's upload (shard up, then the all-gather) starts once the link to the device is
     free and a buffer is (the chunk loaded n_buffer before it has been computed), and once the host has stepped
     it; a chunk computes once it is loaded and the chunk before is done, and is done no sooner than the swap-out
-    copies beside it (a swapped block's are spread over the swap_interval blocks after it, its settle point);
+    copies beside it (a swapped block's are spread over the swap_interval blocks after it, its settle point), nor
+    than the uploads of the chunks gathered again beside it (`regathers`: a chunk the forward reads again after
+    other chunks, a tied embedding by the head, is released between, passes/chunks.py);
   backward (last chunk first): the last n_buffer non-persistent chunks are still in their buffers; the others
     upload as in the forward; a chunk computes and recomputes its checkpointed blocks, and is done no sooner than
     the swap-in copies beside it (prefetched swap_interval blocks ahead, behind the uploads queued so far); then
@@ -36,12 +38,14 @@ each is laid out chunk by chunk on three lanes, the compute and the link's two w
     on their own stream beside the compute, and the host's AdamW of a chunk starts when its copy ends; an
     offloaded chunk reduces in one of REDUCE_BUFFERS buffers (runtime/chunks.py), so its reduce waits for the
     copy of the chunk that used that buffer before;
+  a chunk gathered again at the forward's end is in fact one of the backward's buffered ones, and the one it
+    displaced is uploaded: as many uploads;
   with one buffer a chunk's load cannot overlap the compute of the chunk before it (one buffer, in use).
 Each copy runs at the rate measured beside what runs where it starts: copies the other way, the host's AdamW
 (which slows copies to the device by about a fifth), both or neither (`_Link`, from an earlier pass of the
 timelines). On the CPU (no overlap) everything runs in line.
-A node's compute belongs to the chunk of its block (pre-block nodes to the first chunk, post-block ones to the
-last). Without a chunk layout the step is the profiled compute plus recompute.
+A node's compute belongs to the chunk of its block (pre-block nodes, and those between two block lists, to the
+first chunk; post-block ones to the last). Without a chunk layout the step is the profiled compute plus recompute.
 
 Peak memory (Appendix A.2). The profile ran with every block unoptimized and every parameter on the device.
 Per node, `allocated_before + max(intra, inter, 0)` less the baseline (what was allocated before the forward)
@@ -251,6 +255,9 @@ class CostModel:
     world_size: int = 1
     block_chunk: tuple[int, ...] = ()  # chunk holding each block's parameters
     chunk_params: tuple[int, ...] = ()  # parameter elements in each chunk (padding excluded)
+    # (chunk, the chunk beside whose forward compute it is gathered again): a chunk the forward reads again after
+    # other chunks (a tied embedding read by the head), where it is not persistent
+    regathers: tuple[tuple[int, int], ...] = ()
     forced_modes: tuple[str, ...] = ()  # the user's block_modes, in place of the interleaved layout
     overlap: bool = True  # copies and host work run beside the compute (False on the CPU: the same cores do all)
     host_budget: int | None = None  # the host memory this rank has for offloaded chunks and swap (None: not budgeted)
@@ -277,12 +284,15 @@ class CostModel:
         swap_interval: int = 1,
         layout: ChunkLayout | None = None,
         block_of_param: Sequence[int | None] = (),
+        regathers: Sequence[tuple[int, int]] = (),
         other_bytes: int = 0,
         grad_outputs: frozenset[str] = frozenset(),
         fused: bool = False,
         master_bytes: int = 4,
     ) -> CostModel:
         """The model of one graph. `block_of_param`: the block of each of the layout's slots (None outside blocks);
+        `regathers`: (chunk, block) for each time the forward gathers a chunk again, in or before that block (the
+        last block + 1: after the blocks), as backend.py's `_regathers` finds them;
         `other_bytes`: what the device holds besides the activations and the states `state_bytes` counts (with a
         layout: the profile's baseline less the parameters; without: the whole baseline); `grad_outputs`: names of
         the backward nodes that are parameter gradients (with a layout, the runtime frees each after its chunk's
@@ -367,6 +377,9 @@ class CostModel:
                 world_size=layout.world_size,
                 block_chunk=tuple(block_chunk),
                 chunk_params=tuple(chunk_params),
+                regathers=tuple(
+                    (chunk, block_chunk[b] if b < n_block else layout.n_chunk - 1) for chunk, b in regathers
+                ),
                 master_bytes=master_bytes,
             )
         return cls(
@@ -592,11 +605,13 @@ class CostModel:
         return recompute, swapped
 
     def _per_chunk(self, config: Config) -> dict[str, list[float]]:
-        """Each chunk's share of the work: seconds of forward and backward compute and of recompute, and bytes of
-        the swap-out copies (forward) and swap-in copies (backward) that run beside it."""
+        """Each chunk's share of the work: seconds of forward and backward compute and of recompute, bytes of the
+        swap-out copies (forward) and swap-in copies (backward) that run beside it, and the offloaded chunks the
+        forward gathers again beside it (`regathers`)."""
         n = self.n_chunk
         recompute, swapped = self._block_extras(config)
         fwd_c, bwd_c, rec_c, out_c, in_c = ([0.0] * n for _ in range(5))
+        again = [sum(1 for chunk, at in self.regathers if at == c and chunk >= config.n_persist) for c in range(n)]
         fwd_c[0] += self.other_fwd_s[0]
         fwd_c[n - 1] += self.other_fwd_s[1]
         bwd_c[0] += self.other_bwd_s[0]
@@ -611,7 +626,14 @@ class CostModel:
             for j in range(1, k + 1):
                 out_c[self.block_chunk[min(b + j, last)]] += swapped[b] / k
                 in_c[self.block_chunk[min(b + j, last)]] += swapped[b] / k
-        return {"forward": fwd_c, "backward": bwd_c, "recompute": rec_c, "swap_out": out_c, "swap_in": in_c}
+        return {
+            "forward": fwd_c,
+            "backward": bwd_c,
+            "recompute": rec_c,
+            "swap_out": out_c,
+            "swap_in": in_c,
+            "regather": again,
+        }
 
     def _forward_timeline(
         self, config: Config, per: dict[str, list[float]], link: _Link, ready: Sequence[float] | None = None
@@ -622,14 +644,16 @@ class CostModel:
         gather ahead of the device, so runtime/chunks.py loads as soon as a buffer frees) and, given `ready`
         (per chunk, seconds from the forward's start), once the host has stepped it. A chunk computes once it is
         loaded and the chunk before it is done, and is done no sooner than the swap-out copies beside it (their
-        settle waits for them). On the CPU everything runs in line. `per`: `_per_chunk(config)`. Returns the end
-        and the copies' (start, end) each way."""
+        settle waits for them), nor than the chunks gathered again beside it (`regathers`: uploaded as it
+        starts, once the link is free; their buffer is not waited for). On the CPU everything runs in line.
+        `per`: `_per_chunk(config)`. Returns the end and the copies' (start, end) each way."""
         n, persist, (gather, slower) = self.n_chunk, config.n_persist, self._gather_s()
         shard = self.shard_elems * self.master_bytes  # an offloaded shard's master going up, its gradient down
         t, up, down, h2d, d2h = 0.0, 0.0, 0.0, [], []
         if not self.overlap:
             for c in range(n):
                 load = link.seconds("h2d", shard, t, forward=True) + gather if c >= persist else 0.0
+                load += per["regather"][c] * (link.seconds("h2d", shard, t, forward=True) + gather)
                 t += load + per["forward"][c] + link.seconds("d2h", per["swap_out"][c], t, forward=True)
             return {"end": t, "h2d": h2d, "d2h": d2h}
         buffers, end, loaded, following = max(1, config.n_buffer), [0.0] * n, {}, persist
@@ -641,7 +665,11 @@ class CostModel:
                 up = loaded[following] = link.copy("h2d", shard, start, h2d, forward=True) + gather
                 following, gathers = following + 1, gathers + 1
             start = max(t, loaded.get(c, 0.0))
-            t = start + per["forward"][c] + gathers * slower
+            again = 0.0
+            for _ in range(per["regather"][c]):  # a chunk read again (a tied embedding by the head), loaded beside
+                again = up = link.copy("h2d", shard, max(up, start), h2d, forward=True) + gather
+                gathers += 1
+            t = max(start + per["forward"][c] + gathers * slower, again)
             if per["swap_out"][c]:
                 down = link.copy("d2h", per["swap_out"][c], max(down, start), d2h, forward=True)
                 t = max(t, down)

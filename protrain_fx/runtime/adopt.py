@@ -14,6 +14,7 @@ different optimizers never share a chunk (each chunk is stepped by one).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from protrain_fx.capture import FrameRoots, block_index, find_block_family
+from protrain_fx.capture import FrameRoots, block_index, find_block_families
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
 from protrain_fx.planner.plan import Plan, make_plan, with_default_master
 from protrain_fx.runtime.chunks import (
@@ -117,11 +118,19 @@ def model_layout(
 ) -> ChunkLayout:
     """The chunk layout of the whole model (see the module docstring); `every_trainable`: as if a
     protrain_fx.optim.AdamW stepped every trainable parameter (protrain_fx.explain)."""
-    return _layout(_ordered_params(roots, record, example_inputs, every_trainable), record.block_map.family, forced)
+    alone = {e.name for e in record.param_map.values() if e.read_again_at}  # read again after blocks ran: tied
+    ordered = _ordered_params(roots, record, example_inputs, every_trainable)
+    return _layout(ordered, record.block_map.block_of, forced, alone)
 
 
-def _layout(ordered: list[tuple[str, nn.Parameter]], family, forced: Mapping[str, Any]) -> ChunkLayout:
-    """Lay out `ordered` (name, parameter) pairs, in that order, in chunks."""
+def _layout(
+    ordered: list[tuple[str, nn.Parameter]],
+    block_of: Callable[[str], int | None],
+    forced: Mapping[str, Any],
+    alone: set[str],
+) -> ChunkLayout:
+    """Lay out `ordered` (name, parameter) pairs, in that order, in chunks; the parameters named in `alone` each
+    in a chunk of its own (planner/chunking.py)."""
     dtypes = {p.dtype for _, p in ordered}
     if len(dtypes) > 1:
         raise ValueError(
@@ -133,7 +142,8 @@ def _layout(ordered: list[tuple[str, nn.Parameter]], family, forced: Mapping[str
         ParamInfo(
             name=n,
             numel=p.numel(),
-            block=block_index(n.split("."), family) if family else None,
+            block=block_of(n),
+            alone=n in alone,
             group=owners.setdefault(_owner_id(p), len(owners)),
         )
         for n, p in ordered
@@ -156,7 +166,7 @@ def _owner_id(p: nn.Parameter) -> int:
 
 
 def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkManager:
-    by_name = dict(model.named_parameters(remove_duplicate=False))  # (a tied weight under any of its names)
+    by_name = dict(model.named_parameters(remove_duplicate=False))  # (a tied parameter under any of its names)
     params = [by_name[slot.name] for slot in layout.slots]
     with eager():  # called from the partitioner, under AOTAutograd's fake mode
         manager = ChunkManager(
@@ -228,8 +238,9 @@ def prepare(
       just before they are copied into the chunks; so the host never holds the whole model besides the chunks.
 
     Layout order is registration order (`model.named_parameters()`), blocks kept whole where the size
-    allows. Returns the model (changed in place). Build `protrain_fx.optim.AdamW(model.parameters())` before
-    or after, then compile.
+    allows, a tied parameter outside the blocks (an embedding the head reads too) in a chunk of its own. Returns
+    the model (changed in place). Build `protrain_fx.optim.AdamW(model.parameters())` before or after, then
+    compile.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare() takes an nn.Module, got {type(model).__name__}")
@@ -245,9 +256,16 @@ def prepare(
     ordered = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not ordered:
         raise ValueError("the model has no trainable parameters; nothing to put in chunks")
-    family = find_block_family(model)
-    layout = _layout(ordered, family, plan or {})
-    chosen = make_plan(family.n_blocks if family else 0, with_default_master(plan or {}, layout), layout)
+    families = find_block_families(model)
+
+    def block_of(name: str) -> int | None:
+        return block_index(name.split("."), families)
+
+    # no graph says which parameters the forward reads again after the blocks: those tied, outside the blocks
+    names = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    alone = {n for n, p in ordered if names[id(p)] > 1 and block_of(n) is None}
+    layout = _layout(ordered, block_of, plan or {}, alone)
+    chosen = make_plan(sum(f.n_blocks for f in families), with_default_master(plan or {}, layout), layout)
     owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
 
     def materialize(module: nn.Module) -> None:
