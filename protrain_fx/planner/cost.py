@@ -619,7 +619,8 @@ class CostModel:
         last stepped and the last chunk's forward follow it. On the CPU, where nothing overlaps, they all add.
         `host_scales`: the mean of the bounds with the host's work that many times as long
         (`HardwareProfile.host_slower`)."""
-        terms = terms if terms is not None and (terms.per_chunk or not self.n_chunk) else self.mode_terms(config)
+        if terms is None or (self.n_chunk and terms.per_chunk is None):
+            terms = self.mode_terms(config)
         forward = sum(self.other_fwd_s) + sum(self.block_fwd_s)
         backward = sum(self.other_bwd_s) + sum(self.block_bwd_s) + terms.recompute_s
         if self.n_chunk == 0:
@@ -629,9 +630,8 @@ class CostModel:
         swapped = (terms.swapped_bytes / hw.d2h_bytes_per_s, terms.swapped_bytes / hw.h2d_bytes_per_s)
         work = sum(self.chunk_params[config.n_persist :]) / self.world_size * self._host_floor_s()
         if not self.overlap:
-            return forward + backward + sum(uploads) + sum(swapped) + self._gpu_optim_s(config) + work * (
-                sum(host_scales) / len(host_scales)
-            )
+            devices = forward + backward + sum(uploads) + sum(swapped) + self._gpu_optim_s(config)
+            return devices + work * sum(host_scales) / len(host_scales)
         devices = max(forward, uploads[0], swapped[0]) + max(backward, uploads[1] + swapped[1])
         devices += self._gpu_optim_s(config)
         if not offloaded:
@@ -650,7 +650,7 @@ class CostModel:
         not depend on it)."""
         if self.n_chunk == 0:
             return self.step_s(config)
-        per = terms.per_chunk if terms and terms.per_chunk is not None else self._per_chunk(config)
+        per = terms.per_chunk if terms is not None and terms.per_chunk is not None else self._per_chunk(config)
         link = _Link(self.hardware)
         forward, backward = self._forward_timeline(config, per, link), self._backward_timeline(config, per, link)
         bound = forward["end"] + backward["end"] + self._gpu_optim_s(config)

@@ -61,6 +61,7 @@ TIE_REL = 0.005  # step times within 0.5% count as equal
 SAFE_HEADROOM = 0.1  # a plan predicted to leave this share of the capacity free needs no more headroom
 MAX_BUFFER = 4  # buffers searched: one in use, one loading, one recomputed from, one spare (more is forced only)
 N_RUNNERS_UP = 3
+BOUND_ROUNDING = 1e-9  # step-time bounds are taken this much lower: where one adds up to the step, it may round above
 
 
 class NoPlanFits(ValueError):
@@ -205,9 +206,7 @@ def ranked_step_s(model: CostModel) -> Callable[[Config], float]:
     return lambda config: (model.step_s(config) + slow.step_s(config)) / 2
 
 
-def _timed(
-    model: CostModel, fitting: list[tuple[Config, int]], by_modes: _ByModes
-) -> list[tuple[Config, float, int]]:
+def _timed(model: CostModel, fitting: list[tuple[Config, int]], by_modes: _ByModes) -> list[tuple[Config, float, int]]:
     """(config, step seconds as ranked, peak) of those of `fitting` ((config, peak) pairs) whose step time `rank`
     can use: the ties of the fastest (within TIE_REL) and the N_RUNNERS_UP + 1 fastest (the best and its
     runners-up). They are timed in the order of a lower bound of their step time, until the bound passes both:
@@ -215,8 +214,11 @@ def _timed(
     mean of the step times: first `step_floor_s`, refined to `step_bound_s` when the configuration comes first
     with it. In the order of `fitting`."""
     ranked, scales = ranked_step_s(model), (1.0, HOST_SLOWDOWN)  # (as `slow_host` makes the host slower)
+    below = 1 - BOUND_ROUNDING  # (a bound that adds up to the step time may round above it)
     # (lower bound, refined, index); a floor that comes first is refined, a refined bound is timed
-    heap = [(model.step_floor_s(c, by_modes(c), host_scales=scales), False, i) for i, (c, _) in enumerate(fitting)]
+    heap = [
+        (model.step_floor_s(c, by_modes(c), host_scales=scales) * below, False, i) for i, (c, _) in enumerate(fitting)
+    ]
     heapq.heapify(heap)
     times: list[float] = []  # step times so far, ascending
     steps: dict[int, float] = {}
@@ -226,7 +228,7 @@ def _timed(
             break
         config = fitting[i][0]
         if not refined:
-            heapq.heappush(heap, (model.step_bound_s(config, by_modes(config), host_scales=scales), True, i))
+            heapq.heappush(heap, (model.step_bound_s(config, by_modes(config), host_scales=scales) * below, True, i))
             continue
         steps[i] = ranked(config)
         bisect.insort(times, steps[i])
