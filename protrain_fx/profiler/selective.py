@@ -7,7 +7,7 @@ recomputes the others in the backward. The tags that say so (`policy`) are read 
 
   kept (CheckpointPolicy.MUST_SAVE): library kernels, which cost arithmetic, not just memory traffic: matrix
       products, attention, convolutions (`fusion.is_matmul`), and the other ops inductor runs as a library or
-      fallback kernel (`fusion._is_extern`); and the block's outputs (what a later block or the loss reads), so
+      fallback kernel (`fusion.is_library`); and the block's outputs (what a later block or the loss reads), so
       that the next block's saves do not depend on this block's mode;
   recomputed (CheckpointPolicy.PREFER_RECOMPUTE): everything else: norms, activations, casts, elementwise ops,
       views, random ops (dropout: replayed from the forward's RNG state, as a checkpointed block's are).
@@ -36,7 +36,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from protrain_fx.profiler.fusion import _is_extern, is_matmul
+from protrain_fx.profiler.fusion import is_library, is_matmul
 
 KEEP, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -60,7 +60,7 @@ def costly(node: fx.Node) -> bool:
         return True
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
         return False
-    return _is_extern(target)
+    return is_library(target)
 
 
 def _leaves_block(node: fx.Node, block: int, block_of: Mapping[str, int | None]) -> bool:
