@@ -7,8 +7,8 @@ Exhaustive over n_swap, n_checkpoint, n_selective (where the profile prices it: 
 and n_persist with the paper's pruning:
 - n_swap is bounded by the swap interval: each swapped block needs swap_interval blocks of compute to hide its
   copy behind, so n_swap <= n_block // swap_interval;
-- what depends on the block modes alone (the activation peak, the recompute seconds) is computed once per
-  modes (`_ByModes`), not once per configuration;
+- what depends on the block modes alone (the activation peak, the recompute seconds, the per-chunk split) is
+  computed once per block layout (`_ByModes`), not once per configuration;
 - for fixed activation modes and buffers, memory grows with n_persist, so n_persist is visited upwards and
   the first configuration over capacity ends that row (every later one is larger);
 - configurations over capacity are never timed; nor are those whose least host memory
@@ -18,8 +18,9 @@ and n_persist with the paper's pruning:
   (`CostModel.grad_slots`);
 - those that fit are timed in the order of a lower bound of their step time, until the bound passes every step
   time `rank` can still use (`_timed`): the result is that of timing them all. The bound is refined lazily: first
-  `CostModel.step_floor_s` (compute or uploads, a few operations), then, for those it does not rule out,
-  `CostModel.step_bound_s` (the timelines' first pass).
+  `CostModel.step_floor_s` (a few operations: compute, uploads, swap copies, the device AdamW, the host AdamW from
+  the first gradient's landing), then, for a configuration that comes first with it, `CostModel.step_bound_s`
+  (the timelines' first pass and the host AdamW from each gradient's landing there).
 Configurations are ranked by the mean of two step times: with the host's work as profiled (the plan's
 `predicted_step_s`) and HOST_SLOWDOWN times as long (`predicted_slow_host_step_s`). The host's AdamW rate in
 training differs from the profile's by machine and run: over thirteen runs in docs/benchmarks.md training measured
@@ -161,13 +162,12 @@ def search(
     budgeted). Raises NoPlanFits."""
     forced = dict(forced or {})
     model = dataclasses.replace(model, host_budget=host_bytes)
-    rows: list[list[tuple[Config, int]]] = []  # (config, peak) of those that fit, per row, n_persist upwards
+    fitting: list[tuple[Config, int]] = []
     smallest: tuple[int, Config] | None = None
     least_host: tuple[int, Config] | None = None  # of the configurations that fit the GPU but not the host
     seen: set[Config] = set()
     by_modes = _ByModes(model)
     for row in candidates(model, forced):
-        rows.append([])
         for config in row:  # n_persist upwards: GPU memory only grows along a row, host memory only shrinks
             terms = by_modes(config)
             peak = model.peak_bytes(config, terms)
@@ -182,8 +182,7 @@ def search(
                 continue
             if config not in seen:
                 seen.add(config)
-                rows[-1].append((config, peak))
-    fitting = [f for row in rows for f in row]
+                fitting.append((config, peak))
     if not fitting:
         assert smallest is not None, "no configuration to search"
         if least_host is not None:
