@@ -214,7 +214,7 @@ def test_prefetch_waits_for_memory():
     """With no room under the budget, nothing is prefetched early: each tensor comes back at its swap_in, and
     training is unchanged."""
     ref, _, backend, compiled = _compiled(
-        "toy", {"plan": {"n_swap": 2, "n_checkpoint": 0}, "gpu_memory_bytes": 1}, dropout=0.1
+        "toy", {"plan": {"n_swap": 2, "n_checkpoint": 0, "n_selective": 0}, "gpu_memory_bytes": 1}, dropout=0.1
     )
     assert train(compiled, "toy", 3) == train(ref, "toy", 3)
     space = next(g for g in backend.graphs if g.param_map).swap
