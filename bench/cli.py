@@ -90,7 +90,18 @@ def runnable(systems: list[str]) -> list[str]:
 def worker(args: argparse.Namespace) -> int:
     spec = ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
     try:
-        names = ("batch", "steps", "warmup", "dtype", "seed", "data", "executor", "clip", "gpu_memory_gib")
+        names = (
+            "batch",
+            "steps",
+            "warmup",
+            "dtype",
+            "seed",
+            "data",
+            "executor",
+            "clip",
+            "gpu_memory_gib",
+            "memory_budget",
+        )
         run = {name: getattr(args, name) for name in names}
         result = train(args.system, spec, plan=json.loads(args.plan), dump_dir=args.dump_dir or None, **run)
     except Exception as e:
@@ -139,6 +150,7 @@ def _run_worker(system: str, args: argparse.Namespace, nproc: int = 1) -> dict:
     cmd = [*(launch if nproc > 1 else [sys.executable, "-m"]), "bench", "worker", "--system", system]
     cmd += ["--dtype", args.dtype, "--plan", args.plan, "--data", args.data, "--executor", args.executor]
     cmd += ["--dump-dir", args.dump_dir, "--clip", str(args.clip), "--gpu-memory-gib", str(args.gpu_memory_gib)]
+    cmd += ["--memory-budget", str(args.memory_budget)]
     cmd += [arg for name in flags for arg in (f"--{name}", str(getattr(args, name)))]
     log.info("running %s", shlex.join(cmd))
     proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)  # stderr (tqdm, logs) passes through
@@ -200,9 +212,19 @@ def _parser() -> argparse.ArgumentParser:
         help="GiB of the GPU each system may use (torch.cuda.set_per_process_memory_fraction; protrain plans for "
         "it), e.g. 79.6 for an 80 GB H100 on a larger GPU; 0: all of it (default)",
     )
+    sizes.add_argument(
+        "--memory-budget",
+        type=float,
+        default=1.0,
+        help="compile and compile-amp: torch._functorch.config.activation_memory_budget, the share of the "
+        "activations the min-cut partitioner may keep (it recomputes the cheapest rest); 1.0: its default (default)",
+    )
     sizes.add_argument("--dump-dir", default="", help="protrain's dump directory (protrain systems; '' for none)")
     sizes.add_argument(
-        "--plan", default="{}", help="JSON plan fields forced on protrain-chunks, e.g. '{\"n_persist\": 4}'"
+        "--plan",
+        default="{}",
+        help="JSON plan fields forced on protrain-chunks, e.g. '{\"n_persist\": 4}'; '{\"n_selective\": 0}' searches "
+        "without selective blocks",
     )
 
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)

@@ -67,7 +67,7 @@ _KEPT = ("plan", "seconds", "costs", "predicted_vs_measured")
 def format_table(rows: list[dict]) -> str:
     header = (
         "forced",
-        "n_persist/buffer/swap/ckpt",
+        "n_persist/buffer/swap/ckpt/selective",
         "pred ms",
         "meas ms",
         "err",
@@ -217,7 +217,8 @@ def from_dump(args: argparse.Namespace) -> int:
 
 
 def _fields(plan: dict) -> str:
-    return "/".join(str(plan.get(k)) for k in SEARCHED)
+    """The searched fields of a plan (a plan dumped before selective blocks has no n_selective: 0)."""
+    return "/".join(str(plan.get(k, 0)) for k in SEARCHED)
 
 
 def _pct(x: float | None) -> str:

@@ -73,6 +73,7 @@ class Result:
     # prediction that misses on one machine can be traced to the figures it read there
     hardware: dict | None = None
     clip: float = 0.0  # the gradient norm clipped to before each step (0: none)
+    memory_budget: float = 1.0  # compile's activation_memory_budget (1.0: its default)
 
 
 def unavailable(system: str) -> str | None:
@@ -121,10 +122,19 @@ def train(
     executor: str = "inductor",
     clip: float = 0.0,
     gpu_memory_gib: float = 0.0,
+    memory_budget: float = 1.0,
 ) -> Result:
     """Train `warmup + steps` AdamW steps of the model under `system` and measure them. `data`: "random"
     tokens or byte tokens of real "text" (bench/text.py). `clip` > 0: clip the gradient norm to it between
-    backward and step. `gpu_memory_gib` > 0: the GPU memory the system may use (`limit_gpu_memory`)."""
+    backward and step. `gpu_memory_gib` > 0: the GPU memory the system may use (`limit_gpu_memory`).
+    `memory_budget` < 1: compile and compile-amp keep at most that share of the activations, recomputing the
+    cheapest rest (`torch._functorch.config.activation_memory_budget`, for this run only)."""
+    if not 0 < memory_budget <= 1:
+        raise ValueError(f"--memory-budget must be in (0, 1], got {memory_budget}")
+    budgeted = system in ("compile", "compile-amp") and memory_budget < 1
+    budget = (
+        torch._functorch.config.patch(activation_memory_budget=memory_budget) if budgeted else contextlib.nullcontext()
+    )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     limit = int(gpu_memory_gib * 2**30)
@@ -132,7 +142,7 @@ def train(
         limit_gpu_memory(device, limit)
     sharded = system in FSDP2_SYSTEMS or system in DEEPSPEED_SYSTEMS  # (they need a process group)
     distributed = sharded or int(os.environ.get("WORLD_SIZE", 1)) > 1  # (torchrun sets it)
-    with _process_group(device) if distributed else contextlib.nullcontext():
+    with _process_group(device) if distributed else contextlib.nullcontext(), budget:
         world = dist.get_world_size() if dist.is_initialized() else 1
         model, opt = _model_and_optimizer(system, spec, device, DTYPES[dtype], seed, batch=batch, clip=clip)
         params = parameter_count(model)
@@ -196,6 +206,7 @@ def train(
         plan=plan_in_force,
         hardware=hardware,
         clip=clip,
+        memory_budget=memory_budget if budgeted else 1.0,
     )
 
 
@@ -294,8 +305,8 @@ def _hardware_profile(system: str, device: torch.device) -> dict | None:
 
 
 def _recomputed_blocks(system: str, plan: dict | None, model: nn.Module) -> int:
-    """Blocks whose forward runs again in the backward: protrain's plan, or every block under FSDP2 or DeepSpeed
-    with activation checkpointing."""
+    """Blocks whose forward runs again in the backward: protrain's plan (its checkpointed blocks; a selective
+    block recomputes no matmul), or every block under FSDP2 or DeepSpeed with activation checkpointing."""
     if plan is not None:
         return plan["n_checkpoint"]
     return len(decoder_layers(model)) if system.endswith("-ac") else 0

@@ -67,6 +67,7 @@ from protrain_fx.profiler.hardware import device_capacity, hardware_profile, hos
 from protrain_fx.profiler.interpreter import profile_iteration, profile_on_every_rank
 from protrain_fx.profiler.on_demand import OnDemand, storage_key
 from protrain_fx.profiler.profile import GraphProfile
+from protrain_fx.profiler.selective import mark_selective, selective_marks
 from protrain_fx.runtime.adopt import (
     build_manager,
     check_params_managed,
@@ -535,6 +536,9 @@ class _Partitioner(CustomPartitionerFn):
             record.seconds["profile"] = time.perf_counter() - start
             if device.type == "cuda":  # the allocator gives back what it cached for an iteration that held all
                 torch.cuda.empty_cache()
+            # what a selective block of this graph would keep and recompute (profiler/selective.py), for the planner
+            forward = {n.name: n for n in record.profile.nodes if n.graph == "forward"}
+            mark_selective(forward, selective_marks(joint.graph, record.block_map.block, record.block_map.region))
         if manager is None and (wants_chunks(params) or (self.explain and any(p.requires_grad for p in params))):
             layout = model_layout(roots, record, self.example_inputs, config.plan, every_trainable=self.explain)
             self.config = config = dataclasses.replace(config, plan=with_default_master(config.plan, layout))
@@ -756,7 +760,7 @@ def _regathers(param_map: dict[str, ParamEntry], layout, model) -> tuple[tuple[i
 
 def _cost_terms(costs: CostModel, plan: Plan) -> dict[str, Any]:
     """The plan's predicted step split into its terms, and what the models read (costs.json of a dump)."""
-    config = Config(plan.n_persist, plan.n_buffer, plan.n_swap, plan.n_checkpoint)
+    config = Config(plan.n_persist, plan.n_buffer, plan.n_swap, plan.n_checkpoint, plan.n_selective)
     costs = dataclasses.replace(costs, forced_modes=plan.block_modes)
     return {
         **costs.phases(config),

@@ -92,7 +92,7 @@ def test_from_dump_plans_dumped_graphs_again(tmp_path, capsys):
     _toy_dump(tmp_path)
     assert from_dump(argparse.Namespace(dumps=[str(tmp_path)], plan="", host_as_measured=False)) == 0
     row = capsys.readouterr().out.splitlines()[-1]
-    assert row.startswith(str(tmp_path / "rank0" / "graph0")) and "1/2/0/0 / 1/2/0/0" in row
+    assert row.startswith(str(tmp_path / "rank0" / "graph0")) and "1/2/0/0/0 / 1/2/0/0/0" in row
     then, now, measured = (float(x) for x in row.split("|")[2:5])
     assert then == now and measured > 0
     with pytest.raises(SystemExit, match="no planning.json below"):
@@ -127,7 +127,7 @@ def test_a_dump_is_timed_again_at_the_host_rate_training_measured(tmp_path, caps
     assert from_dump(argparse.Namespace(dumps=[str(tmp_path)], plan="", host_as_measured=True)) == 0
     row = capsys.readouterr().out.splitlines()[-1]
     at_measured = plan_from_dump(folder, host_scale=scale)
-    assert "1/2/0/0 / 1/2/0/0" in row and float(row.split("|")[3]) == pytest.approx(
+    assert "1/2/0/0/0 / 1/2/0/0/0" in row and float(row.split("|")[3]) == pytest.approx(
         at_measured.predicted_step_s * 1e3, abs=0.05
     )
     del report["predicted_host_adam_s_per_param"]  # (as an older protrain_fx wrote it)

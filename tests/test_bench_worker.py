@@ -146,3 +146,16 @@ def test_gpu_memory_limit_holds_every_system_and_protrain_plans_for_it(tmp_path)
     assert math.isfinite(result.loss_last)
     with pytest.raises(ValueError, match="this GPU has"):
         train("eager", ModelSpec(**TINY), gpu_memory_gib=total / 2**30 + 1, **RUN)
+
+
+def test_compile_trains_under_an_activation_memory_budget():
+    """`memory_budget`: compile's min-cut partitioner keeps at most that share of the activations for the run, and
+    the setting is torch's again afterwards; a budget outside (0, 1] is refused."""
+    import torch
+
+    before = torch._functorch.config.activation_memory_budget
+    result = train("compile", ModelSpec(**TINY), memory_budget=0.4, **RUN)
+    assert result.memory_budget == 0.4 and math.isfinite(result.loss_last)
+    assert torch._functorch.config.activation_memory_budget == before
+    with pytest.raises(ValueError, match="--memory-budget must be in"):
+        train("compile", ModelSpec(**TINY), memory_budget=0.0, **RUN)

@@ -289,6 +289,47 @@ def test_checkpointed_bf16_parity(plan):
     assert backend.graphs[0].plan.n_checkpoint == 2
 
 
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"n_selective": 4},
+        {"block_modes": ["selective", "checkpoint", "selective", "none"]},
+        {"block_modes": ["swap", "selective", "selective", "none"], "swap_interval": 1},
+    ],
+)
+def test_selective_bf16_parity(plan):
+    """Selective blocks (beside checkpointed and swapped ones) through inductor on the GPU, bf16 autocast, dropout
+    on: the bf16 tolerance; the fused attention is kept, not recomputed."""
+    (eager_losses, _), (losses, _), backend = eager_and_protrain(
+        "llama", steps=5, options={"plan": plan}, device="cuda", autocast=torch.bfloat16, layers=4, dropout=0.1
+    )
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=BF16_RTOL, atol=1e-3)
+    record = backend.graphs[0]
+    assert record.plan.n_selective == record.plan.block_modes.count("selective") > 0
+    attention = [n for n in record.profile.nodes if n.graph == "forward" and "attention" in n.target]
+    assert attention and all(not n.recomputed for n in attention)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"n_persist": 0, "n_buffer": 2, "n_selective": 4},
+        {"n_persist": 1, "n_buffer": 3, "block_modes": ["selective", "checkpoint", "selective", "none"]},
+    ],
+)
+def test_selective_with_offloaded_chunks_bf16_parity(plan):
+    """Selective blocks over offloaded chunks (inductor, fp32 masters) against eager fp32 training under bf16
+    autocast: the bf16 tolerance on losses."""
+    import copy
+
+    ref = models.build("llama", layers=4).cuda()
+    model = copy.deepcopy(ref).to(torch.bfloat16)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": plan}), dynamic=False)
+    _train_against_autocast(ref, ref_opt, compiled, opt)
+
+
 def test_recomputed_attention_keeps_its_layout_rule(monkeypatch):
     """A checkpointed block's fused attention is a random op (for its dropout, even at 0), so AOTAutograd wraps
     its recompute in `graphsafe_run_with_rng_state`, which inductor lowers without the attention's stride rule;

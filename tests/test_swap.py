@@ -217,7 +217,8 @@ def test_prefetch_waits_for_memory(monkeypatch):
     monkeypatch.setattr(
         protrain_fx.backend, "SwapSpace", lambda device, **kw: make(device, **{**kw, "budget_bytes": 1})
     )
-    ref, _, backend, compiled = _compiled("toy", {"plan": {"n_swap": 2, "n_checkpoint": 0}}, dropout=0.1)
+    plan = {"n_swap": 2, "n_checkpoint": 0, "n_selective": 0}
+    ref, _, backend, compiled = _compiled("toy", {"plan": plan}, dropout=0.1)
     assert train(compiled, "toy", 3) == train(ref, "toy", 3)
     space = next(g for g in backend.graphs if g.param_map).swap
     assert space.budget_bytes == 1 and space.deferred == 2 * 3  # two blocks, three steps

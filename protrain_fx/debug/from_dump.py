@@ -142,7 +142,7 @@ def host_scale_of(graph_dir: str | Path) -> float | None:
         dumped = decisions(json.loads((folder / "plan.json").read_text()))
         profile, planning, layout = _read(folder)
         costs = cost_model_from_dump(profile, planning, layout, dumped)
-        config = Config(*(dumped[f.name] for f in dataclasses.fields(Config)))
+        config = Config(*(dumped.get(f.name, 0) for f in dataclasses.fields(Config)))  # (older dumps: no n_selective)
         report["predicted_host_adam_s_per_param"] = costs.host_adam_mean_s(config)
     return monitor.host_scale(report)
 

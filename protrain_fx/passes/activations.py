@@ -1,4 +1,5 @@
-"""Activation passes: per-block activation checkpointing (paper §3.2, "Interleaved Block Management").
+"""Activation passes: per-block activation checkpointing, full or selective, and swapping (paper §3.2,
+"Interleaved Block Management").
 
 checkpoint_tag_pass (joint graph, before partitioning): every forward op of a block whose plan mode is
 "checkpoint" gets `node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE` and `node.meta["ac_graph_id"]`
@@ -10,6 +11,14 @@ forward's RNG state (the partitioner's `functionalize_rng_ops`), so dropout mask
 
     before:  x1 = layer_norm(x0); h = mm(x1, w); y = add(x0, gelu(h))        # saved: x1, h, ...
     after:   same ops, each with meta recompute=MUST_RECOMPUTE, ac_graph_id=b+1   # saved: x0
+
+A "selective" block's ops get the per-op tags of torch's selective activation checkpointing instead
+(profiler/selective.py `policy`): MUST_SAVE on library kernels (matmuls, attention) and on the block's outputs,
+PREFER_RECOMPUTE on the rest, so the backward runs the norms, activations, casts and dropout masks again from
+the saved matmul outputs, and no matmul twice:
+
+    before:  x1 = layer_norm(x0); h = mm(x1, w); y = add(x0, gelu(h))        # saved: x1, h, ...
+    after:   x1: PREFER_RECOMPUTE, h: MUST_SAVE, gelu: PREFER_RECOMPUTE, y: MUST_SAVE   # saved: x0, h, y
 """
 
 from __future__ import annotations
@@ -22,23 +31,28 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from protrain_fx.capture import is_backward
 from protrain_fx.passes.views import view_base
+from protrain_fx.profiler.selective import policy
 
 log = logging.getLogger(__name__)
 
 
 def checkpoint_tag_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Tag the forward ops of checkpointed blocks for recomputation (see the module docstring)."""
+    """Tag the forward ops of checkpointed and selective blocks for recomputation (see the module docstring)."""
     modes = ctx.plan.block_modes
-    if "checkpoint" not in modes:
+    if "checkpoint" not in modes and "selective" not in modes:
         return gm
-    block_map = ctx.record.block_map
+    block_of, region = ctx.record.block_map.block, ctx.record.block_map.region
     for node in gm.graph.nodes:
-        if node.op != "call_function" or is_backward(node) or block_map.region.get(node.name) != "block":
+        if node.op != "call_function" or is_backward(node) or region.get(node.name) != "block":
             continue
-        block = block_map.block[node.name]
+        block = block_of[node.name]
         if modes[block] == "checkpoint":
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = block + 1
+        elif modes[block] == "selective":
+            node.meta["recompute"] = policy(node, block, block_of)
+        else:
+            continue
+        node.meta["ac_graph_id"] = block + 1
     return gm
 
 
@@ -48,7 +62,9 @@ def recompute_order_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     same buffers (the rotary cos/sin every block reads), which pulled block b-1's recompute into block b's
     backward and held two blocks' recomputed activations at once. The activations the recompute reads go
     through `protrain.after(x, [values live there])`, a copy that exists only after everything computed before
-    the recompute's place.
+    the recompute's place. A selective block's recompute (PREFER_RECOMPUTE) is left where the partitioner puts
+    it: it reads the block's kept matmul outputs, which such copies would double, and its cheap ops are what
+    inductor fuses into the backward kernels that read them.
 
         before:  ...block b's backward...; h = mm(x, w); ...                 # h: block b-1 recomputed
         after:   ...block b's backward...; x2 = protrain.after(x, [dx, dw, ...]); h = mm(x2, w); ...

@@ -2,7 +2,7 @@
 of the graph (profiler/) and the hardware profile, without running it.
 
     model = CostModel.build(profile, hardware, layout=..., family=..., ...)
-    model.step_s(Config(n_persist=4, n_buffer=2, n_swap=1, n_checkpoint=6))
+    model.step_s(Config(n_persist=4, n_buffer=2, n_swap=1, n_checkpoint=6, n_selective=8))
     model.peak_bytes(Config(...))
 
 Compute times are the profiled node times; under inductor (`fused`) the nodes it fuses cost the bytes their
@@ -32,7 +32,8 @@ each is laid out chunk by chunk on three lanes, the compute and the link's two w
     than the uploads of the chunks gathered again beside it (`regathers`: a chunk the forward reads again after
     other chunks, a tied embedding by the head, is released between, passes/chunks.py);
   backward (last chunk first): the last n_buffer non-persistent chunks are still in their buffers; the others
-    upload as in the forward; a chunk computes and recomputes its checkpointed blocks, and is done no sooner than
+    upload as in the forward; a chunk computes and recomputes its checkpointed blocks (the whole forward) and
+    its selective blocks (their marked ops: planner/selective.py), and is done no sooner than
     the swap-in copies beside it (prefetched swap_interval blocks ahead, behind the uploads queued so far); then
     its gradient is reduced, and an offloaded chunk's shard copied to the host: these copies run one at a time
     on their own stream beside the compute, and the host's AdamW of a chunk starts when its copy ends; an
@@ -57,6 +58,8 @@ must fit the GPU):
   checkpointed block b: its saved bytes but its output (the next block's input stays saved) are gone in the
     forward after b and in the backward until b is reached, where recompute brings them back along with
     b's forward transient;
+  selective block b: likewise its saved bytes but those it keeps (planner/selective.py), with its recomputed ops'
+    transient;
   swapped block b: its saved bytes are gone from swap_interval blocks after b (runtime/swap.py's settle point)
     until the backward reaches b (prefetches beyond that run only within the budget, so add no peak);
   states: persistent chunks (parameters, master, AdamW's two states, and their gradients: one each, or
@@ -81,6 +84,7 @@ from collections.abc import Sequence
 
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.plan import interleaved_modes
+from protrain_fx.planner.selective import selective_terms
 from protrain_fx.profiler.fusion import EXTERN, is_matmul
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile
@@ -212,12 +216,25 @@ def node_s(node: NodeProfile, hardware: HardwareProfile) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The searched fields of a plan (paper: n_persist, n_buffer, n_swap, n_checkpoint)."""
+    """The searched fields of a plan (paper: n_persist, n_buffer, n_swap, n_checkpoint; and n_selective)."""
 
     n_persist: int = 0
     n_buffer: int = 0
     n_swap: int = 0
     n_checkpoint: int = 0
+    n_selective: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeTerms:
+    """What a configuration's costs read of its block modes alone (`CostModel.mode_terms`). The search's
+    configurations share few block layouts, so it computes these once per layout and hands them to the methods
+    that take `terms`."""
+
+    activation_peak: int  # `CostModel.activation_peak` of its modes
+    recompute_s: float  # seconds its blocks recompute in the backward
+    swapped_bytes: int  # bytes its swapped blocks keep on the host
+    per_chunk: dict[str, list[float]] | None  # `CostModel._per_chunk` (None without chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +290,11 @@ class CostModel:
     # with float16; runtime/chunks.py `defer_updates`): every step is timed as a clipped one none of whose
     # offloaded chunks update during the backward
     updates_wait: bool = False
+    # a selective block (planner/selective.py): the bytes it keeps for the backward, the seconds of its recompute
+    # and the spike of it; empty: the mode is not priced (a profile without the marks), and never searched
+    block_kept: tuple[int, ...] = ()
+    block_selective_s: tuple[float, ...] = ()
+    block_selective_transient: tuple[int, ...] = ()
 
     @classmethod
     def build(
@@ -336,6 +358,7 @@ class CostModel:
         total_s = sum(base)
         share = sum(s for s, b in zip(base, bound) if b) / total_s if total_s > 0 else 0.0
         stretch = hardware.sustained_matmul_stretch(share)
+        selective = selective_terms(profile.nodes, [s * stretch if b else s for s, b in zip(base, bound)], n_block)
         for node, at, seconds, matmul in zip(profile.nodes, places, base, bound):
             seconds *= stretch if matmul else 1.0
             if node.graph == "backward":
@@ -400,32 +423,60 @@ class CostModel:
             backward_matmul_share=matmul_s / backward_s if backward_s > 0 else 0.0,
             matmul_stretch=stretch,
             **chunks,
+            **(
+                dict(
+                    block_kept=selective.kept,
+                    block_selective_s=selective.recompute_s,
+                    block_selective_transient=selective.transient,
+                )
+                if selective is not None
+                else {}
+            ),
         )
 
     # ----- memory ------------------------------------------------------------------------------------
 
     def modes(self, config: Config) -> tuple[str, ...]:
-        return self.forced_modes or interleaved_modes(self.n_block, config.n_swap, config.n_checkpoint)
+        return self.forced_modes or interleaved_modes(
+            self.n_block, config.n_swap, config.n_checkpoint, config.n_selective
+        )
+
+    @property
+    def prices_selective(self) -> bool:
+        """The profile marked what selective blocks keep and recompute (planner/selective.py)."""
+        return bool(self.block_kept)
 
     def saving(self, block: int, mode: str) -> int:
-        """Bytes a block in `mode` does not hold between its forward and its backward."""
+        """Bytes a block in `mode` does not hold between its forward and its backward (a selective one that keeps
+        more than the block saved as profiled: less than 0)."""
         if mode == "swap":
             return self.block_saved[block]
         if mode == "checkpoint":
             return max(0, self.block_saved[block] - self.block_output[block])
+        if mode == "selective" and self.prices_selective:
+            return self.block_saved[block] - self.block_kept[block]
+        return 0
+
+    def recompute_transient(self, block: int, mode: str) -> int:
+        """The spike of a block's recompute at its backward: a checkpointed block's forward transient, a selective
+        one's recomputed ops' (0 for the others)."""
+        if mode == "checkpoint":
+            return self.block_transient[block]
+        if mode == "selective" and self.prices_selective:
+            return self.block_selective_transient[block]
         return 0
 
     def activation_peak(self, modes: Sequence[str]) -> int:
         """The highest activation memory (model states excluded) over the iteration, with these block modes."""
         n = self.n_block
-        # bytes gone by each place (-1..n, at index place + 1): in the forward a checkpointed block's from the
-        # block after it, a swapped block's from its settle point; in the backward every optimized block's until
-        # the backward reaches it
+        # bytes gone by each place (-1..n, at index place + 1): in the forward a checkpointed or selective block's
+        # from the block after it, a swapped block's from its settle point; in the backward every optimized block's
+        # until the backward reaches it
         forward, backward = [0] * (n + 3), [0] * (n + 3)
         for b, mode in enumerate(modes):
             saving = self.saving(b, mode)
             backward[b + 2] += saving
-            if mode == "checkpoint":
+            if mode in ("checkpoint", "selective"):
                 forward[b + 2] += saving
             elif mode == "swap":
                 forward[min(b + self.swap_interval, n) + 1] += saving
@@ -435,8 +486,8 @@ class CostModel:
             if seg.graph == "forward":
                 held = seg.peak - forward[seg.place + 1]
             else:
-                recompute = 0 <= seg.place < n and modes[seg.place] == "checkpoint"
-                held = seg.peak - backward[seg.place + 1] + (self.block_transient[seg.place] if recompute else 0)
+                spike = self.recompute_transient(seg.place, modes[seg.place]) if 0 <= seg.place < n else 0
+                held = seg.peak - backward[seg.place + 1] + spike
             peak = max(peak, held)
         return peak
 
@@ -464,14 +515,14 @@ class CostModel:
             reduce += min(REDUCE_BUFFERS, buffered) * self.shard_elems * self.master_bytes
         return persistent + buffers + landing + reduce
 
-    def host_bytes(self, config: Config, grad_slots: int | None = None) -> int:
+    def host_bytes(self, config: Config, grad_slots: int | None = None, terms: ModeTerms | None = None) -> int:
         """Host bytes of this rank the configuration needs (runtime/chunks.py: what its host check asks for): per
         offloaded chunk its shard's master and host AdamW states, `grad_slots` gradient shards (default
         `grad_slots(config)`), and the swap space of the swapped blocks' activations (runtime/swap.py)."""
         offloaded = self.n_chunk - config.n_persist
         slots = self.grad_slots(config) if grad_slots is None else grad_slots
         chunks = self.shard_elems * self.master_bytes * (offloaded * HOST_STATES + slots)
-        return chunks + sum(self.saving(b, m) for b, m in enumerate(self.modes(config)) if m == "swap")
+        return chunks + (terms or self.mode_terms(config, chunks=False)).swapped_bytes
 
     def grad_slots(self, config: Config) -> int:
         """The host gradient shards the offloaded chunks of `config` get (the user's, if held): one each where
@@ -494,13 +545,24 @@ class CostModel:
             return min(config.n_persist, MIN_GRAD_SLOTS)
         return config.n_persist
 
-    def least_host_bytes(self, config: Config) -> int:
+    def least_host_bytes(self, config: Config, terms: ModeTerms | None = None) -> int:
         """The least host memory `config` trains in: its offloaded chunks sharing MIN_GRAD_SLOTS gradient shards."""
-        return self.host_bytes(config, min(self.n_chunk - config.n_persist, MIN_GRAD_SLOTS))
+        return self.host_bytes(config, min(self.n_chunk - config.n_persist, MIN_GRAD_SLOTS), terms)
 
-    def peak_bytes(self, config: Config) -> int:
+    def peak_bytes(self, config: Config, terms: ModeTerms | None = None) -> int:
         """The highest allocated bytes of a step (what torch.cuda.max_memory_allocated reports)."""
-        return self.activation_peak(self.modes(config)) + self.state_bytes(config) + self.other_bytes
+        activation_peak = terms.activation_peak if terms else self.activation_peak(self.modes(config))
+        return activation_peak + self.state_bytes(config) + self.other_bytes
+
+    def mode_terms(self, config: Config, *, chunks: bool = True) -> ModeTerms:
+        """What `config`'s costs read of its block modes alone; `chunks` False: without the per-chunk split."""
+        modes = self.modes(config)
+        return ModeTerms(
+            activation_peak=self.activation_peak(modes) if chunks else 0,
+            recompute_s=sum(self.recompute_s(b, m) for b, m in enumerate(modes)),
+            swapped_bytes=sum(self.saving(b, m) for b, m in enumerate(modes) if m == "swap"),
+            per_chunk=self._per_chunk(config) if chunks and self.n_chunk else None,
+        )
 
     def reserved_bytes(self, config: Config, peak_bytes: int | None = None) -> int:
         """The peak (`peak_bytes` if already known) times α: what the allocator reserves for it, so what must
@@ -558,14 +620,74 @@ class CostModel:
         params = sum(self.chunk_params[config.n_persist :]) / self.world_size
         return self.phases(config)["cpu_optim_s"] / params if params else None
 
-    def step_bound_s(self, config: Config) -> float:
+    def step_floor_s(
+        self, config: Config, terms: ModeTerms | None = None, *, host_scales: Sequence[float] = (1.0,)
+    ) -> float:
+        """A lower bound of `step_bound_s(config)`, so of `step_s`, in a few operations (no copy laid out). The
+        forward takes no less than its compute, the uploads of the chunks it loads one after another (each at least
+        its time alone) and the swap-out copies; the backward no less than its compute (recompute included) and the
+        uploads and swap-in copies that share the link to the device; the device's AdamW adds its part not hidden
+        (`_gpu_optim_s`). The host's AdamW of the offloaded chunks runs at its fastest rate from the landing of
+        the first gradient (the last chunk's backward and its copy) on, and the next forward's upload of the chunk
+        last stepped and the last chunk's forward follow it. On the CPU, where nothing overlaps, they all add.
+        `host_scales`: the mean of the bounds with the host's work that many times as long
+        (`HardwareProfile.host_slower`)."""
+        if terms is None or (self.n_chunk and terms.per_chunk is None):
+            terms = self.mode_terms(config)
+        forward = sum(self.other_fwd_s) + sum(self.block_fwd_s)
+        backward = sum(self.other_bwd_s) + sum(self.block_bwd_s) + terms.recompute_s
+        if self.n_chunk == 0:
+            return forward + backward
+        hw, per, load, offloaded = self.hardware, terms.per_chunk, self._load_floor_s(), self.n_chunk - config.n_persist
+        uploads = (offloaded * load, max(0, offloaded - max(1, config.n_buffer)) * load)
+        swapped = (terms.swapped_bytes / hw.d2h_bytes_per_s, terms.swapped_bytes / hw.h2d_bytes_per_s)
+        work = sum(self.chunk_params[config.n_persist :]) / self.world_size * self._host_floor_s()
+        if not self.overlap:
+            devices = forward + backward + sum(uploads) + sum(swapped) + self._gpu_optim_s(config)
+            return devices + work * sum(host_scales) / len(host_scales)
+        devices = max(forward, uploads[0], swapped[0]) + max(backward, uploads[1] + swapped[1])
+        devices += self._gpu_optim_s(config)
+        if not offloaded:
+            return devices
+        first = per["backward"][-1] + per["recompute"][-1] + self.shard_elems * self.master_bytes / hw.d2h_bytes_per_s
+        return sum(max(devices, first + work * s + load + per["forward"][-1]) for s in host_scales) / len(host_scales)
+
+    def step_bound_s(
+        self, config: Config, terms: ModeTerms | None = None, *, host_scales: Sequence[float] = (1.0,)
+    ) -> float:
         """A lower bound of `step_s(config)` at a fraction of its cost: the first pass of the timelines alone
-        (every copy at its idle rate, which no copy beats beside other work), without the host's wait or work."""
+        (every copy at its idle rate, which no copy beats beside other work); and the host's AdamW at its fastest
+        rate, each chunk's once its gradient has landed as that pass has it, which the next forward's upload of the
+        chunk last stepped and the last chunk's compute follow (on the CPU, where nothing overlaps, it adds).
+        `host_scales`: the mean of the bounds with the host's work that many times as long (the first pass does
+        not depend on it)."""
         if self.n_chunk == 0:
             return self.step_s(config)
-        per, link = self._per_chunk(config), _Link(self.hardware)
+        per = terms.per_chunk if terms is not None and terms.per_chunk is not None else self._per_chunk(config)
+        link = _Link(self.hardware)
         forward, backward = self._forward_timeline(config, per, link), self._backward_timeline(config, per, link)
-        return forward["end"] + backward["end"] + self._gpu_optim_s(config)
+        bound = forward["end"] + backward["end"] + self._gpu_optim_s(config)
+        offloaded = range(config.n_persist, self.n_chunk)
+        bounds = []
+        for scale in host_scales:
+            rate = self._host_floor_s() * scale / self.world_size
+            if not self.overlap:
+                bounds.append(bound + sum(self.chunk_params[c] for c in offloaded) * rate)
+                continue
+            host = 0.0  # the host's last update ends no sooner than one keeping busy from each gradient's landing
+            for c in sorted(offloaded, key=backward["copy_end"].__getitem__):
+                host = max(host, backward["copy_end"][c]) + self.chunk_params[c] * rate
+            bounds.append(max(bound, host + self._load_floor_s() + per["forward"][-1]) if offloaded else bound)
+        return sum(bounds) / len(bounds)
+
+    def _load_floor_s(self) -> float:
+        """The least seconds of an offloaded chunk's load: its shard up at the link's rate alone, the all-gather."""
+        return self.shard_elems * self.master_bytes / self.hardware.h2d_bytes_per_s + self._gather_s()[0]
+
+    def _host_floor_s(self) -> float:
+        """The host AdamW's least seconds per parameter, beside whichever copies."""
+        hw = self.hardware
+        return min(hw.host_adam_s(h2d, d2h, self.master_bytes) for h2d in (False, True) for d2h in (False, True))
 
     def _gpu_optim_s(
         self, config: Config, reduced: Sequence[float] | None = None, end: float = 0.0, *, early: bool = True
@@ -597,10 +719,18 @@ class CostModel:
             added += beside * exposed + alone[c] - beside
         return added
 
+    def recompute_s(self, block: int, mode: str) -> float:
+        """Seconds a block's backward recomputes: a checkpointed block's forward, a selective one's marked ops."""
+        if mode == "checkpoint":
+            return self.block_fwd_s[block]
+        if mode == "selective" and self.prices_selective:
+            return self.block_selective_s[block]
+        return 0.0
+
     def _block_extras(self, config: Config) -> tuple[list[float], list[int]]:
-        """Per block, the seconds of its recompute (checkpointed) and the bytes it swaps (swapped)."""
+        """Per block, the seconds of its recompute (checkpointed, selective) and the bytes it swaps (swapped)."""
         modes = self.modes(config)
-        recompute = [self.block_fwd_s[b] if m == "checkpoint" else 0.0 for b, m in enumerate(modes)]
+        recompute = [self.recompute_s(b, m) for b, m in enumerate(modes)]
         swapped = [self.block_saved[b] if m == "swap" else 0 for b, m in enumerate(modes)]
         return recompute, swapped
 

@@ -3,7 +3,7 @@
 Later stages only read it. It is JSON-serializable so it can be dumped and replayed
 (`options={"plan": "plan.json"}`). This version carries out the chunk fields (`n_persist`, `n_buffer`,
 forced by the user; all chunks persistent by default) and the per-block activation modes (`n_checkpoint`,
-`n_swap`, or `block_modes`; none by default) with the swap interval (`planner/cost.py`).
+`n_selective`, `n_swap`, or `block_modes`; none by default) with the swap interval (`planner/cost.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import Any
 
 from protrain_fx.planner.chunking import ChunkLayout
 
-BLOCK_MODES = ("none", "checkpoint", "swap")
+# per block: keep every activation, recompute the whole block, recompute its cheap ops only (keeping the outputs of
+# library kernels: passes/activations.py), or swap its activations to the host
+BLOCK_MODES = ("none", "checkpoint", "selective", "swap")
 MASTER_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}  # the master dtypes a plan may name, and their size
 
 
@@ -25,6 +27,7 @@ class Plan:
     n_buffer: int = 0  # pre-allocated GPU buffers for non-persistent chunks
     n_swap: int = 0  # blocks whose activations are swapped to CPU memory
     n_checkpoint: int = 0  # blocks recomputed in backward
+    n_selective: int = 0  # blocks whose cheap ops (norms, activations, casts, dropout) are recomputed in backward
     swap_interval: int = 1  # blocks of compute that hide one block's swap copy; backward prefetches that far ahead
     n_chunk: int = 0  # chunks of the parameter layout (0: parameters are left where they are)
     n_block: int = 0  # transformer blocks found in the graph
@@ -80,8 +83,8 @@ class Plan:
 def _cell(name: str, value: Any) -> str:
     if value is None:
         return "-"
-    if name == "block_modes":  # one letter a block: n(one), c(heckpoint), s(wap)
-        return "".join(m[0] for m in value) or "-"
+    if name == "block_modes":  # one letter a block: n(one), c(heckpoint), l (selective), s(wap)
+        return "".join(MODE_LETTERS[m] for m in value) or "-"
     if name in ("predicted_step_s", "predicted_slow_host_step_s", "predicted_clipped_step_s"):
         return f"{value * 1e3:.1f} ms"
     if name == "predicted_host_adam_s_per_param":
@@ -91,6 +94,7 @@ def _cell(name: str, value: Any) -> str:
     return str(value)
 
 
+MODE_LETTERS = {"none": "n", "checkpoint": "c", "selective": "l", "swap": "s"}
 PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
 CHUNK_FIELDS = (
     "n_persist",
@@ -102,7 +106,9 @@ CHUNK_FIELDS = (
     "device_grad_slots",
     "master_dtype",
 )
-ACTIVATION_FIELDS = ("n_swap", "n_checkpoint", "block_modes", "swap_interval")
+ACTIVATION_FIELDS = ("n_swap", "n_checkpoint", "n_selective", "block_modes", "swap_interval")
+# the count of blocks in each mode that has one
+MODE_COUNTS = {"n_swap": "swap", "n_checkpoint": "checkpoint", "n_selective": "selective"}
 
 
 # fields a plan records as what came out of the layout and the search; a replayed plan file holds them
@@ -184,18 +190,18 @@ def make_plan(
 
     Without a chunk layout (parameters not managed in chunks) everything stays where it is. With one, the
     forced `n_persist` and `n_buffer` are taken, and by default every chunk is persistent. Block modes: the
-    forced `block_modes`, else the interleaved layout of the forced `n_swap` and `n_checkpoint` (none by
-    default). `swap_interval` is the measured one (planner/cost.py), unless the user forces another.
+    forced `block_modes`, else the interleaved layout of the forced `n_swap`, `n_checkpoint` and `n_selective`
+    (none by default). `swap_interval` is the measured one (planner/cost.py), unless the user forces another.
     """
     forced = dict(forced or {})
     check_forced_fields(forced)
     _check_outputs(forced, n_block, layout)
     modes = _block_modes(n_block, forced)
-    n_swap, n_checkpoint = modes.count("swap"), modes.count("checkpoint")
     interval = _int_field(forced, "swap_interval", swap_interval)
     if interval < 1:
         raise ValueError("options['plan']['swap_interval'] must be at least 1 (blocks)")
-    activations = {"block_modes": modes, "n_checkpoint": n_checkpoint, "n_swap": n_swap, "swap_interval": interval}
+    activations = {"block_modes": modes, "swap_interval": interval}
+    activations.update({key: modes.count(mode) for key, mode in MODE_COUNTS.items()})
     size, master_dtype = master_bytes(forced), forced.get("master_dtype", "float32")
     if layout is None:
         chunked = {
@@ -251,21 +257,34 @@ def make_plan(
     )
 
 
-def interleaved_modes(n_block: int, n_swap: int, n_checkpoint: int) -> tuple[str, ...]:
-    """The paper's interleaved block layout (§3.2, Figure "interleaved block management"): the first
-    n_swap + n_checkpoint blocks are optimized, swap blocks spread evenly among them starting with the first
-    (so swapping starts early and overlaps the most compute, and checkpoint blocks between swaps keep
-    activations from piling up while a swap is in flight); the remaining blocks, last, keep their activations.
-    8 blocks, 2 swap, 4 checkpoint: swap, checkpoint, checkpoint, swap, checkpoint, checkpoint, none, none."""
-    optimized = n_swap + n_checkpoint
+def interleaved_modes(n_block: int, n_swap: int, n_checkpoint: int, n_selective: int = 0) -> tuple[str, ...]:
+    """The paper's interleaved block layout (§3.2, Figure "interleaved block management"), with selective blocks:
+    the first n_swap + n_checkpoint + n_selective blocks are optimized, swap blocks spread evenly among them
+    starting with the first (so swapping starts early and overlaps the most compute, and the blocks between
+    swaps keep activations from piling up while a swap is in flight), the others checkpointed first, then
+    selective (the earlier a block, the longer its activations are held: the largest savings go there); the
+    remaining blocks, last, keep their activations.
+    8 blocks, 2 swap, 4 checkpoint: swap, checkpoint, checkpoint, swap, checkpoint, checkpoint, none, none.
+    8 blocks, 2 swap, 2 checkpoint, 2 selective: swap, checkpoint, checkpoint, swap, selective, selective, none,
+    none."""
+    optimized = n_swap + n_checkpoint + n_selective
     assert optimized <= n_block, f"{optimized} optimized blocks exceed the {n_block} blocks"
     swaps = {optimized * i // n_swap for i in range(n_swap)} if n_swap else set()
-    return tuple("swap" if i in swaps else "checkpoint" if i < optimized else "none" for i in range(n_block))
+    modes, recomputed = [], 0
+    for i in range(n_block):
+        if i in swaps:
+            modes.append("swap")
+        elif i < optimized:
+            modes.append("checkpoint" if recomputed < n_checkpoint else "selective")
+            recomputed += 1
+        else:
+            modes.append("none")
+    return tuple(modes)
 
 
 def _block_modes(n_block: int, forced: Mapping[str, Any]) -> tuple[str, ...]:
     """The per-block modes: forced `block_modes`, else the interleaved layout of the forced counts."""
-    counts = {k: _int_field(forced, k, 0) for k in ("n_swap", "n_checkpoint")}
+    counts = {k: _int_field(forced, k, 0) for k in MODE_COUNTS}
     if "block_modes" in forced:
         modes = tuple(forced["block_modes"])
         bad = [m for m in modes if m not in BLOCK_MODES]
@@ -275,16 +294,17 @@ def _block_modes(n_block: int, forced: Mapping[str, Any]) -> tuple[str, ...]:
             raise ValueError(
                 f"options['plan']['block_modes'] has {len(modes)} entries but the model has {n_block} blocks"
             )
-        for key, mode in (("n_swap", "swap"), ("n_checkpoint", "checkpoint")):
+        for key, mode in MODE_COUNTS.items():
             if key in forced and counts[key] != modes.count(mode):
                 raise ValueError(
                     f"options['plan'][{key!r}]={counts[key]} disagrees with block_modes, which has "
                     f"{modes.count(mode)} {mode!r} blocks; give one or the other"
                 )
         return modes
-    if counts["n_swap"] + counts["n_checkpoint"] > n_block:
+    if sum(counts.values()) > n_block:
+        asked = " and ".join(f"{k}={counts[k]}" for k in MODE_COUNTS if counts[k])
         raise ValueError(
-            f"options['plan'] asks for n_swap={counts['n_swap']} and n_checkpoint={counts['n_checkpoint']}, more "
-            f"than the model's {n_block} blocks"
+            f"options['plan'] asks for {asked}, more than the model's {n_block} blocks; lower them to sum to at "
+            f"most {n_block}"
         )
-    return interleaved_modes(n_block, counts["n_swap"], counts["n_checkpoint"])
+    return interleaved_modes(n_block, counts["n_swap"], counts["n_checkpoint"], counts["n_selective"])

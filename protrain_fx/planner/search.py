@@ -3,9 +3,12 @@ chunks and swap space fit the host memory).
 
     best, runners_up = search(model, capacity_bytes, forced={"n_swap": 0})
 
-Exhaustive over n_swap, n_checkpoint, n_buffer and n_persist with the paper's pruning:
+Exhaustive over n_swap, n_checkpoint, n_selective (where the profile prices it: planner/selective.py), n_buffer
+and n_persist with the paper's pruning:
 - n_swap is bounded by the swap interval: each swapped block needs swap_interval blocks of compute to hide its
   copy behind, so n_swap <= n_block // swap_interval;
+- what depends on the block modes alone (the activation peak, the recompute seconds, the per-chunk split) is
+  computed once per block layout (`_ByModes`), not once per configuration;
 - for fixed activation modes and buffers, memory grows with n_persist, so n_persist is visited upwards and
   the first configuration over capacity ends that row (every later one is larger);
 - configurations over capacity are never timed; nor are those whose least host memory
@@ -13,8 +16,11 @@ Exhaustive over n_swap, n_checkpoint, n_buffer and n_persist with the paper's pr
   grows) is over what this rank has. Those timed get one gradient shard per offloaded chunk where the host has
   room, else as many as it has, and their backward waits for the host where they are too few
   (`CostModel.grad_slots`);
-- those that fit are timed in the order of a lower bound of their step time (`CostModel.step_bound_s`), until
-  the bound passes every step time `rank` can still use (`_timed`): the result is that of timing them all.
+- those that fit are timed in the order of a lower bound of their step time, until the bound passes every step
+  time `rank` can still use (`_timed`): the result is that of timing them all. The bound is refined lazily: first
+  `CostModel.step_floor_s` (a few operations: compute, uploads, swap copies, the device AdamW, the host AdamW from
+  the first gradient's landing), then, for a configuration that comes first with it, `CostModel.step_bound_s`
+  (the timelines' first pass and the host AdamW from each gradient's landing there).
 Configurations are ranked by the mean of two step times: with the host's work as profiled (the plan's
 `predicted_step_s`) and HOST_SLOWDOWN times as long (`predicted_slow_host_step_s`). The host's AdamW rate in
 training differs from the profile's by machine and run: over thirteen runs in docs/benchmarks.md training measured
@@ -24,7 +30,7 @@ an H200 machine, 1B at batch 8, the searched 7/3 (persistent/buffered chunks) wa
 97.8 ms, training's host 13% slower than profiled; the model gives 8/2 89.5 ms at either rate (twentieth
 session). The mean, not the slow time alone: where the host bounds every plan, their slow times are all alike.
 Among those that fit, the lowest so ranked wins. Ties (within TIE_REL) go to the one that rewrites the
-model least (fewest blocks checkpointed or swapped, then most chunks persistent) among those leaving at least
+model least (fewest blocks checkpointed, selective or swapped, then most chunks persistent) among those leaving at least
 SAFE_HEADROOM of the capacity free, else to the one with the most headroom. (A swap hidden behind compute is
 priced at nothing, but its copies, events and settle points measured a few ms a step: with memory to spare it
 buys nothing.) A field the user forces is held at its value and the rest searched.
@@ -39,14 +45,15 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 import itertools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from protrain_fx.planner.chunking import ChunkLayout
-from protrain_fx.planner.cost import Config, CostModel
-from protrain_fx.planner.plan import Plan, make_plan, master_bytes
+from protrain_fx.planner.cost import Config, CostModel, ModeTerms
+from protrain_fx.planner.plan import MODE_COUNTS, Plan, make_plan, master_bytes
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,7 @@ TIE_REL = 0.005  # step times within 0.5% count as equal
 SAFE_HEADROOM = 0.1  # a plan predicted to leave this share of the capacity free needs no more headroom
 MAX_BUFFER = 4  # buffers searched: one in use, one loading, one recomputed from, one spare (more is forced only)
 N_RUNNERS_UP = 3
+BOUND_ROUNDING = 1e-9  # step-time bounds are taken this much lower: where one adds up to the step, it may round above
 
 
 class NoPlanFits(ValueError):
@@ -97,27 +105,50 @@ def _values(forced: Mapping[str, Any], key: str, values) -> list[int]:
     return [forced[key]] if key in forced else list(values)
 
 
-def candidates(model: CostModel, forced: Mapping[str, Any]):
-    """Every configuration the search considers, in rows of increasing n_persist (so of increasing memory)."""
+def _block_counts(model: CostModel, forced: Mapping[str, Any]):
+    """(n_swap, n_checkpoint, n_selective) of every block layout searched: selective blocks only where the profile
+    prices them."""
     n_swap_max = model.n_block // model.swap_interval
     for n_swap in _values(forced, "n_swap", range(n_swap_max + 1)):
         for n_checkpoint in _values(forced, "n_checkpoint", range(model.n_block - n_swap + 1)):
-            if n_swap + n_checkpoint > model.n_block:
-                continue
-            if model.n_chunk == 0:
-                yield [Config(0, 0, n_swap, n_checkpoint)]
-                continue
-            # buffers in use at once: the chunk computing and the one loading, and with recompute the chunk the
-            # recomputed block reads (the chunk passes reject a plan with fewer)
-            least = 3 if n_checkpoint else 2
-            for n_buffer in _values(forced, "n_buffer", range(least, MAX_BUFFER + 1)):
-                row = []
-                for n_persist in _values(forced, "n_persist", range(model.n_chunk + 1)):
-                    offloaded = model.n_chunk - n_persist
-                    if offloaded and n_buffer > offloaded and "n_buffer" not in forced:
-                        continue  # (a forced count is the user's: more buffers than chunks only costs memory)
-                    row.append(Config(n_persist, n_buffer if offloaded else 0, n_swap, n_checkpoint))
-                yield row
+            selective = range(model.n_block - n_swap - n_checkpoint + 1) if model.prices_selective else [0]
+            for n_selective in _values(forced, "n_selective", selective):
+                if n_swap + n_checkpoint + n_selective <= model.n_block:
+                    yield n_swap, n_checkpoint, n_selective
+
+
+def candidates(model: CostModel, forced: Mapping[str, Any]):
+    """Every configuration the search considers, in rows of one block layout and increasing n_persist (so of
+    increasing memory)."""
+    for counts in _block_counts(model, forced):
+        if model.n_chunk == 0:
+            yield [Config(0, 0, *counts)]
+            continue
+        # buffers in use at once: the chunk computing and the one loading, and with recompute the chunk the
+        # recomputed block reads (the chunk passes reject a plan with fewer)
+        least = 3 if counts[1] or counts[2] else 2
+        for n_buffer in _values(forced, "n_buffer", range(least, MAX_BUFFER + 1)):
+            row = []
+            for n_persist in _values(forced, "n_persist", range(model.n_chunk + 1)):
+                offloaded = model.n_chunk - n_persist
+                if offloaded and n_buffer > offloaded and "n_buffer" not in forced:
+                    continue  # (a forced count is the user's: more buffers than chunks only costs memory)
+                row.append(Config(n_persist, n_buffer if offloaded else 0, *counts))
+            yield row
+
+
+class _ByModes:
+    """What a configuration's costs read of its block modes alone (`CostModel.mode_terms`), computed once per
+    block layout."""
+
+    def __init__(self, model: CostModel):
+        self.model, self.known = model, {}
+
+    def __call__(self, config: Config) -> ModeTerms:
+        key = (config.n_swap, config.n_checkpoint, config.n_selective)
+        if key not in self.known:
+            self.known[key] = self.model.mode_terms(config)
+        return self.known[key]
 
 
 def search(
@@ -135,15 +166,17 @@ def search(
     smallest: tuple[int, Config] | None = None
     least_host: tuple[int, Config] | None = None  # of the configurations that fit the GPU but not the host
     seen: set[Config] = set()
+    by_modes = _ByModes(model)
     for row in candidates(model, forced):
         for config in row:  # n_persist upwards: GPU memory only grows along a row, host memory only shrinks
-            peak = model.peak_bytes(config)
+            terms = by_modes(config)
+            peak = model.peak_bytes(config, terms)
             reserved = model.reserved_bytes(config, peak)
             if smallest is None or reserved < smallest[0]:
                 smallest = (reserved, config)
             if capacity_bytes is not None and reserved > capacity_bytes:
                 break
-            if host_bytes is not None and (host := model.least_host_bytes(config)) > host_bytes:
+            if host_bytes is not None and (host := model.least_host_bytes(config, terms)) > host_bytes:
                 if least_host is None or host < least_host[0]:
                     least_host = (host, config)
                 continue
@@ -155,7 +188,7 @@ def search(
         if least_host is not None:
             raise NoPlanFits(smallest[0], least_host[1], capacity_bytes, least_host[0], host_bytes)
         raise NoPlanFits(smallest[0], smallest[1], capacity_bytes)
-    fits = _timed(model, fitting)
+    fits = _timed(model, fitting, by_modes)
     log.info("timed %d of the %d configurations that fit", len(fits), len(fitting))
     return rank(fits, capacity_bytes, alpha=model.alpha)
 
@@ -172,19 +205,31 @@ def ranked_step_s(model: CostModel) -> Callable[[Config], float]:
     return lambda config: (model.step_s(config) + slow.step_s(config)) / 2
 
 
-def _timed(model: CostModel, fitting: list[tuple[Config, int]]) -> list[tuple[Config, float, int]]:
+def _timed(model: CostModel, fitting: list[tuple[Config, int]], by_modes: _ByModes) -> list[tuple[Config, float, int]]:
     """(config, step seconds as ranked, peak) of those of `fitting` ((config, peak) pairs) whose step time `rank`
     can use: the ties of the fastest (within TIE_REL) and the N_RUNNERS_UP + 1 fastest (the best and its
     runners-up). They are timed in the order of a lower bound of their step time, until the bound passes both:
-    every one left is slower. In the order of `fitting`."""
-    ranked = ranked_step_s(model)
-    bounds = [model.step_bound_s(config) for config, _ in fitting]
+    every one left is slower. Each bound is the mean of the two step times' bounds, as `ranked_step_s` takes the
+    mean of the step times: first `step_floor_s`, refined to `step_bound_s` when the configuration comes first
+    with it. In the order of `fitting`."""
+    ranked, scales = ranked_step_s(model), (1.0, HOST_SLOWDOWN)  # (as `slow_host` makes the host slower)
+    below = 1 - BOUND_ROUNDING  # (a bound that adds up to the step time may round above it)
+    # (lower bound, refined, index); a floor that comes first is refined, a refined bound is timed
+    heap = [
+        (model.step_floor_s(c, by_modes(c), host_scales=scales) * below, False, i) for i, (c, _) in enumerate(fitting)
+    ]
+    heapq.heapify(heap)
     times: list[float] = []  # step times so far, ascending
     steps: dict[int, float] = {}
-    for i in sorted(range(len(fitting)), key=bounds.__getitem__):
-        if len(times) > N_RUNNERS_UP and bounds[i] > max(times[0] * (1 + TIE_REL), times[N_RUNNERS_UP]):
+    while heap:
+        bound, refined, i = heapq.heappop(heap)
+        if len(times) > N_RUNNERS_UP and bound > max(times[0] * (1 + TIE_REL), times[N_RUNNERS_UP]):
             break
-        steps[i] = ranked(fitting[i][0])
+        config = fitting[i][0]
+        if not refined:
+            heapq.heappush(heap, (model.step_bound_s(config, by_modes(config), host_scales=scales) * below, True, i))
+            continue
+        steps[i] = ranked(config)
         bisect.insort(times, steps[i])
     return [(fitting[i][0], steps[i], fitting[i][1]) for i in sorted(steps)]
 
@@ -197,7 +242,7 @@ def rank(fits: list[tuple[Config, float, int]], capacity_bytes: int | None, *, a
     ties = [f for f in fits if f[1] <= fastest * (1 + TIE_REL)]
     safe = [f for f in ties if capacity_bytes is None or f[2] * alpha <= (1 - SAFE_HEADROOM) * capacity_bytes]
     if safe:
-        best = min(safe, key=lambda f: (f[0].n_swap + f[0].n_checkpoint, -f[0].n_persist, f[1], f[2]))
+        best = min(safe, key=lambda f: (_rewritten(f[0]), -f[0].n_persist, f[1], f[2]))
     else:
         best = min(ties, key=lambda f: (f[2], f[1]))
     rest = sorted((f for f in fits if f is not best), key=lambda f: (f[1], f[2]))
@@ -209,6 +254,11 @@ def rank(fits: list[tuple[Config, float, int]], capacity_bytes: int | None, *, a
         best[2] / 2**30,
     )
     return best, rest[:N_RUNNERS_UP]
+
+
+def _rewritten(config: Config) -> int:
+    """Blocks whose activations the configuration does not keep as they are."""
+    return config.n_swap + config.n_checkpoint + config.n_selective
 
 
 def brute_force(
@@ -252,8 +302,10 @@ def plan_graph(
     assert layout is None or costs.master_bytes == master_bytes(forced), "CostModel.build got another master_dtype"
     if "block_modes" in forced:
         modes = tuple(forced["block_modes"])
-        held.update(n_swap=modes.count("swap"), n_checkpoint=modes.count("checkpoint"))
+        held.update({key: modes.count(mode) for key, mode in MODE_COUNTS.items()})
         costs = dataclasses.replace(costs, forced_modes=modes)
+    if not costs.prices_selective:
+        held.setdefault("n_selective", 0)
     if layout is None:
         held.update(n_persist=0, n_buffer=0)
     elif held.get("n_persist") == layout.n_chunk:

@@ -65,6 +65,11 @@ def is_matmul(target: str) -> bool:
     return _MATMUL_OPS.match(target) is not None
 
 
+def is_library(target) -> bool:
+    """Whether inductor runs an op of this target (a node's) as a library or fallback kernel, not generated code."""
+    return _is_extern(target)
+
+
 def _is_extern(target) -> bool:
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.lowering import fallbacks, lowerings

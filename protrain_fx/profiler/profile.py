@@ -19,6 +19,8 @@ class NodeProfile:
     output_bytes: bytes of new storages the op returned (views of inputs count 0).
     kernel, fused_bytes, unfused_bytes: what inductor makes of the node, from the graph alone (profiler/fusion.py).
     saved_bytes: bytes of this node's output kept for backward (forward nodes; 0 elsewhere).
+    kept_bytes, recomputed: were its block "selective" (profiler/selective.py), the bytes of this forward node's
+        output kept for backward (each storage once), and whether the backward computes it again.
     """
 
     name: str
@@ -36,6 +38,8 @@ class NodeProfile:
     kernel: str = "extern"  # under a fusing executor: extern | fused | view (profiler/fusion.py)
     fused_bytes: int = 0  # bytes the fused region this node ends moves (0 unless it ends one)
     unfused_bytes: int = 0  # bytes held here op by op that fused kernels never allocate
+    kept_bytes: int = 0  # kept for backward in a selective block
+    recomputed: bool = False  # computed again in the backward of a selective block
 
 
 @dataclasses.dataclass

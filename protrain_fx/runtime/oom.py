@@ -55,7 +55,7 @@ def plan_summary(plan: Any) -> str:
         return "no plan"
     return (
         f"n_persist={plan.n_persist} n_buffer={plan.n_buffer} of {plan.n_chunk} chunks, n_swap={plan.n_swap} "
-        f"n_checkpoint={plan.n_checkpoint} of {plan.n_block} blocks (predicted peak "
+        f"n_checkpoint={plan.n_checkpoint} n_selective={plan.n_selective} of {plan.n_block} blocks (predicted peak "
         f"{_gib(plan.predicted_peak_bytes)})"
     )
 
