@@ -391,25 +391,28 @@ def test_swapped_bf16_parity(plan):
     assert record.swap is not None and record.swap.arena.is_pinned()
 
 
-@pytest.mark.parametrize("gpu_memory_bytes", [None, 1], ids=["prefetched", "deferred"])
-def test_swap_next_to_offloaded_chunks(gpu_memory_bytes):
+@pytest.mark.parametrize("room", [True, False], ids=["prefetched", "deferred"])
+def test_swap_next_to_offloaded_chunks(room, monkeypatch):
     """Swapped blocks with offloaded chunks: swap prefetches queue behind the chunk uploads on the copy link; with
     no memory budget left, every block comes back at its first use instead. bf16 chunks against eager autocast."""
     import copy
 
+    if not room:
+        make = protrain_fx.backend.SwapSpace
+        monkeypatch.setattr(
+            protrain_fx.backend, "SwapSpace", lambda device, **kw: make(device, **{**kw, "budget_bytes": 1})
+        )
     ref = models.build("llama", layers=4).cuda()
     model = copy.deepcopy(ref).to(torch.bfloat16)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
-    options = {"plan": {"n_persist": 1, "n_buffer": 3, "n_swap": 2, "n_checkpoint": 1}}
-    if gpu_memory_bytes:
-        options["gpu_memory_bytes"] = gpu_memory_bytes
+    options = {"plan": {"n_persist": 1, "n_buffer": 3, "n_swap": 2, "n_checkpoint": 1, "n_selective": 0}}
     backend = protrain_fx.ProTrainBackend(options)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     _train_against_autocast(ref, ref_opt, compiled, opt)
     space = backend.graphs[0].swap
     assert space._uploads is not None
-    if gpu_memory_bytes:  # (with room, how many prefetch depends on the predicted peak, the budget)
+    if not room:  # (with room, how many prefetch depends on the predicted peak, the budget)
         assert space.deferred > 0
 
 
