@@ -90,8 +90,7 @@ def main() -> None:
         if step == 1:  # the first step compiled, profiled and planned every graph
             print(f"step 1 (compile + profile + plan) took {elapsed:.1f} s; {len(backend.graphs)} graph(s)")
             for g in backend.graphs:
-                blocks = g.block_map.family if g.block_map else None
-                where = f"{blocks.n_blocks} x {blocks.type_name} under {blocks.parent}" if blocks else "no blocks"
+                where = g.block_map.describe() if g.block_map else "no blocks"
                 print(f"graph {g.index}: {len(g.param_map)} parameters, {where}")
                 if g.profile is not None:
                     pr = g.profile

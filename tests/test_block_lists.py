@@ -18,6 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import protrain_fx
 from protrain_fx.capture import BETWEEN, POST, PRE
+from protrain_fx.passes.views import is_view
 from protrain_fx.runtime.adopt import model_manager
 
 STEPS = 3
@@ -100,9 +101,11 @@ def test_every_plan_mode_trains_encoder_decoders_as_eager(kind, plan):
         recomputed = {
             record.block_map.block.get(n.name)
             for n in record.backward.graph.nodes
-            if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
+            if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE and not is_view(n)
         }
-        assert recomputed - {None} == {0, 1, 2}  # blocks of both stacks (nodes the partitioner made have none)
+        # blocks of both stacks (nodes the partitioner made have none; views of offloaded parameters are
+        # recomputed in every block: passes/chunks.py)
+        assert recomputed - {None} == {0, 1, 2}
     if "block_modes" in forced:
         assert record.plan.block_modes == tuple(forced["block_modes"]) and record.swap.slots
         swapped = {record.block_map.block[n.args[2].name] for n in _swap_outs(record)}

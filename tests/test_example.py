@@ -17,5 +17,5 @@ def test_main_example_runs():
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "2 x LlamaDecoderLayer under model.layers" in out.stdout and "plan in force:" in out.stdout
+    assert "model.layers (2 x LlamaDecoderLayer" in out.stdout and "plan in force:" in out.stdout
     assert "steps 2-3:" in out.stdout

@@ -161,7 +161,7 @@ def test_selective_tags_alone():
     names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
     blocks = dict(zip(names, [0, 0, 0, 0, 1, None]))
     region = {n: "block" if b is not None else "post" for n, b in blocks.items()}
-    record = types.SimpleNamespace(block_map=BlockMap(family=None, region=region, block=blocks))
+    record = types.SimpleNamespace(block_map=BlockMap(families=(), region=region, block=blocks))
     untouched = checkpoint_tag_pass(gm, types.SimpleNamespace(plan=make_plan(2), record=record))
     assert not any("recompute" in n.meta for n in untouched.graph.nodes)
     plan = make_plan(2, {"block_modes": ["selective", "none"]})

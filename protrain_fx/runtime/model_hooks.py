@@ -8,7 +8,8 @@ are chunked:
 - **forward outside the compiled graphs** (the uncompiled model, `generate()`, an eager region such as a
   function under `torch.compiler.disable`): a forward pre-hook gives the module's offloaded parameters their
   current values for the call (`ChunkManager.lend`), and the forward hook takes them back after it, or, where
-  autograd may read them in the backward, once the step is over. Their gradients reach `.grad` through autograd,
+  autograd may read them in the backward, once the step is over. A compiled model's own hooks run in Python
+  before Dynamo compiles its forward: they lend nothing where that frame will be compiled. Their gradients reach `.grad` through autograd,
   and the chunks take them in at the step (`ChunkManager.fold_plain_grads`). Compiled code never runs these
   hooks: traced into a graph, they return at once; and Dynamo never compiles their own frames (`skip_code`),
   which would make them return at once when a module is called from Python.
@@ -61,19 +62,42 @@ def _run_in_python(fn: Callable) -> Callable:
 
 
 @_run_in_python
+def _compiled_next(module: nn.Module) -> bool:
+    """Dynamo will compile `module`'s forward frame: it is on (as for a compiled model's own hooks, which run in
+    Python before it), and the forward is neither disabled nor a frame Dynamo leaves to Python (torch.nn's)."""
+    from torch._dynamo import trace_rules
+
+    if not torch._C._dynamo.eval_frame.get_eval_frame_callback():
+        return False
+    forward = module.forward
+    return not getattr(forward, "_torchdynamo_disable", False) and not trace_rules.check(forward)
+
+
+@_run_in_python
 def _before_forward(ref: weakref.ref, indices: list[int], module: nn.Module, args: Any) -> None:
-    manager = ref()
-    if torch.compiler.is_dynamo_compiling() or manager is None:
+    if torch.compiler.is_dynamo_compiling() or _compiled_next(module):
         return
-    manager.lend(indices, for_backward=torch.is_grad_enabled())
+    _lend(ref, indices)
+
+
+@torch.compiler.disable  # (Python calls it with Dynamo on, for a disabled forward: the manager stays Python)
+def _lend(ref: weakref.ref, indices: list[int]) -> None:
+    manager = ref()
+    if manager is not None:
+        manager.lend(indices, for_backward=torch.is_grad_enabled())
 
 
 @_run_in_python
 def _after_forward(ref: weakref.ref, indices: list[int], module: nn.Module, args: Any, output: Any) -> None:
+    if not torch.compiler.is_dynamo_compiling():
+        _take_back(ref, indices)
+
+
+@torch.compiler.disable
+def _take_back(ref: weakref.ref, indices: list[int]) -> None:
     manager = ref()
-    if torch.compiler.is_dynamo_compiling() or manager is None:
-        return
-    manager.take_back(indices)
+    if manager is not None:
+        manager.take_back(indices)
 
 
 _LOADED = "_protrain_loaded_keys"  # in load_state_dict's local metadata: the keys written into chunks

@@ -88,10 +88,12 @@ def load_state_dict(
         )
     manager = model_manager(model)
     mine = state_dict(model, optimizer)
-    if strict:
-        _no_unexpected(mine["model"], state["model"], "model")
+    if strict:  # against every name of the model: a rank's own entries leave out the pieces only others hold
+        names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        names |= {n for n, _ in model.named_buffers(remove_duplicate=False)} | set(mine["model"])
+        _no_unexpected(names, state["model"], "model")
         if optimizer is not None:
-            _no_unexpected(mine["optim"]["state"], state["optim"]["state"], "optim.state")
+            _no_unexpected(names | set(mine["optim"]["state"]), state["optim"]["state"], "optim.state")
     _copy_into(mine["model"], state["model"], "model")
     if manager is not None:
         for chunk in range(manager.layout.n_chunk):
