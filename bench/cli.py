@@ -19,6 +19,7 @@ from bench.plot import plot
 from bench.predict import from_dump, predict
 from bench.sweep import maxsize, scaling, sweep
 from bench.table import table
+from bench.trainer import TRAINER_SYSTEMS, trainer
 from bench.worker import RESULT_PREFIX, SYSTEMS, emit, train, unavailable
 
 log = logging.getLogger(__name__)
@@ -271,6 +272,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("reports", nargs="+", help="JSON reports of `compare`, one model size each")
     p.add_argument("--out", default="out/throughput.png", help="the PNG to write")
     p.set_defaults(func=plot)
+    p = sub.add_parser("trainer", parents=[sizes], help="tokens/s of transformers' Trainer, protrain vs compile")
+    p.add_argument("--systems", default="protrain,compile", help=f"comma-separated, from {list(TRAINER_SYSTEMS)}")
+    p.add_argument("--system", default="", help=argparse.SUPPRESS)  # (one system's run, in its own process)
+    p.add_argument("--output-dir", default="out/trainer", help="the Trainer's output_dir (nothing is saved)")
+    p.set_defaults(func=trainer)
     p = sub.add_parser("worker", parents=[sizes], help="one system's run (started by compare)")
     p.add_argument("--system", choices=list(SYSTEMS), required=True)
     p.set_defaults(func=worker)

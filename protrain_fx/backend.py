@@ -108,7 +108,7 @@ class GraphRecord:
     capacity: int | None = None  # the GPU bytes its plan was searched under (None: not budgeted, on the CPU)
     model: Any = None  # weak reference to the model whose graph it is
     manager: Any = None  # weak reference to the model's ChunkManager, None when not chunked
-    grad_source: Any = None  # the compiled frame its backward reduces gradients for (ChunkManager.expect_gradients)
+    grad_source: int | None = None  # its frame's id for the ChunkManager (ChunkManager.grad_source)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of profile, hardware, search
     planning: dict | None = None  # the planner's inputs besides the profile (debug/from_dump.py: planning.json)
 
@@ -616,7 +616,13 @@ class _Partitioner(CustomPartitionerFn):
         for runtime_object in (swap, monitor):  # the ops reach them by weak handle: the model keeps them alive
             if runtime_object is not None:
                 roots.model.__dict__.setdefault(RUNTIME_ATTR, []).append(runtime_object)
-        ctx = dataclasses.replace(ctx, saved=saved, swap=swap, monitor=monitor)
+        if manager is not None and record.grad_source is None:  # (kept by a re-plan, which compiles outside Dynamo)
+            # the frame and the modules its locals are: recompiles for other input shapes share it (one of them
+            # runs), those for other modules running the same code (one graph per layer) do not
+            compile_id = torch._guards.CompileContext.current_compile_id()
+            frame = compile_id.frame_id if compile_id is not None else ("graph", record.index)
+            record.grad_source = manager.grad_source((frame, tuple(sorted(roots.paths.values()))))
+        ctx = dataclasses.replace(ctx, saved=saved, swap=swap, monitor=monitor, grad_source=record.grad_source or 0)
         fw = run_passes(fw, ctx, GRAPH_PASSES, stage="forward")
         output = next(n for n in fw.graph.nodes if n.op == "output")
         ctx = dataclasses.replace(
@@ -634,12 +640,8 @@ class _Partitioner(CustomPartitionerFn):
                 swap.allocate([n.meta["val"] for n in outs])
             record.swap = swap
         if manager is not None:
-            if record.grad_source is None:  # (kept by a re-plan, which compiles outside Dynamo)
-                compile_id = torch._guards.CompileContext.current_compile_id()
-                record.grad_source = compile_id.frame_id if compile_id is not None else ("graph", record.index)
-            source = record.grad_source
             for node in bw.graph.find_nodes(op="call_function", target=torch.ops.protrain.reduce_grads.default):
-                manager.expect_gradients(node.args[1], source)
+                manager.expect_gradients(node.args[1], node.args[2])
         record.forward, record.backward = fw, bw
         log.debug("graph %d forward:\n%s", record.index, fw.print_readable(print_output=False))
         log.debug("graph %d backward:\n%s", record.index, bw.print_readable(print_output=False))

@@ -161,7 +161,9 @@ def test_bad_chunk_plans():
         run("toy", {"n_persist": 99}, steps=1)
     with pytest.raises(Exception, match="n_buffer'\\] must be at least 1"):
         run("toy", {"n_persist": 0, "n_buffer": 0}, steps=1)
-    with pytest.raises(Exception, match=r"master_dtype'\] must be one of \['float32', 'bfloat16', 'float64'\], got 'float16'"):
+    with pytest.raises(
+        Exception, match=r"master_dtype'\] must be one of \['float32', 'bfloat16', 'float64'\], got 'float16'"
+    ):
         run("toy", {"master_dtype": "float16"}, steps=1)
     with pytest.raises(Exception, match=r"master_dtype'\]='bfloat16' is for parameters of that dtype, and this"):
         run("toy", {"master_dtype": "bfloat16"}, steps=1)  # (a float32 model)

@@ -120,7 +120,7 @@ def test_grad_reduce_pass_hands_gradients_over():
         for i, s in enumerate(manager.slots)
     ]
     ctx = types.SimpleNamespace(
-        manager=manager, stage="backward", forward_placeholders=forward_placeholders, forward_outputs=[]
+        manager=manager, stage="backward", forward_placeholders=forward_placeholders, forward_outputs=[], grad_source=0
     )
     bw = grad_reduce_pass(bw, ctx)
     assert bw(torch.ones(8, 4), torch.ones(3, 8)) == (None, None)
@@ -136,7 +136,9 @@ def reduced(bw, tag: ParamTag, forward_outputs=()):
         types.SimpleNamespace(name="primals_1", meta={TAG: tag}),
         types.SimpleNamespace(name="primals_2", meta={}),
     ]
-    ctx = types.SimpleNamespace(stage="backward", forward_placeholders=primals, forward_outputs=list(forward_outputs))
+    ctx = types.SimpleNamespace(
+        stage="backward", forward_placeholders=primals, forward_outputs=list(forward_outputs), grad_source=0
+    )
     bw = grad_reduce_pass(bw, ctx)
     nodes = list(bw.graph.nodes)
     return bw, nodes, next(n for n in nodes if n.target is torch.ops.protrain.reduce_grads.default)
@@ -163,7 +165,7 @@ def test_offloaded_reduce_waits_for_the_last_read():
     bw = chunk_gather_pass(bw, types.SimpleNamespace(manager=manager, stage="backward"))
     bw, nodes, reduce = reduced(bw, tag)
     release = next(n for n in nodes if n.target is torch.ops.protrain.release.default)
-    assert nodes.index(reduce) > nodes.index(release) and reduce.args[4] == release.args[2]
+    assert nodes.index(reduce) > nodes.index(release) and reduce.args[5] == release.args[2]
     _, grad_x = bw(w, x, gy)
     torch.testing.assert_close(grad_x, gy @ w_value, rtol=0, atol=0)
 
@@ -191,9 +193,9 @@ def test_own_master_reduce_waits_for_the_last_read():
         bw, nodes, reduce = reduced(bw, tag)
         grad_w, read = [n for n in nodes if n.target is torch.ops.aten.mm.default]
         if own_master:
-            assert nodes.index(reduce) > nodes.index(read) and reduce.args[4] == [read], bw.code
+            assert nodes.index(reduce) > nodes.index(read) and reduce.args[5] == [read], bw.code
         else:
-            assert nodes.index(reduce) == nodes.index(grad_w) + 1 and reduce.args[4] == [], bw.code
+            assert nodes.index(reduce) == nodes.index(grad_w) + 1 and reduce.args[5] == [], bw.code
         _, grad_x = bw(w, x, gy)
         torch.testing.assert_close(grad_x, gy @ w_value, rtol=0, atol=0)
 
@@ -217,9 +219,9 @@ def test_own_master_reduce_waits_for_reads_of_a_saved_view():
     assert saved.name == placeholder.name == "saved_view"
     bw, nodes, reduce = reduced(bw, tag, [saved])
     read = [n for n in nodes if n.target is torch.ops.aten.mm.default][1]
-    assert nodes.index(reduce) > nodes.index(read) and reduce.args[4] == [read], bw.code
+    assert nodes.index(reduce) > nodes.index(read) and reduce.args[5] == [read], bw.code
     bw, nodes, reduce = reduced(make_fx(lambda wt, x, gy: (gy.t() @ x, gy @ wt.t()))(w.detach().t(), x, gy), tag)
-    assert reduce.args[4] == [], bw.code  # (no saved view named: nothing to wait for)
+    assert reduce.args[5] == [], bw.code  # (no saved view named: nothing to wait for)
 
 
 def test_release_waits_for_the_reads_of_split_pieces():

@@ -37,8 +37,9 @@ backward gathers again, never a view of the chunk buffer the forward read it fro
 grad_reduce_pass (backward graph), for each chunk c (persistent ones too):
 
     before:  return (g1, g2, ...)                 # gradients of the primals, in primal order
-    after:   protrain.reduce_grads(m, c, [i1, i2], [g1, g2], [r])   # after the chunk's last gradient and the
-                                                                     # outputs r of its last readers
+    after:   protrain.reduce_grads(m, c, s, [i1, i2], [g1, g2], [r])   # after the chunk's last gradient and
+                                                                        # the outputs r of its last readers; s:
+                                                                        # this frame (ChunkManager.grad_source)
              return (None, None, ...)             # the chunk owns its gradients; param.grad stays None
 
 A chunk's update may start at its reduce, during the backward: the readers r are an offloaded chunk's (its
@@ -371,7 +372,7 @@ def grad_reduce_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         with graph.inserting_after(last):
             graph.call_function(
                 torch.ops.protrain.reduce_grads.default,
-                (manager, chunk, [i for _, i, _ in items], [g for _, _, g in items], readers),
+                (manager, chunk, ctx.grad_source, [i for _, i, _ in items], [g for _, _, g in items], readers),
             )
         for position, _, _ in items:
             grads[position] = None

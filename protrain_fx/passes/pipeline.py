@@ -50,6 +50,7 @@ class PassContext:
     saved: frozenset[str] = frozenset()  # names of the values the forward saves for the backward
     swap: Any = None  # the graph's protrain_fx.runtime.swap.SwapSpace, None when no block swaps
     monitor: Any = None  # the graph's protrain_fx.runtime.monitor.StepMonitor, with a dump directory only
+    grad_source: int = 0  # the graph's frame, as the ChunkManager counts gradients (ChunkManager.grad_source)
 
 
 Pass = Callable[..., fx.GraphModule]

@@ -53,6 +53,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -242,8 +243,12 @@ class ChunkManager:
         self._buffered_version: dict[int, int] = {}  # chunk -> version its buffered copy holds
         self.has_grad: set[int] = set()  # chunks whose gradient holds this step's values
         self.params_with_grad: set[int] = set()  # parameters (indices) that got a gradient this step
-        self._grad_sources: dict[int, set] = {}  # chunk -> the compiled frames whose backward reduces into it
-        self._arrivals: dict[int, int] = {}  # chunk -> gradients reduced into it this step
+        self._sources: dict[Any, int] = {}  # a compiled frame (for its modules) -> its id in the graphs' ops
+        self._grad_sources: dict[int, set[int]] = {}  # chunk -> the sources whose backward reduces into it
+        self._arrivals: dict[int, collections.Counter] = {}  # chunk -> source -> its reductions this step
+        # source -> its backward passes per optimizer step, as the first step showed: more than one where a step
+        # accumulates without no_sync, or where one frame's compiles for two calls (a shared embedding) both run
+        self._runs_per_step: dict[int, int] = {}
         self._stepped: set[int] = set()  # chunks whose update has started this step
         # persistent chunks updated during the backward (`_step_persistent_early`): their fp32 master is new, their
         # compute-dtype parameters take it at `end_step` (the rest of the backward may still read them; those that
@@ -282,7 +287,7 @@ class ChunkManager:
         self._owners_stepped: set[int] = set()  # the optimizers (ids) whose step() ran since the step's backward
         self.in_window = False  # between a step's first gradient and the end of its optimizer steps
         # backward passes per optimizer step, as the first step showed (gradient accumulation without no_sync):
-        # a chunk's gradient is complete once every frame reducing into it ran that many backward passes
+        # a source first seen later is expected that many times a step
         self.backwards_per_step = 1
         # chunks holding a parameter used outside the compiled graphs: their gradient gets that use's part at
         # `AdamW.step()` (`fold_plain_grads`), so they update there
@@ -563,9 +568,15 @@ class ChunkManager:
 
     # ----- gradients and the optimizer ---------------------------------------------------------------
 
-    def expect_gradients(self, chunk: int, source) -> None:
-        """Compile time: the backward of frame `source` reduces gradients into `chunk`. An offloaded chunk steps
-        once every frame reducing into it has (recompiles of one frame count once: only one of them runs)."""
+    def grad_source(self, key: Any) -> int:
+        """The id of a compiled frame (for the modules its locals are) whose backward reduces gradients, for its
+        graphs' `reduce_grads` ops."""
+        return self._sources.setdefault(key, len(self._sources))
+
+    def expect_gradients(self, chunk: int, source: int) -> None:
+        """Compile time: the backward of `source` (`grad_source`) reduces gradients into `chunk`. An offloaded
+        chunk steps once every source has, as many times as in the first step (recompiles of one frame for other
+        input shapes count once: only one of them runs)."""
         self._grad_sources.setdefault(chunk, set()).add(source)
 
     def optimizer_of(self, chunk: int):
@@ -673,7 +684,9 @@ class ChunkManager:
         model = self._model() if self._model is not None else None
         return model is None or not model.__dict__.get(NO_SYNC_ATTR, 0)
 
-    def reduce_grads(self, chunk: int, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
+    def reduce_grads(
+        self, chunk: int, source: int, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]
+    ) -> None:
         """Add a chunk's gradients into its fp32 gradient; offloaded chunks then start their CPU AdamW step.
 
         Offloaded: the fp32 gradient shard is copied to the host without blocking (straight into the shard's
@@ -704,7 +717,7 @@ class ChunkManager:
         self.has_grad.add(chunk)
         sync = self.sync_grads
         if sync:  # (the arrivals of the step's last backward decide when a chunk is complete)
-            self._arrivals[chunk] = self._arrivals.get(chunk, 0) + 1
+            self._arrivals.setdefault(chunk, collections.Counter())[source] += 1
         if persistent and self.world_size == 1:
             # straight into the fp32 gradient; where a parameter has no gradient yet this step its slot holds a
             # stale value, which is overwritten here or never read (the optimizer skips that parameter)
@@ -921,9 +934,9 @@ class ChunkManager:
     def _complete(self, chunk: int) -> bool:
         """Whether the chunk's gradient is final for this step: this is the step's last backward (not inside
         `no_sync`) and every compiled frame reducing into the chunk has run its backward, as many times as a step
-        has backward passes (`backwards_per_step`: gradient accumulation without `no_sync`)."""
-        expected = len(self._grad_sources.get(chunk, ())) * self.backwards_per_step
-        return self.sync_grads and self._arrivals.get(chunk, 0) >= expected
+        has backward passes, as the first step showed (`_runs_per_step`)."""
+        expected = sum(self._runs_per_step.get(s, self.backwards_per_step) for s in self._grad_sources.get(chunk, ()))
+        return self.sync_grads and sum(self._arrivals.get(chunk, {}).values()) >= expected
 
     def _start_update(self, chunk: int, **kwargs) -> Callable[[], None]:
         """The chunk's update, to run now (during the backward), with the hyperparameters of this moment."""
@@ -1104,13 +1117,11 @@ class ChunkManager:
         for chunk in sorted(self._early & chunks):  # the parameters take the masters updated during the backward
             self._early.discard(chunk)
             self.publish(chunk)
-        counts = [
-            self._arrivals[c] // len(self._grad_sources[c])
-            for c in chunks & self._arrivals.keys()
-            if self._grad_sources.get(c)
-        ]
-        if self._first_step and counts:  # (how many backward passes the first step had)
-            self.backwards_per_step = max(1, min(counts))
+        if self._first_step:  # (how many backward passes the first step had, per source)
+            counts = [(s, n) for c in chunks & self._arrivals.keys() for s, n in self._arrivals[c].items()]
+            for s, n in counts:
+                self._runs_per_step[s] = max(n, self._runs_per_step.get(s, 0))
+            self.backwards_per_step = max(1, min((n for _, n in counts), default=1))
         for kept in (self._arrivals, self._arrival_norms, self._hyper_used):
             for chunk in chunks & kept.keys():
                 del kept[chunk]

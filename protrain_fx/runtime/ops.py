@@ -100,14 +100,16 @@ def _(values: list[torch.Tensor]) -> None:
 
 @torch.library.custom_op("protrain::reduce_grads", mutates_args=())
 def reduce_grads(
-    manager: int, chunk: int, params: list[int], grads: list[torch.Tensor], after: list[torch.Tensor]
+    manager: int, chunk: int, source: int, params: list[int], grads: list[torch.Tensor], after: list[torch.Tensor]
 ) -> None:
     m = _manager(manager)
-    m.reduce_grads(chunk, [m.params[i] for i in params], grads)
+    m.reduce_grads(chunk, source, [m.params[i] for i in params], grads)
 
 
 @reduce_grads.register_fake
-def _(manager: int, chunk: int, params: list[int], grads: list[torch.Tensor], after: list[torch.Tensor]) -> None:
+def _(
+    manager: int, chunk: int, source: int, params: list[int], grads: list[torch.Tensor], after: list[torch.Tensor]
+) -> None:
     return None
 
 
