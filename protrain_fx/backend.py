@@ -70,6 +70,7 @@ from protrain_fx.profiler.profile import GraphProfile
 from protrain_fx.profiler.selective import mark_selective, selective_marks
 from protrain_fx.runtime.adopt import (
     build_manager,
+    check_not_in_ddp,
     check_params_managed,
     model_layout,
     model_manager,
@@ -134,6 +135,7 @@ class ProTrainBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         check_torch_version()
         check_inputs(gm, example_inputs)
+        check_not_in_ddp([x for x in example_inputs if isinstance(x, nn.Parameter)])
         record = GraphRecord(index=len(self.graphs))
         self.graphs.append(record)
         if self.explain:

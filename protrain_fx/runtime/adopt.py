@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from protrain_fx.capture import FrameRoots, block_index, find_block_families
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
 from protrain_fx.planner.plan import Plan, make_plan, with_default_master
 from protrain_fx.runtime.chunks import (
+    MANAGER_ATTR,
     NO_SYNC_ATTR,
     ChunkManager,
     rank_and_world_size,
@@ -77,6 +79,26 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 def wants_chunks(params: Sequence[nn.Parameter]) -> bool:
     return any(OPTIMIZER_ATTR in p.__dict__ for p in params)
+
+
+def check_not_in_ddp(params: Sequence[nn.Parameter]) -> None:
+    """A graph compiled inside `DistributedDataParallel`'s forward that reads parameters in chunks, or stepped by a
+    protrain_fx.optim.AdamW (chunked by this compile): an error that says what to do. The chunks reduce their gradients across ranks themselves, and DDP would see none
+    of them; its wrapper, not the model, would hold the chunks (so `model.state_dict()` of the unwrapped model,
+    and `save_pretrained`, would read parameters that hold no values), and Dynamo would split the graph at DDP's
+    buckets. accelerate's `prepare` and Hugging Face's Trainer wrap the model in DDP with several processes."""
+    if DistributedDataParallel._get_active_ddp_module() is None:
+        return
+    if not any(OPTIMIZER_ATTR in p.__dict__ or MANAGER_ATTR in p.__dict__ for p in params):
+        return
+    raise ValueError(
+        "this model is wrapped in torch.nn.parallel.DistributedDataParallel (accelerate's prepare() and the Hugging "
+        "Face Trainer do so when there are several processes), but its parameters are trained in protrain chunks, "
+        "which reduce their gradients across ranks themselves. Do not wrap it: with accelerate, leave the model out "
+        "of accelerator.prepare() (prepare the optimizer, data loaders and scheduler, and move the model to "
+        "accelerator.device yourself). The Trainer wraps the model whenever there are several processes: train "
+        "several processes with such an accelerate loop, or a plain loop under torchrun"
+    )
 
 
 def updates_wait(params: Sequence[nn.Parameter]) -> bool:

@@ -19,6 +19,10 @@ are chunked:
 - **`_apply`** (`.to()`, `.half()`, `.cuda()`, `.float()`, ...): where it would change a chunked parameter's
   dtype or device, an error saying what to do; where it changes nothing for them (`model.to(its device)`), it
   runs as usual.
+- **`DistributedDataParallel`**: the chunked parameters are on the model's list of those DDP ignores, so DDP
+  built over it later neither broadcasts them (an offloaded one holds no storage: reading it would crash the
+  process) nor waits for their gradients, which the chunks reduce across ranks themselves. A graph compiled
+  inside its forward that reads them is an error (runtime/adopt.py, `check_not_in_ddp`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 if TYPE_CHECKING:
     from protrain_fx.runtime.chunks import ChunkManager
@@ -50,6 +55,9 @@ def install(manager: ChunkManager, model: nn.Module) -> None:
         module.register_load_state_dict_pre_hook(functools.partial(_load_into_chunks, ref, own))
         module.register_load_state_dict_post_hook(functools.partial(_not_missing, own))
         module._apply = functools.partial(_guarded_apply, ref, indices, module._apply)
+    chunked = [name for name, p in model.named_parameters(remove_duplicate=False) if manager.holds(p)]
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [*ignored, *chunked])
 
 
 def _run_in_python(fn: Callable) -> Callable:

@@ -1,0 +1,127 @@
+"""Hugging Face `Trainer` with a model compiled in place by protrain and `protrain_fx.optim.AdamW`, against the same
+Trainer training the eager model with torch's fused AdamW: the Trainer's defaults (gradient clipping at 1.0, its
+norm logged), a linear warmup schedule, two micro-batches per step (accumulated without `no_sync`), a checkpoint
+saved mid-run (safetensors weights, `optimizer.pt`) and resumed, and `evaluate()`.
+
+Tolerance: bitwise. On the CPU in fp32, protrain's eager executor reads the same values as eager PyTorch and its
+update is the same fused kernel on views of the chunks, so logged losses and gradient norms, the eval loss, the
+saved checkpoint and the final weights are equal, and so are those of the run resumed from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import models
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup
+
+import protrain_fx
+
+STEPS, SAVE_AT = 4, 2
+PLANS = {"persistent": {}, "offloaded": {"n_persist": 0, "n_buffer": 2}}
+
+
+class _Batches(Dataset):
+    """Fixed samples of `kind`'s batches."""
+
+    def __init__(self, kind: str, n: int, seed: int = 0):
+        self.items = [models.batch(kind, batch_size=1, seed=seed + i) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[0] for k, v in self.items[i].items()}
+
+
+def _train(kind: str, out: str, options: dict | None = None, resume: str | None = None) -> dict:
+    """Train `kind` with the Trainer (eagerly with torch's fused AdamW when `options` is None); what it logged and
+    saved, the final weights and, unless resumed, the eval loss. A resumed model starts from other weights, which
+    the checkpoint's replace."""
+    model = models.build(kind, seed=0 if resume is None else 1)
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        warmup_steps=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        save_steps=SAVE_AT,
+        logging_steps=1,
+        per_device_eval_batch_size=2,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    # as the README shows it (the backend's options aside)
+    if options is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
+    else:
+        model.compile(backend=protrain_fx.ProTrainBackend(options), dynamic=False)
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    sched = get_linear_schedule_with_warmup(opt, args.warmup_steps, args.max_steps)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=_Batches(kind, 16),
+        eval_dataset=_Batches(kind, 2, seed=100),
+        optimizers=(opt, sched),
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    checkpoint = f"{out}/checkpoint-{SAVE_AT}"
+    return {
+        "logs": [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e],
+        "weights": protrain_fx.full_state_dict(model) if options is not None else model.state_dict(),
+        "saved": load_file(f"{checkpoint}/model.safetensors"),
+        "saved_optimizer": torch.load(f"{checkpoint}/optimizer.pt"),
+        "eval_loss": trainer.evaluate()["eval_loss"] if resume is None else None,
+    }
+
+
+@functools.cache
+def _eager(kind: str, tmp: str) -> dict:
+    return _train(kind, f"{tmp}/eager-{kind}")
+
+
+def _assert_equal_states(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+
+
+@pytest.mark.parametrize(
+    "kind, plan, resume",
+    [
+        ("llama", "offloaded", True),
+        ("llama", "persistent", False),
+        ("gpt2", "offloaded", True),
+        ("t5", "offloaded", True),
+    ],
+)
+def test_trainer_like_eager(kind, plan, resume, tmp_path_factory):
+    """Logged losses and clipped gradient norms, the eval loss, the checkpoint (weights and optimizer states) and
+    the final weights are eager training's; a run resumed from the checkpoint (its weights, optimizer states,
+    schedule and data order) logs and ends as the uninterrupted one."""
+    eager = _eager(kind, str(tmp_path_factory.getbasetemp()))
+    out = str(tmp_path_factory.mktemp(f"{kind}-{plan}"))
+    options = {"executor": "eager", "plan": PLANS[plan]}
+    ours = _train(kind, out, options)
+    assert len(ours["logs"]) == STEPS and ours["logs"] == eager["logs"]
+    assert ours["eval_loss"] == eager["eval_loss"]
+    _assert_equal_states(ours["saved"], eager["saved"])
+    saved, eager_saved = ours["saved_optimizer"], eager["saved_optimizer"]
+    assert saved["state"].keys() == eager_saved["state"].keys()
+    for i, st in eager_saved["state"].items():
+        _assert_equal_states(saved["state"][i], st)
+    _assert_equal_states(ours["weights"], eager["weights"])
+    if not resume:
+        return
+    resumed = _train(kind, out, options, resume=f"{out}/checkpoint-{SAVE_AT}")
+    assert resumed["logs"] == eager["logs"]
+    _assert_equal_states(resumed["weights"], eager["weights"])
