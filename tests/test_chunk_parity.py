@@ -208,8 +208,9 @@ def test_offloaded_parameters_read_through_inductor_are_exact(n_persist, n_buffe
     recomputes a pointwise reader of a parameter (the toy's `embed + pos`) inside later kernels unless it is
     materialized, and hoists gathers above releases unless they wait for release tokens: both read a buffer
     after the next chunk was loaded into it (losses 1.2e-2 and 2.5e-4 off before). One buffer: a gather loads
-    into the buffer of the chunk before it, which it must not take as an input."""
-    ref = models.build("toy")
+    into the buffer of the chunk before it, which it must not take as an input. Two blocks: eight chunks, the
+    embedding alone in the first, more chunks than buffers."""
+    ref = models.build("toy", layers=2)
     model = copy.deepcopy(ref)
     protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     plan = {"n_persist": n_persist, "n_buffer": n_buffer}
@@ -220,8 +221,9 @@ def test_offloaded_parameters_read_through_inductor_are_exact(n_persist, n_buffe
 
 def test_chunked_training_through_inductor():
     """The gather/release/reduce ops go through inductor as fallback kernels; fused kernels round differently
-    from eager, so the same tolerance as the unchunked inductor test: losses 1e-4, parameters steps * lr."""
-    ref = models.build("toy")
+    from eager, so the same tolerance as the unchunked inductor test: losses 1e-4, parameters steps * lr. Two
+    blocks (eight chunks, six offloaded through two buffers): inductor's compile time grows with the kernels."""
+    ref = models.build("toy", layers=2)
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)

@@ -73,8 +73,10 @@ def _workers() -> set[threading.Thread]:
 
 
 def test_a_dropped_model_frees_its_chunks_and_worker_thread():
+    """(Through inductor, which keeps its last compile's config, the partitioner in it; one block: four chunks,
+    three offloaded, whose updates run on the worker.)"""
     before = _workers()  # (other tests' models may be alive in this process)
-    model = models.build("toy")
+    model = models.build("toy", layers=1)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     backend = protrain_fx.ProTrainBackend({"plan": {"n_persist": 1, "n_buffer": 3}})  # (inductor)
     compiled = torch.compile(model, backend=backend)

@@ -178,7 +178,14 @@ class _Terminal(io.StringIO):
 
 def test_long_phases_show_progress_on_a_terminal(monkeypatch, tmp_path):
     """Parameters into chunks, profiling and the hardware measurement show tqdm bars on rank 0 when stderr is a
-    terminal, and nothing otherwise (a batch job's log)."""
+    terminal, and nothing otherwise (a batch job's log). (The hardware measured at test_hardware.py's small
+    sizes: the bars are the test, not the figures.)"""
+    from test_hardware import SMALL
+
+    from protrain_fx.profiler import hardware
+
+    for name, value in SMALL.items():
+        monkeypatch.setattr(hardware, name, value)
     for terminal in (False, True):
         err = _Terminal() if terminal else io.StringIO()
         monkeypatch.setattr(sys, "stderr", err)
@@ -196,19 +203,26 @@ def test_long_phases_show_progress_on_a_terminal(monkeypatch, tmp_path):
 @pytest.mark.parametrize("executor", ["eager", "inductor"])
 def test_inference_on_offloaded_chunks(executor):
     """Under no_grad AOTAutograd compiles an inference graph and runs no partitioner; the backend gives it the
-    chunk passes, so it reads offloaded parameters through gather and release: eager's logits, before and
-    after a training step (which republishes the chunks), with inductor's CPU kernels to 1e-5."""
+    chunk passes, so it reads offloaded parameters through gather and release: eager's logits after a training
+    step (which republishes the chunks), with inductor's CPU kernels to 1e-5. The training step compiles with
+    the eager executor; the eager case compiles the inference graph with the same backend, the inductor case
+    with an inductor backend of its own (inductor's training graphs are tested elsewhere: it compiles only the
+    graph under test here)."""
     ref = models.build("llama", layers=2)
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
-    backend = protrain_fx.ProTrainBackend({"executor": executor, "plan": {"n_persist": 1, "n_buffer": 2}})
-    compiled = torch.compile(model, backend=backend, dynamic=False)
+    options = {"executor": "eager", "plan": {"n_persist": 1, "n_buffer": 2}}
+    training = protrain_fx.ProTrainBackend(options)
+    compiled = torch.compile(model, backend=training, dynamic=False)
     batch = models.batch("llama")
     for m, o in ((ref, ref_opt), (compiled, opt)):
         m(**batch).loss.backward()  # (builds the chunks)
         o.step()
         o.zero_grad()
+    backend = training if executor == "eager" else protrain_fx.ProTrainBackend({**options, "executor": executor})
+    if backend is not training:
+        compiled = torch.compile(model, backend=backend, dynamic=False)
     model.eval()
     ref.eval()
     with torch.no_grad():
