@@ -452,3 +452,58 @@ def test_contract_on_the_gpu(plan):
     model.load_state_dict(fresh)
     state = protrain_fx.full_state_dict(model)
     assert all(torch.equal(state[k], v.cpu()) for k, v in fresh.items())
+
+
+class _BrokenLayer(torch.nn.Module):
+    """A layer whose forward Dynamo compiles on its own (a graph break inside): one frame for every layer."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        x = torch.tanh(self.linear(x))
+        torch._dynamo.graph_break()
+        return x * 2
+
+
+class _BrokenModel(torch.nn.Module):
+    """Layers compiled as one frame per layer, and a shared layer called twice in a step (graph breaks around
+    every call, as Hugging Face models graph-break on some transformers versions)."""
+
+    def __init__(self, dim: int = 8, layers: int = 3) -> None:
+        super().__init__()
+        self.shared = _BrokenLayer(dim)
+        self.layers = torch.nn.ModuleList(_BrokenLayer(dim) for _ in range(layers))
+
+    def forward(self, x):
+        x = self.shared(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.shared(x).square().mean()
+
+
+def test_frames_compiled_for_several_modules_or_run_twice():
+    """A chunk's gradient is complete once each frame reducing into it (one compile per layer; the shared
+    layer's graph, which runs twice a step) ran as often as in the first step: offloaded updates during the
+    backward from the second step give eager's losses and weights, bitwise."""
+    torch.manual_seed(0)
+    ref = _BrokenModel()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    plan = {"n_persist": 0, "n_buffer": 2, "chunk_bytes": 2**10}
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan}))
+    for step in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        losses = []
+        for m, o in ((ref, ref_opt), (compiled, opt)):
+            loss = m(x)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1], step
+    assert protrain_fx.runtime.adopt.model_manager(model).layout.n_chunk >= 2  # (the shared layer beside others)
+    for (name, a), b in zip(ref.named_parameters(), protrain_fx.full_state_dict(compiled).values()):
+        assert torch.equal(a, b), name
