@@ -114,6 +114,7 @@ def _run(system: str, args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "step_s": step_s,
         "tokens_per_s": args.batch * spec.seq / step_s,
+        "step_times_s": [round(t, 4) for t in timer.times],
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "plan": {k: v for k, v in plan.items() if k.startswith("n_") or k == "block_modes"},
     }

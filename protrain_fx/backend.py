@@ -74,6 +74,7 @@ from protrain_fx.runtime.adopt import (
     check_params_managed,
     model_layout,
     model_manager,
+    place_chunks,
     plan_fields_of,
     updates_wait,
     wants_chunks,
@@ -555,6 +556,8 @@ class _Partitioner(CustomPartitionerFn):
                 forced = plan_fields_of(manager, forced)
             layout = manager.layout if manager else None
             record.plan = self._plan(forced, layout, device, bw, roots.model, manager)
+            if manager is not None and manager.pending_plan is not None and params:
+                place_chunks(manager, record.plan)
         log.info(
             "graph %d planned (%s):\n%s",
             record.index,
@@ -721,12 +724,11 @@ class _Partitioner(CustomPartitionerFn):
         )
         record.costs = costs
         start = time.perf_counter()
+        host = self.config.host_memory_bytes or host_capacity(device)
+        if host is not None and manager is not None and not self.config.host_memory_bytes:
+            host += manager.pending_host_bytes  # (the masters of chunks waiting for this plan, which it reuses)
         record.capacity, host = least_on_every_rank(
-            [
-                self.config.gpu_memory_bytes or device_capacity(device),
-                self.config.host_memory_bytes or host_capacity(device),
-            ],
-            device,
+            [self.config.gpu_memory_bytes or device_capacity(device), host], device
         )
         plan = plan_graph(costs, forced, layout, record.capacity, host)
         record.seconds["search"] = time.perf_counter() - start

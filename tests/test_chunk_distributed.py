@@ -110,6 +110,56 @@ def test_ranks_train_bfloat16_masters_like_eager():
     _spawn(_worker, 2, "llama", {"n_persist": 1, "n_buffer": 1, "master_dtype": "bfloat16"})
 
 
+def _meta_worker(rank, world, rendezvous, errors):
+    _join("gloo", rank, world, rendezvous)
+    try:
+        import copy
+
+        import models
+        from helpers import train_steps
+
+        import protrain_fx
+        from protrain_fx.runtime.adopt import model_manager
+
+        ref = models.build("toy")
+        values = {name: t.detach().clone() for name, t in ref.state_dict().items()}
+        ample = protrain_fx.explain(copy.deepcopy(ref), models.batch("toy"), {"executor": "eager"})
+        assert ample.n_persist == ample.n_chunk, ample
+        with torch.device("meta"):
+            model = models.ToyTransformer()
+        prefix = {id(m): name for name, m in model.named_modules()}
+
+        def init(module):
+            for name, p in module.named_parameters(recurse=False):
+                p.copy_(values[f"{prefix[id(module)]}.{name}".lstrip(".")])
+
+        protrain_fx.prepare(model, device="cpu", init=init)
+        manager = model_manager(model)
+        shard = manager.layout.shard_elems  # each rank holds its own shard of every master, not the model
+        assert manager.pending_plan == {} and all(m.numel() == shard for m in manager.master.values())
+        options = {"executor": "eager", "gpu_memory_bytes": int(ample.predicted_reserved_bytes * 0.8)}
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        assert train_steps(compiled, opt, "toy", 4) == train_steps(ref, ref_opt, "toy", 4), f"rank {rank}"
+        plan = protrain_fx.plan_of(model)
+        assert plan.n_persist < plan.n_chunk and manager.n_persist == plan.n_persist, plan
+        state = protrain_fx.full_state_dict(model)  # a collective: every rank calls it
+        for name, value in ref.state_dict().items():
+            assert torch.equal(state[name], value), f"rank {rank}: {name} differs"
+    except BaseException as e:
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_meta_model_prepared_without_a_plan_across_ranks():
+    """A meta-device model prepared with no plan on 2 ranks: each rank fills only its own master shards, the ranks
+    search one plan at the first compile (it offloads under the smaller GPU), and train bitwise like eager."""
+    _spawn(_meta_worker, 2)
+
+
 @pytest.mark.multigpu
 @pytest.mark.parametrize("plan", [{"n_persist": 0, "n_buffer": 3}, {"n_persist": 1, "n_buffer": 2}])
 def test_nccl_ranks_train_like_eager(plan):

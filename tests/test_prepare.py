@@ -62,6 +62,51 @@ def test_meta_model_with_init_trains_like_the_cpu_model():
     _compare(ref, model, "toy")
 
 
+def _plan_trained(model, options, steps=1, kind="llama"):
+    """The plan of `model` trained `steps` steps through the backend with protrain's AdamW."""
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    compiled = torch.compile(
+        model, backend=protrain_fx.ProTrainBackend({"executor": "eager", **options}), dynamic=False
+    )
+    train_steps(compiled, opt, kind, steps)
+    return protrain_fx.plan_of(model)
+
+
+def test_prepare_without_a_plan_is_planned_by_the_search():
+    """No plan fields: the chunks wait offloaded until the first compile's search places them. With room for
+    every chunk the plan is the one a model on the device gets; under a smaller GPU the search offloads, and
+    training stays bitwise eager's."""
+    ref = models.build("llama")
+    on_device = _plan_trained(copy.deepcopy(ref), {})
+    prepared = protrain_fx.prepare(copy.deepcopy(ref), device="cpu")
+    manager = model_manager(prepared)
+    assert manager.pending_plan == {} and manager.n_persist == 0
+    searched = _plan_trained(prepared, {})
+    fields = ("n_persist", "n_buffer", "n_chunk", "block_modes", "host_grad_slots", "device_grad_slots")
+    assert {k: getattr(searched, k) for k in fields} == {k: getattr(on_device, k) for k in fields}
+    assert manager.pending_plan is None and manager.n_persist == searched.n_persist
+    assert on_device.n_persist == on_device.n_chunk  # (so that a smaller GPU below must offload)
+
+    small = {"gpu_memory_bytes": int(on_device.predicted_reserved_bytes * 0.8)}
+    model = protrain_fx.prepare(copy.deepcopy(ref), device="cpu")
+    backend = _compare(ref, model, "llama", steps=5, options=small)
+    plan = backend.graphs[0].plan
+    assert plan.n_persist < plan.n_chunk and model_manager(model).n_persist == plan.n_persist
+    assert plan.predicted_reserved_bytes <= small["gpu_memory_bytes"]
+
+
+def test_prepare_holds_the_fields_it_is_given_and_the_compile_holds_the_rest():
+    model = protrain_fx.prepare(models.build("llama"), plan={"n_buffer": 2}, device="cpu")
+    plan = _plan_trained(model, {"plan": {"n_persist": 0}})
+    assert (plan.n_persist, plan.n_buffer) == (0, 2)
+    model = protrain_fx.prepare(models.build("llama"), plan={"n_buffer": 2}, device="cpu")
+    compiled = torch.compile(
+        model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_buffer": 1}}), dynamic=False
+    )
+    with pytest.raises(Exception, match="asks for n_buffer=1 but the model's chunks were already built .* n_buffer=2"):
+        compiled(**models.batch("llama"))
+
+
 def test_prepare_errors():
     with torch.device("meta"):
         meta = models.ToyTransformer()

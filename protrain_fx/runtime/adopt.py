@@ -205,6 +205,12 @@ def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkMan
     return manager
 
 
+def place_chunks(manager: ChunkManager, plan: Plan) -> None:
+    """A prepared model's chunks where the first compile's plan puts them (`ChunkManager.place`)."""
+    with eager():  # called from the partitioner, under AOTAutograd's fake mode
+        manager.place(plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots)
+
+
 def check_params_managed(manager: ChunkManager, param_map: Mapping, example_inputs: Sequence[Any]) -> None:
     """A graph compiled after the chunks were built may read the parameters they hold, and plain ones (frozen, or
     stepped by another optimizer); not a parameter put where a chunked one was, or given to a protrain_fx AdamW
@@ -216,17 +222,21 @@ def check_params_managed(manager: ChunkManager, param_map: Mapping, example_inpu
 
 
 def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str, Any]:
-    """`forced` with the chunk fields of the model's existing chunks; forcing other values is an error."""
+    """`forced` with the chunk fields of the model's existing chunks; forcing other values is an error. Chunks
+    waiting for their plan (`prepare` without `n_persist`) fix only their layout and what `prepare` was given."""
     actual = {
-        "n_persist": manager.n_persist,
         "n_chunk": manager.layout.n_chunk,
         "chunk_bytes": manager.layout.chunk_bytes,
-        "host_grad_slots": manager.grad_slots,
-        "device_grad_slots": manager.device_grad_slots,
         "master_dtype": manager.master_dtype_name,
     }
-    if manager.n_buffer:
-        actual["n_buffer"] = manager.n_buffer
+    if manager.pending_plan is not None:
+        actual.update({k: v for k, v in manager.pending_plan.items() if k not in actual})
+    else:
+        actual.update(
+            n_persist=manager.n_persist, host_grad_slots=manager.grad_slots, device_grad_slots=manager.device_grad_slots
+        )
+        if manager.n_buffer:
+            actual["n_buffer"] = manager.n_buffer
     clash = {k: (forced[k], v) for k, v in actual.items() if k in forced and forced[k] != v}
     if clash:
         raise ValueError(
@@ -249,12 +259,15 @@ def prepare(
     """Put the trainable parameters of a model built on the CPU (or on the meta device) into chunks on
     `device` (default: CUDA when available), before `torch.compile(model, backend="protrain")`.
 
-    Use it for a model that does not fit the GPU: the first `n_persist` chunks go to the device, the rest to
-    the host arena, one parameter at a time, and each parameter then looks like a `device` tensor to Dynamo
-    while its values live in the chunks. A model already on the GPU needs no `prepare`.
+    Use it for a model that does not fit the GPU: every chunk's master goes to host memory, one parameter at a
+    time, and each parameter then looks like a `device` tensor to Dynamo while its values live in the chunks.
+    The first compile profiles the model on demand (offloaded parameters fetched per use), searches the plan as
+    for a model on the GPU, and then moves the chunks the plan keeps persistent to the device. A model already
+    on the GPU needs no `prepare`.
 
     - `plan`: chunk fields, as in `options={"plan": ...}` (`n_persist`, `n_buffer`, `chunk_bytes`,
-      `master_dtype`); by default every chunk is persistent. The compile's options need not repeat them.
+      `master_dtype`); those given are held, the rest searched at the first compile (with `n_persist` given,
+      the chunks are placed here). The compile's options need not repeat them.
     - `init(module)`: for a model built under `torch.device("meta")`: called on each module after its own
       parameters and buffers are allocated on the CPU (the parameter objects stay the same) to fill them,
       just before they are copied into the chunks; so the host never holds the whole model besides the chunks.
@@ -286,8 +299,11 @@ def prepare(
     # no graph says which parameters the forward reads again after the blocks: those tied, outside the blocks
     names = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     alone = {n for n, p in ordered if names[id(p)] > 1 and block_of(n) is None}
-    layout = _layout(ordered, block_of, plan or {}, alone)
-    chosen = make_plan(sum(f.n_blocks for f in families), with_default_master(plan or {}, layout), layout)
+    plan = dict(plan or {})
+    layout = _layout(ordered, block_of, plan, alone)
+    pending = "n_persist" not in plan  # (then every chunk waits offloaded for the first compile's search)
+    fields = {**plan, "n_persist": 0, "n_buffer": plan.get("n_buffer", 1)} if pending else plan
+    chosen = make_plan(sum(f.n_blocks for f in families), with_default_master(fields, layout), layout)
     owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
 
     def materialize(module: nn.Module) -> None:
@@ -317,9 +333,10 @@ def prepare(
         device=device,
         source=source,
         model=model,
-        grad_slots=chosen.host_grad_slots,
+        grad_slots=1 if pending else chosen.host_grad_slots,
         device_grad_slots=chosen.device_grad_slots,
         master_dtype=chosen.master_dtype,
+        pending_plan=plan if pending else None,
     )
     model.__dict__[MODEL_ATTR] = manager
     for module in model.modules():  # what is not in chunks: buffers and frozen parameters go to the device

@@ -52,7 +52,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,7 +64,13 @@ from protrain_fx.planner.plan import MASTER_BYTES
 from protrain_fx.progress import progress
 from protrain_fx.runtime import model_hooks, ops
 from protrain_fx.runtime.grads import ParamGrads
-from protrain_fx.runtime.host import available_host_bytes, check_host_memory, meminfo_bytes, pinned_arena
+from protrain_fx.runtime.host import (
+    available_host_bytes,
+    check_host_memory,
+    meminfo_bytes,
+    pin_in_place,
+    pinned_arena,
+)
 from protrain_fx.runtime.host_queue import HostQueue
 
 log = logging.getLogger(__name__)
@@ -175,6 +181,7 @@ class ChunkManager:
         grad_slots: int | None = None,
         device_grad_slots: int | None = None,
         master_dtype: str = "float32",
+        pending_plan: Mapping[str, Any] | None = None,
     ):
         """`device` is where the chunks compute (default: the parameters' device). `source(p)` gives a
         parameter's values when they are not in `p` itself yet (a meta-device model); it is called in layout
@@ -182,7 +189,10 @@ class ChunkManager:
         state (runtime/adopt.py) says whether a backward is the last of an accumulated step. `grad_slots`: the
         plan's `host_grad_slots`, the gradient shards the offloaded chunks share on the host (default: one each);
         `device_grad_slots`, the plan's fp32 gradient buffers the persistent chunks share (default: one each);
-        `master_dtype`, the plan's ("float32", or the parameters' own dtype where MASTER_BYTES names it)."""
+        `master_dtype`, the plan's ("float32", or the parameters' own dtype where MASTER_BYTES names it).
+        `pending_plan`: the chunks wait for the first compile's search to place them (`place`); until then every
+        chunk is offloaded, each master shard in host memory of its own, and these are the plan fields forced so far
+        (`protrain_fx.prepare` without `n_persist`)."""
         if not 0 <= n_persist <= layout.n_chunk:
             raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
         if n_persist < layout.n_chunk and n_buffer < 1:
@@ -234,9 +244,7 @@ class ChunkManager:
         # the buffer, or across ranks of its shard: `_reduce_shards`, this rank's part of the sum, reduce-scattered)
         self._reduce_buffers: list[torch.Tensor] = []
         self._reduce_shards: list[torch.Tensor] = []
-        # as many as chunks reduce their gradients in one (every offloaded chunk, persistent ones across ranks)
-        reduced = layout.n_chunk - n_persist + (n_persist if self.world_size > 1 else 0)
-        self._n_reduce_buffers = max(1, min(REDUCE_BUFFERS, reduced))
+        self._n_reduce_buffers = self._reduce_buffer_count()
         self._reduce_read: list[torch.cuda.Event | None] = []
         self._next_reduce = 0
         self._version: dict[int, int] = {}  # chunk -> updates published (written by the worker thread)
@@ -299,15 +307,14 @@ class ChunkManager:
         self._chunk_params: dict[int, list[int]] = collections.defaultdict(list)
         for i, slot in enumerate(layout.slots):
             self._chunk_params[slot.chunk].append(i)
-        self._build(source or (lambda p: p.detach()), grad_slots, device_grad_slots)
+        self.pending_plan = dict(pending_plan) if pending_plan is not None else None
+        assert self.pending_plan is None or n_persist == 0, "a pending manager offloads every chunk"
+        self._build(grad_slots, device_grad_slots)
+        self._adopt(source or (lambda p: p.detach()))
         for p in self.params:
             p.__dict__[MANAGER_ATTR] = self
         self._lent: dict[int, bool] = {}  # offloaded parameters given their values for a forward outside the graphs
-        # the parameters of persistent chunks that are not their own master -> their version as the runtime left it,
-        # to take in what is written into them from outside (an in-place init, say: `_take_outside_writes`)
-        self._param_versions = {
-            i: p._version for i, p in enumerate(self.params) if not self.own_master and self.is_persistent(p)
-        }
+        self._param_versions = self._persistent_versions()
         if model is not None:
             model.register_state_dict_post_hook(functools.partial(_full_values_into_state_dict, self))
             model_hooks.install(self, model)
@@ -315,12 +322,24 @@ class ChunkManager:
 
     # ----- storage -----------------------------------------------------------------------------------
 
+    def _reduce_buffer_count(self) -> int:
+        """As many as chunks reduce their gradients in one (every offloaded chunk, persistent ones across ranks)."""
+        n, k = self.layout.n_chunk, self.n_persist
+        return max(1, min(REDUCE_BUFFERS, n - k + (k if self.world_size > 1 else 0)))
+
+    def _persistent_versions(self) -> dict[int, int]:
+        """The parameters of persistent chunks that are not their own master -> their version as the runtime left
+        it, to take in what is written into them from outside (an in-place init, say: `_take_outside_writes`)."""
+        return {i: p._version for i, p in enumerate(self.params) if not self.own_master and self.is_persistent(p)}
+
     def _build(
         self,
-        source: Callable[[nn.Parameter], torch.Tensor],
         grad_slots: int | None,
         device_grad_slots: int | None,
+        masters: dict[int, torch.Tensor] | None = None,
     ) -> None:
+        """The chunks' storage, zero-filled, for `n_persist` and `n_buffer`; `masters`: the offloaded chunks' host
+        master shards, already filled (`place`), pinned here."""
         n, elems, shard = self.layout.n_chunk, self.layout.chunk_elems, self.layout.shard_elems
         self.flat: dict[int, torch.Tensor] = {}  # persistent: chunk -> device params
         self.master: dict[int, torch.Tensor] = {}  # chunk -> fp32 master (device: whole chunk; host: shard)
@@ -350,21 +369,33 @@ class ChunkManager:
         slots = len(offloaded) if grad_slots is None else grad_slots
         assert 0 < slots <= len(offloaded) or slots == len(offloaded) == 0, f"{slots} gradient shards (make_plan)"
         self.grad_slots = slots
+        # (a pending manager holds only the masters; `place` checks for the AdamW states of the chunks it offloads)
+        states = 1 if self.pending_plan is not None else HOST_STATES - (1 if masters is not None else 0)
         check_host_memory(
-            shard * self.master_bytes * (HOST_STATES * len(offloaded) + slots),
+            shard * self.master_bytes * (states * len(offloaded) + slots),
             "the offloaded chunks",
             f"{self.master_dtype_name} master shards and AdamW states, and {slots} gradient shards",
             "keep more chunks on the GPU (options={'plan': {'n_persist': ...}}), use more ranks",
         )
-        # the masters, then the gradient shards
-        self.arena = pinned_arena(
-            shard * self.master_bytes * (len(offloaded) + slots), self, pin=self.device.type == "cuda"
-        )
-        parts = self.arena.view(self.master_dtype).split(shard) if offloaded else ()
-        self.master.update(zip(offloaded, parts))
+        pin = self.device.type == "cuda"
+        if masters is None and self.pending_plan is None:  # the masters, then the gradient shards
+            self.arena = pinned_arena(shard * self.master_bytes * (len(offloaded) + slots), self, pin=pin)
+            parts = self.arena.view(self.master_dtype).split(shard) if offloaded else ()
+            self.master.update(zip(offloaded, parts))
+            parts = parts[len(offloaded) :]
+        else:  # each master on its own, so that `place` frees those of the chunks it puts on the device
+            for c in offloaded:
+                self.master[c] = masters[c] if masters is not None else torch.empty(shard, dtype=self.master_dtype)
+                if masters is not None and pin:
+                    pin_in_place(self.master[c], self)
+            self.arena = pinned_arena(shard * self.master_bytes * slots, self, pin=pin)
+            parts = self.arena.view(self.master_dtype).split(shard) if slots else ()
+            if masters is None:
+                for c in offloaded:
+                    self.master[c].zero_()
         self.arena.zero_()
         # the gradient shards no chunk holds now; where there is one per chunk, each chunk holds its own for good
-        self._free_grads: list[torch.Tensor] = list(parts[len(offloaded) :])
+        self._free_grads: list[torch.Tensor] = list(parts)
         self._grad_lock = threading.Lock()  # (the worker thread gives gradient shards back)
         if slots == len(offloaded):
             self.grad.update(zip(offloaded, self._free_grads))
@@ -390,10 +421,9 @@ class ChunkManager:
         self._found_early = torch.zeros(self.n_persist, device=self.device)  # the same, of persistent chunks
         self._in_use: set[int] = set()  # chunks gathered and not released yet
         self._released: list[int] = []  # released chunks still in a buffer, least recent first
-        self._adopt(source)
         log.info(
-            "chunks: %d of %.1f MiB (master %s; %d persistent on %s with %d gradient buffers, %d offloaded to a %.1f "
-            "MiB host arena, %d buffers)",
+            "chunks: %d of %.1f MiB (master %s; %d persistent on %s with %d gradient buffers, %d offloaded, a %.1f "
+            "MiB host arena, %d buffers%s)",
             n,
             self.layout.chunk_bytes / 2**20,
             self.master_dtype,
@@ -403,7 +433,43 @@ class ChunkManager:
             len(offloaded),
             self.arena.numel() / 2**20,
             self.n_buffer,
+            "; placed by the first compile's plan" if self.pending_plan is not None else "",
         )
+
+    def place(self, n_persist: int, n_buffer: int, grad_slots: int | None, device_grad_slots: int | None) -> None:
+        """Put a pending manager's chunks where the first compile's plan says: the first `n_persist` chunks' masters
+        go to the device (a sharded one gathered from every rank: a collective), their host shards are freed; the
+        others keep theirs, pinned now. The values are the masters' as they were, bitwise."""
+        assert self.pending_plan is not None, "place() is for a manager built to wait for its plan"
+        assert not self.has_grad and not self._pending and not self._in_use, "chunks placed after training started"
+        n = self.layout.n_chunk
+        if not 0 <= n_persist <= n or (n_persist < n and n_buffer < 1):
+            raise ValueError(f"plan n_persist={n_persist}, n_buffer={n_buffer} for {n} chunks")
+        old = self.master
+        self.n_persist, self.n_buffer = n_persist, (n_buffer if n_persist < n else 0)
+        check_ranks_agree(self.layout, self.n_persist, self.n_buffer)
+        self._n_reduce_buffers = self._reduce_buffer_count()
+        self.pending_plan = None
+        self._build(grad_slots, device_grad_slots, masters={c: old[c] for c in range(n_persist, n)})
+        with torch.no_grad():
+            for c in range(n_persist):
+                whole = self.gather_shards(old.pop(c)) if self.world_size > 1 else old.pop(c)
+                self.master[c].copy_(whole)
+                if self.flat[c] is not self.master[c]:
+                    self.flat[c].copy_(whole)
+                del whole
+                for i in self._chunk_params[c]:
+                    a, b = self._slot_range(self.slots[i])
+                    self.params[i].data = self.flat[c][a:b].view(self.params[i].shape)
+        self._param_versions = self._persistent_versions()
+        log.info("chunks placed by the plan: %d of %d persistent, %d buffers", n_persist, n, self.n_buffer)
+
+    @property
+    def pending_host_bytes(self) -> int:
+        """The host memory a pending manager holds (its masters and gradient shard), which its plan reuses."""
+        if self.pending_plan is None:
+            return 0
+        return sum(m.untyped_storage().nbytes() for m in self.master.values()) + self.arena.numel()
 
     @property
     def upload_stream(self):
