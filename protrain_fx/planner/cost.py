@@ -83,12 +83,11 @@ import math
 from collections.abc import Sequence
 
 from protrain_fx.planner.chunking import ChunkLayout
-from protrain_fx.planner.plan import interleaved_modes
+from protrain_fx.planner.plan import HOST_STATES, MIN_GRAD_SLOTS, REDUCE_BUFFERS, interleaved_modes
 from protrain_fx.planner.selective import selective_terms
 from protrain_fx.profiler.fusion import EXTERN, is_matmul
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile
-from protrain_fx.runtime.chunks import HOST_STATES, MIN_GRAD_SLOTS, REDUCE_BUFFERS
 
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, each of the master dtype, per parameter element
 

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from protrain_fx.planner.chunking import ChunkLayout, Slot
-from protrain_fx.planner.plan import MASTER_BYTES
+from protrain_fx.planner.plan import HOST_STATES, MASTER_BYTES, REDUCE_BUFFERS
 from protrain_fx.progress import progress
 from protrain_fx.runtime import model_hooks, ops
 from protrain_fx.runtime.grads import ParamGrads
@@ -76,13 +76,6 @@ NO_SYNC_ATTR = "_protrain_no_sync"  # on the model: how many `protrain_fx.no_syn
 LOADED_MASTER_ATTR = "_protrain_loaded_master"
 
 
-REDUCE_BUFFERS = 2  # master-dtype chunk buffers gradients are reduced in: one copied to the host while the next fills
-# what an offloaded shard always holds of the host, in elements of the master dtype: its master (the parameters'
-# only host copy) and the host AdamW's two states. Its gradient shard is one more (one per offloaded chunk, or
-# fewer, shared in turn)
-HOST_STATES = 3
-# the fewest shared gradient shards a plan may have: one lands while the host updates from the other
-MIN_GRAD_SLOTS = 2
 HOST_UPDATES_KEPT = 64  # host AdamW timings kept (ChunkManager.host_updates)
 # a clipped model's host updates during the backward keep each shard's master and AdamW states as they were
 # (`ChunkManager.speculates`: HOST_STATES elements each), where that leaves UNDO_HOST_RESERVE of the host's memory
