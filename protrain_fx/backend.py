@@ -51,6 +51,7 @@ from protrain_fx.capture import (
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import Dumper
 from protrain_fx.debug.from_dump import GRAPHS_FILE, PLANNING_FILE, planning_inputs, retimed
+from protrain_fx.eager import eager
 from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, PassContext, run_passes
 from protrain_fx.planner.cost import Config, CostModel, swap_interval
 from protrain_fx.planner.plan import (
@@ -79,7 +80,6 @@ from protrain_fx.runtime.adopt import (
     wants_chunks,
 )
 from protrain_fx.runtime.chunks import MANAGER_ATTR
-from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.monitor import StepMonitor
 from protrain_fx.runtime.oom import Replanning, device_state, first_line
 from protrain_fx.runtime.ops import register_inductor_lowering

@@ -43,12 +43,12 @@ import torch
 import torch.distributed as dist
 
 from protrain_fx.config import default_cache_dir
+from protrain_fx.eager import eager
+from protrain_fx.host import available_host_bytes, meminfo_bytes
+from protrain_fx.host_queue import HostQueue, host_threads
 from protrain_fx.profiler.quiet import wait_until_children_quiet
 from protrain_fx.progress import progress
 from protrain_fx.runtime.chunks import across_ranks, rank_and_world_size
-from protrain_fx.runtime.eager import eager
-from protrain_fx.runtime.host import available_host_bytes, meminfo_bytes
-from protrain_fx.runtime.host_queue import HostQueue, host_threads
 
 log = logging.getLogger(__name__)
 

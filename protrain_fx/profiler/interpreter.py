@@ -35,6 +35,7 @@ from torch.fx.graph import _BoxedCodeGen
 from torch.utils._pytree import tree_leaves
 
 from protrain_fx.capture import OUTSIDE, BlockMap
+from protrain_fx.eager import eager
 from protrain_fx.profiler.fusion import classify, is_matmul
 from protrain_fx.profiler.hardware import IDLE_CYCLES, interpolate, probe_matmul
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
@@ -43,7 +44,6 @@ from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_bl
 from protrain_fx.profiler.quiet import wait_until_children_quiet
 from protrain_fx.progress import progress
 from protrain_fx.runtime.chunks import rank_and_world_size
-from protrain_fx.runtime.eager import eager
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from protrain_fx.capture import FrameRoots, block_index, find_block_families
+from protrain_fx.eager import eager
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
 from protrain_fx.planner.plan import Plan, make_plan, with_default_master
 from protrain_fx.runtime.chunks import (
@@ -35,7 +36,6 @@ from protrain_fx.runtime.chunks import (
     replaced_param_error,
     skips_nonfinite,
 )
-from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.optim import OPTIMIZER_ATTR
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ Layout (planner/chunking.py) decides which parameter is where; the plan decides 
   gives it back once its update is queued; a step whose updates wait for `AdamW.step()` takes those it lacks
   from the allocator for the step.
 - non-persistent chunks: each rank holds its shard (fp32 master, fp32 gradient) in one host arena allocated
-  once at its exact size (runtime/host.py: pinned with `cudaHostRegister` on CUDA, not the power-of-two host
+  once at its exact size (host.py: pinned with `cudaHostRegister` on CUDA, not the power-of-two host
   allocator; unregistered when the manager is collected). The parameters' own storage is emptied
   (`resize_(0)`): the compiled graphs read them through `gather`, which copies this rank's fp32 master shard
   to the device, casts it into one of `n_buffer` compute-dtype buffers and all-gathers the rest. (Casting on
@@ -59,13 +59,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from protrain_fx.host import available_host_bytes, check_host_memory, meminfo_bytes, pinned_arena
+from protrain_fx.host_queue import HostQueue
 from protrain_fx.planner.chunking import ChunkLayout, Slot
 from protrain_fx.planner.plan import HOST_STATES, MASTER_BYTES, REDUCE_BUFFERS
 from protrain_fx.progress import progress
 from protrain_fx.runtime import model_hooks, ops
 from protrain_fx.runtime.grads import ParamGrads
-from protrain_fx.runtime.host import available_host_bytes, check_host_memory, meminfo_bytes, pinned_arena
-from protrain_fx.runtime.host_queue import HostQueue
 
 log = logging.getLogger(__name__)
 
