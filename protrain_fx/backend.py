@@ -51,6 +51,7 @@ from protrain_fx.capture import (
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import Dumper
 from protrain_fx.debug.from_dump import GRAPHS_FILE, PLANNING_FILE, planning_inputs, retimed
+from protrain_fx.distributed import least_on_every_rank
 from protrain_fx.eager import eager
 from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, PassContext, run_passes
 from protrain_fx.planner.cost import Config, CostModel, swap_interval
@@ -64,7 +65,7 @@ from protrain_fx.planner.plan import (
 )
 from protrain_fx.planner.search import NoPlanFits, plan_graph
 from protrain_fx.profiler.fusion import describe
-from protrain_fx.profiler.hardware import device_capacity, hardware_profile, host_capacity, least_on_every_rank
+from protrain_fx.profiler.hardware import device_capacity, hardware_profile, host_capacity
 from protrain_fx.profiler.interpreter import profile_iteration, profile_on_every_rank
 from protrain_fx.profiler.on_demand import OnDemand, storage_key
 from protrain_fx.profiler.profile import GraphProfile

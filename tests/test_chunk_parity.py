@@ -14,9 +14,9 @@ import torch
 from helpers import train_steps
 
 import protrain_fx
+from protrain_fx.distributed import rank_and_world_size
 from protrain_fx.planner.cost import Config
 from protrain_fx.runtime.adopt import model_manager
-from protrain_fx.runtime.chunks import rank_and_world_size
 
 STEPS = 10
 PLANS = {

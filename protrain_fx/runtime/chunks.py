@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from protrain_fx.distributed import across_ranks, check_ranks_agree, rank_and_world_size
 from protrain_fx.host import available_host_bytes, check_host_memory, meminfo_bytes, pinned_arena
 from protrain_fx.host_queue import HostQueue
 from protrain_fx.planner.chunking import ChunkLayout, Slot
@@ -88,60 +89,12 @@ def _spinning_openmp() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "ACTIVE"
 
 
-def rank_and_world_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-class CollectiveError(RuntimeError):
-    """A collective of the chunks failed on a multi-rank run: another rank has most likely died or left."""
-
-
-@contextlib.contextmanager
-def across_ranks(what: str) -> Iterator[None]:
-    """Name the collective and the likely cause when one fails with several ranks (gloo: the peer's connection
-    closed; NCCL: the communicator aborted after its timeout), instead of the backend's bare message."""
-    try:
-        yield
-    except RuntimeError as e:
-        rank, world = rank_and_world_size()
-        if world == 1 or isinstance(e, CollectiveError):
-            raise
-        raise CollectiveError(
-            f"rank {rank} of {world}: {what} failed ({type(e).__name__}: {e}). Another rank has most likely died "
-            "or stopped (see its log), and this one cannot go on without it: restart every rank, resuming from "
-            "the last checkpoint (protrain_fx.state_dict with torch.distributed.checkpoint)"
-        ) from e
-
-
 def skips_nonfinite(optimizer, dtype: torch.dtype) -> bool:
     """Whether `optimizer` (a protrain_fx.optim.AdamW, or None) skips a step with an inf or NaN gradient instead of
     raising, over parameters of `dtype`: its `nonfinite` policy; by default for float16 (loss scaling), not for
     bfloat16 or float32. Such a step's updates all wait for `AdamW.step()`."""
     policy = optimizer.nonfinite if optimizer is not None else None
     return policy == "skip" or (policy is None and dtype == torch.float16)
-
-
-def check_ranks_agree(layout: ChunkLayout, n_persist: int, n_buffer: int) -> None:
-    """Every rank must lay out the same parameters the same way and plan alike; raise on all ranks if not
-    (a disagreement would otherwise hang in the first collective of unequal size)."""
-    if layout.world_size == 1:
-        return
-    mine = (layout.chunk_elems, layout.n_chunk, n_persist, n_buffer, [(s.name, s.numel) for s in layout.slots])
-    everyone: list = [None] * layout.world_size
-    dist.all_gather_object(everyone, mine)
-    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if differ:
-        first = everyone[differ[0]]
-        names = dict(first[4])
-        diff = [(n, k) for n, k in everyone[0][4] if names.get(n) != k][:3]
-        raise ValueError(
-            f"ranks {differ} disagree with rank 0 on the model or plan: rank 0 has {everyone[0][1]} chunks of "
-            f"{everyone[0][0]} elements (n_persist={everyone[0][2]}, n_buffer={everyone[0][3]}), rank {differ[0]} "
-            f"{first[1]} chunks of {first[0]} (n_persist={first[2]}, n_buffer={first[3]}); first parameters that "
-            f"differ: {diff or 'their order'}. Build the same model and pass the same options on every rank"
-        )
 
 
 def replaced_param_error(name: str) -> ValueError:
