@@ -187,6 +187,12 @@ def master_bytes(forced: Mapping[str, Any]) -> int:
     return MASTER_BYTES[master_dtype]
 
 
+def decisions(plan: Mapping[str, Any]) -> dict[str, Any]:
+    """A plan's fields (as plan.json holds them) but its predictions and runners-up: forced, they time it again
+    with nothing searched."""
+    return {k: v for k, v in plan.items() if not k.startswith("predicted_") and k != "runners_up"}
+
+
 def make_plan(
     n_block: int,
     forced: Mapping[str, Any] | None = None,
