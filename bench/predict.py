@@ -169,7 +169,9 @@ def from_dump(args: argparse.Namespace) -> int:
     `--host-as-measured`: where training measured the host AdamW, the dumped plan is timed again with the host's
     work scaled by the measured over the predicted rate (`host_scale_of`: what is left of the error is not the
     host's rate)."""
-    from protrain_fx.debug.from_dump import PLANNING_FILE, decisions, host_scale_of, plan_from_dump
+    from protrain_fx.debug.dump import PLANNING_FILE
+    from protrain_fx.debug.from_dump import host_scale_of, plan_from_dump
+    from protrain_fx.planner.plan import decisions
 
     forced = json.loads(args.plan) if args.plan else None
     folders = sorted({f.parent for d in args.dumps for f in Path(d).glob(f"**/{PLANNING_FILE}")})

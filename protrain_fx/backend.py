@@ -49,21 +49,22 @@ from protrain_fx.capture import (
     open_modules,
 )
 from protrain_fx.config import ProTrainConfig
-from protrain_fx.debug.dump import Dumper
-from protrain_fx.debug.from_dump import GRAPHS_FILE, PLANNING_FILE, planning_inputs, retimed
+from protrain_fx.debug.dump import GRAPHS_FILE, PLANNING_FILE, Dumper
+from protrain_fx.distributed import least_on_every_rank
+from protrain_fx.eager import eager
 from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, PassContext, run_passes
 from protrain_fx.planner.cost import Config, CostModel, swap_interval
+from protrain_fx.planner.inputs import PlanningInputs, cost_model, retimed, settled
 from protrain_fx.planner.plan import (
     ACTIVATION_FIELDS,
     CHUNK_FIELDS,
     OUTPUT_FIELDS,
     Plan,
-    master_bytes,
     with_default_master,
 )
 from protrain_fx.planner.search import NoPlanFits, plan_graph
 from protrain_fx.profiler.fusion import describe
-from protrain_fx.profiler.hardware import device_capacity, hardware_profile, host_capacity, least_on_every_rank
+from protrain_fx.profiler.hardware import device_capacity, hardware_profile, host_capacity
 from protrain_fx.profiler.interpreter import profile_iteration, profile_on_every_rank
 from protrain_fx.profiler.on_demand import OnDemand, storage_key
 from protrain_fx.profiler.profile import GraphProfile
@@ -80,7 +81,6 @@ from protrain_fx.runtime.adopt import (
     wants_chunks,
 )
 from protrain_fx.runtime.chunks import MANAGER_ATTR
-from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.monitor import StepMonitor
 from protrain_fx.runtime.oom import Replanning, device_state, first_line
 from protrain_fx.runtime.ops import register_inductor_lowering
@@ -112,7 +112,7 @@ class GraphRecord:
     manager: Any = None  # weak reference to the model's ChunkManager, None when not chunked
     grad_source: int | None = None  # its frame's id for the ChunkManager (ChunkManager.grad_source)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of profile, hardware, search
-    planning: dict | None = None  # the planner's inputs besides the profile (debug/from_dump.py: planning.json)
+    planning: PlanningInputs | None = None  # the planner's inputs besides the profile (a dump's planning.json)
 
 
 def check_torch_version(version: str = torch.__version__) -> None:
@@ -578,7 +578,7 @@ class _Partitioner(CustomPartitionerFn):
             if record.costs is not None:
                 dumper.write_json("costs.json", _cost_terms(record.costs, record.plan))
             if record.planning is not None:
-                dumper.write_json(PLANNING_FILE, record.planning)
+                dumper.write_json(PLANNING_FILE, record.planning.to_json())
             # as profiled (every block saving all it saves), before any pass or re-cut for the plan: what
             # profiler/fusion.py classified (debug/from_dump.py)
             dumper.write_json(GRAPHS_FILE, {"forward": describe(fw.graph), "backward": describe(bw.graph)})
@@ -679,21 +679,17 @@ class _Partitioner(CustomPartitionerFn):
         record.seconds["hardware"] = time.perf_counter() - start
         shared = layout is not None and forced.get("n_persist", 0) < layout.n_chunk  # uploads during the forward
         output = next(n for n in bw.graph.nodes if n.op == "output")
-        block_of_param = [record.block_map.block_of(s.name) for s in layout.slots] if layout else []
-        regathers = _regathers(record.param_map, layout, model) if layout else ()
-        grad_outputs = frozenset(a.name for a in output.args[0] if isinstance(a, fx.Node))
-        fused = self.config.executor == "inductor"
-        costs = CostModel.build(
-            record.profile,
-            hardware,
+        inputs = PlanningInputs(
+            forced=dict(forced),
             n_block=n_block,
             layout=layout,
-            block_of_param=block_of_param,
-            regathers=regathers,
-            grad_outputs=grad_outputs,
-            fused=fused,
-            master_bytes=master_bytes(forced),
+            block_of_param=tuple(record.block_map.block_of(s.name) for s in layout.slots) if layout else (),
+            regathers=_regathers(record.param_map, layout, model) if layout else (),
+            grad_outputs=frozenset(a.name for a in output.args[0] if isinstance(a, fx.Node)),
+            fused=self.config.executor == "inductor",
+            hardware=hardware,
         )
+        costs = cost_model(record.profile, inputs)  # its swap interval, other bytes and waits settled below
         interval = forced.get("swap_interval") or swap_interval(
             costs.block_saved, costs.block_fwd_s, hardware, uploads_share_link=shared
         )
@@ -716,12 +712,10 @@ class _Partitioner(CustomPartitionerFn):
                 held = _nbytes(p for p in model.parameters() if p.device == device)
             else:  # the CPU tracker counts the graph's inputs
                 held = _nbytes(graph_params)
-        costs = dataclasses.replace(
-            costs,
-            swap_interval=interval,
-            other_bytes=max(0, record.profile.baseline_bytes - held),
-            updates_wait=waits,
+        inputs = dataclasses.replace(
+            inputs, swap_interval=interval, other_bytes=max(0, record.profile.baseline_bytes - held), updates_wait=waits
         )
+        costs = settled(costs, inputs)
         record.costs = costs
         start = time.perf_counter()
         host = self.config.host_memory_bytes or host_capacity(device)
@@ -732,21 +726,7 @@ class _Partitioner(CustomPartitionerFn):
         )
         plan = plan_graph(costs, forced, layout, record.capacity, host)
         record.seconds["search"] = time.perf_counter() - start
-        record.planning = planning_inputs(
-            forced=forced,
-            n_block=n_block,
-            layout=layout,
-            block_of_param=block_of_param,
-            regathers=regathers,
-            grad_outputs=grad_outputs,
-            fused=fused,
-            swap_interval=costs.swap_interval,
-            other_bytes=costs.other_bytes,
-            updates_wait=costs.updates_wait,
-            capacity_bytes=record.capacity,
-            host_bytes=host,
-            hardware=hardware,
-        )
+        record.planning = dataclasses.replace(inputs, capacity_bytes=record.capacity, host_bytes=host)
         return plan
 
 

@@ -23,8 +23,8 @@ import time
 import torch
 from torch import nn
 
+from protrain_fx.distributed import rank_and_world_size
 from protrain_fx.runtime.adopt import user_model
-from protrain_fx.runtime.chunks import rank_and_world_size
 
 log = logging.getLogger(__name__)
 

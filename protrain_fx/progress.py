@@ -8,10 +8,10 @@ from collections.abc import Iterable
 
 from tqdm import tqdm
 
+from protrain_fx.distributed import rank_and_world_size
+
 
 def progress(iterable: Iterable | None = None, *, total: int | None = None, desc: str, unit: str = "it") -> tqdm:
-    from protrain_fx.runtime.chunks import rank_and_world_size  # (here: runtime/chunks.py imports this module)
-
     shown = rank_and_world_size()[0] == 0 and sys.stderr.isatty()
     return tqdm(
         iterable, total=total, desc=f"protrain: {desc}", unit=unit, disable=not shown, leave=False, file=sys.stderr

@@ -14,9 +14,9 @@ import torch
 from helpers import train_steps
 
 import protrain_fx
+from protrain_fx.distributed import rank_and_world_size
 from protrain_fx.planner.cost import Config
 from protrain_fx.runtime.adopt import model_manager
-from protrain_fx.runtime.chunks import rank_and_world_size
 
 STEPS = 10
 PLANS = {
@@ -283,7 +283,7 @@ SHARING = {
 def _no_room(m: pytest.MonkeyPatch, where: str, model) -> None:
     """No memory for another gradient shard on the host, or gradient buffer on the device."""
     if where == "host":
-        from protrain_fx.runtime import host
+        from protrain_fx import host
 
         m.setattr(host, "available_host_bytes", lambda: 1000)
         return
@@ -324,7 +324,7 @@ def test_shared_gradients_say_what_they_cannot_do(monkeypatch, where):
 
 
 def test_host_memory_checked_before_allocating(monkeypatch):
-    from protrain_fx.runtime import host
+    from protrain_fx import host
 
     monkeypatch.setattr(host, "available_host_bytes", lambda: 1000)
     with pytest.raises(Exception, match=r"need 0\.\d+ GiB of host memory .* but 0\.00 GiB is available"):

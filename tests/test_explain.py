@@ -75,7 +75,8 @@ def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
     """The dump has plan.json, and after a few steps predicted_vs_measured.json (with the host AdamW's rate in
     training beside the hardware profile's, chunks being offloaded, and the plan's step time at that rate);
     plan.json given back as options={"plan": path} is the same plan, not searched again."""
-    from protrain_fx.debug.from_dump import decisions, host_scale_of, plan_from_dump
+    from protrain_fx.debug.from_dump import host_scale_of, plan_from_dump
+    from protrain_fx.planner.plan import decisions
 
     model = models.build("llama", layers=3)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import protrain_fx
+from protrain_fx.host_queue import HostQueue, host_threads
 from protrain_fx.runtime.chunks import MANAGER_ATTR
-from protrain_fx.runtime.host_queue import HostQueue, host_threads
 
 
 def test_beside_a_gpu_the_worker_runs_on_this_ranks_share_of_the_cores(monkeypatch):

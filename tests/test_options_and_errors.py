@@ -15,7 +15,7 @@ import protrain_fx
 from protrain_fx.backend import check_torch_version
 from protrain_fx.capture import check_inputs
 from protrain_fx.config import ProTrainConfig
-from protrain_fx.debug.from_dump import decisions
+from protrain_fx.planner.plan import decisions
 
 
 def test_defaults():

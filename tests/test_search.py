@@ -13,6 +13,7 @@ import torch
 import protrain_fx
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Config, CostModel, _HostRates, _Segment
+from protrain_fx.planner.plan import HOST_STATES, MIN_GRAD_SLOTS
 from protrain_fx.planner.search import (
     HOST_SLOWDOWN,
     SAFE_HEADROOM,
@@ -25,7 +26,6 @@ from protrain_fx.planner.search import (
     slow_host,
 )
 from protrain_fx.profiler.hardware import HardwareProfile
-from protrain_fx.runtime.chunks import HOST_STATES, MIN_GRAD_SLOTS
 
 GiB = 2**30
 H100_LIKE = HardwareProfile(

@@ -16,20 +16,21 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
+from protrain_fx.distributed import rank_and_world_size
 
 log = logging.getLogger(__name__)
 
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+# the planner's inputs besides the profile (planner/inputs.py) and the graphs as profiled: debug/from_dump.py
+# plans the graph again from them
+PLANNING_FILE = "planning.json"
+GRAPHS_FILE = "graphs.json"
 
 
 class Dumper:
     """Writes the files of one compiled graph into the next free graph<k> folder of this rank."""
 
     def __init__(self, dump_dir: str | os.PathLike):
-        rank_dir = Path(dump_dir) / f"rank{_rank()}"
+        rank_dir = Path(dump_dir) / f"rank{rank_and_world_size()[0]}"
         rank_dir.mkdir(parents=True, exist_ok=True)
         k = 0
         while True:  # claim a folder atomically: mkdir fails if another graph took it

@@ -10,107 +10,30 @@ So a change to the cost models can be checked against steps measured earlier (pr
 them in the dump) without the machine that measured them: keep the dumps of a `bench predict` run
 (`--keep-dumps`), then plan them again after each change.
 
-planning.json holds what `CostModel.build` and `plan_graph` read besides the profile: the block count, the chunk
-layout and the block of each of its slots, the backward's gradient outputs, whether the graphs run fused
-(inductor), the swap interval and the other bytes the backend settled on, the GPU and host capacities the search
-ran under, the fields forced, and the hardware profile. graphs.json holds the forward and backward graphs as
-profiled (`profiler/fusion.py: describe`): each node's kernel class and fused bytes are classified again from them
-by the current `profiler/fusion.py`, so a change there is checked the same way.
+planning.json holds what `CostModel.build` and `plan_graph` read besides the profile (planner/inputs.py:
+`PlanningInputs`): the block count, the chunk layout and the block of each of its slots, the backward's gradient
+outputs, whether the graphs run fused (inductor), the swap interval and the other bytes the backend settled on,
+the GPU and host capacities the search ran under, the fields forced, and the hardware profile. graphs.json holds
+the forward and backward graphs as profiled (`profiler/fusion.py: describe`): each node's kernel class and fused
+bytes are classified again from them by the current `profiler/fusion.py`, so a change there is checked the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from protrain_fx.planner.chunking import ChunkLayout
-from protrain_fx.planner.cost import Config, CostModel
-from protrain_fx.planner.plan import Plan, master_bytes
+from protrain_fx.debug.dump import GRAPHS_FILE, PLANNING_FILE
+from protrain_fx.planner.cost import Config
+from protrain_fx.planner.inputs import PlanningInputs, cost_model
+from protrain_fx.planner.plan import Plan, decisions
 from protrain_fx.planner.search import plan_graph
 from protrain_fx.profiler.fusion import classify, rebuild
-from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile
 from protrain_fx.runtime import monitor
-
-PLANNING_FILE = "planning.json"
-GRAPHS_FILE = "graphs.json"
-
-
-def planning_inputs(
-    *,
-    forced: Mapping[str, Any],
-    n_block: int,
-    layout: ChunkLayout | None,
-    block_of_param: Sequence[int | None],
-    regathers: Sequence[tuple[int, int]],
-    grad_outputs: frozenset[str],
-    fused: bool,
-    swap_interval: int,
-    other_bytes: int,
-    updates_wait: bool,
-    capacity_bytes: int | None,
-    host_bytes: int | None,
-    hardware: HardwareProfile,
-) -> dict[str, Any]:
-    """planning.json: the planner's inputs besides the profile, as the backend searched with them."""
-    return {
-        "forced": dict(forced),
-        "n_block": n_block,
-        "layout": layout.to_json() if layout is not None else None,
-        "block_of_param": list(block_of_param),
-        "regathers": [list(r) for r in regathers],
-        "grad_outputs": sorted(grad_outputs),
-        "fused": fused,
-        "swap_interval": swap_interval,
-        "other_bytes": other_bytes,
-        "updates_wait": updates_wait,
-        "capacity_bytes": capacity_bytes,
-        "host_bytes": host_bytes,
-        "hardware": hardware.to_json(),
-    }
-
-
-def cost_model_from_dump(
-    profile: GraphProfile, planning: Mapping[str, Any], layout: ChunkLayout | None, forced: Mapping[str, Any]
-) -> CostModel:
-    """The cost models of the graph, built by the current code from its profile and planning.json (whose chunk
-    layout is `layout`), for the plan fields `forced` (their master dtype)."""
-    costs = CostModel.build(
-        profile,
-        HardwareProfile.from_json(planning["hardware"]),
-        n_block=planning["n_block"],
-        layout=layout,
-        block_of_param=planning["block_of_param"],
-        regathers=[tuple(r) for r in planning.get("regathers", ())],  # (a dump written before they were kept: none)
-        grad_outputs=frozenset(planning["grad_outputs"]),
-        fused=planning["fused"],
-        master_bytes=master_bytes(forced),
-    )
-    return dataclasses.replace(
-        costs,
-        swap_interval=planning["swap_interval"],
-        other_bytes=planning["other_bytes"],
-        updates_wait=planning.get("updates_wait", False),  # (a dump written before it was kept: as then)
-    )
-
-
-def decisions(plan: Mapping[str, Any]) -> dict[str, Any]:
-    """A plan's fields (as plan.json holds them) but its predictions and runners-up: forced, they time it again
-    with nothing searched."""
-    return {k: v for k, v in plan.items() if not k.startswith("predicted_") and k != "runners_up"}
-
-
-def retimed(costs: CostModel, planning: Mapping[str, Any], plan: Plan, hardware: HardwareProfile) -> Plan:
-    """`plan` timed again, nothing searched, by `costs` (the cost model it was searched with) on `hardware`,
-    under the capacities of `planning` (planning.json's inputs): e.g. with the host AdamW as fast as training
-    measured it (`HardwareProfile.host_slower` by `runtime/monitor.py: host_scale`), to tell the host's part of an
-    error from the rest."""
-    layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
-    costs = dataclasses.replace(costs, hardware=hardware)
-    return plan_graph(costs, decisions(plan.to_json()), layout, planning["capacity_bytes"], planning["host_bytes"])
 
 
 def plan_from_dump(
@@ -121,13 +44,12 @@ def plan_from_dump(
     `host_scale`: the dumped hardware profile's host work taken as that many times as long
     (`HardwareProfile.host_slower`), e.g. as training measured it (`host_scale_of`), to tell the host's part of
     an error from the rest."""
-    profile, planning, layout = _read(Path(graph_dir))
-    fields = planning["forced"] if forced is None else forced
+    profile, inputs = _read(Path(graph_dir))
+    fields = inputs.forced if forced is None else forced
     if host_scale is not None:
-        hardware = HardwareProfile.from_json(planning["hardware"]).host_slower(host_scale)
-        planning = {**planning, "hardware": hardware.to_json()}
-    costs = cost_model_from_dump(profile, planning, layout, fields)
-    return plan_graph(costs, fields, layout, planning["capacity_bytes"], planning["host_bytes"])
+        inputs = dataclasses.replace(inputs, hardware=inputs.hardware.host_slower(host_scale))
+    costs = cost_model(profile, inputs, fields)
+    return plan_graph(costs, fields, inputs.layout, inputs.capacity_bytes, inputs.host_bytes)
 
 
 def host_scale_of(graph_dir: str | Path) -> float | None:
@@ -140,16 +62,16 @@ def host_scale_of(graph_dir: str | Path) -> float | None:
     report = json.loads(measured.read_text()) if measured.is_file() else {}
     if report.get("measured_host_adam_s_per_param") and not report.get("predicted_host_adam_s_per_param"):
         dumped = decisions(json.loads((folder / "plan.json").read_text()))
-        profile, planning, layout = _read(folder)
-        costs = cost_model_from_dump(profile, planning, layout, dumped)
+        profile, inputs = _read(folder)
+        costs = cost_model(profile, inputs, dumped)
         config = Config(*(dumped.get(f.name, 0) for f in dataclasses.fields(Config)))  # (older dumps: no n_selective)
         report["predicted_host_adam_s_per_param"] = costs.host_adam_mean_s(config)
     return monitor.host_scale(report)
 
 
-def _read(folder: Path) -> tuple[GraphProfile, dict[str, Any], ChunkLayout | None]:
-    """A graph folder's profile (its nodes classified again by the current code where graphs.json is there),
-    planning.json and chunk layout."""
+def _read(folder: Path) -> tuple[GraphProfile, PlanningInputs]:
+    """A graph folder's profile (its nodes classified again by the current code where graphs.json is there) and
+    planning inputs (planning.json)."""
     missing = [f for f in ("profile.json", PLANNING_FILE) if not (folder / f).is_file()]
     if missing:
         raise ValueError(
@@ -159,9 +81,7 @@ def _read(folder: Path) -> tuple[GraphProfile, dict[str, Any], ChunkLayout | Non
     profile = GraphProfile.from_json(json.loads((folder / "profile.json").read_text()))
     if (folder / GRAPHS_FILE).is_file():
         profile = classified_again(profile, json.loads((folder / GRAPHS_FILE).read_text()))
-    planning = json.loads((folder / PLANNING_FILE).read_text())
-    layout = ChunkLayout.from_json(planning["layout"]) if planning["layout"] is not None else None
-    return profile, planning, layout
+    return profile, PlanningInputs.from_json(json.loads((folder / PLANNING_FILE).read_text()))
 
 
 def classified_again(profile: GraphProfile, graphs: Mapping[str, list[dict]]) -> GraphProfile:

@@ -11,7 +11,7 @@ fused kernels move at the device's memory bandwidth instead (`node_s`, profiler/
 Runtime (Appendix A.1). The paper's T_iter = T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim), refined for when the
 host's AdamW can run: T_iter = T_fwd + T_bwd + T_gpu_optim + the next forward's wait for the host, where the host
 steps each offloaded chunk once its gradient has been reduced and copied down (one at a time, the lowest landed
-chunk first, as runtime/host_queue.py does) and the next forward waits where it would load a chunk the host has
+chunk first, as host_queue.py does) and the next forward waits where it would load a chunk the host has
 not stepped yet. The host's AdamW is slower while copies run over the link (they share the host's memory
 bandwidth): its rate at each moment is the one measured beside copies running the same ways (`_HostRates`).
 T_gpu_optim is what the persistent chunks' device AdamW adds: each runs once its gradient is reduced, beside the
@@ -83,12 +83,11 @@ import math
 from collections.abc import Sequence
 
 from protrain_fx.planner.chunking import ChunkLayout
-from protrain_fx.planner.plan import interleaved_modes
+from protrain_fx.planner.plan import HOST_STATES, MIN_GRAD_SLOTS, REDUCE_BUFFERS, interleaved_modes
 from protrain_fx.planner.selective import selective_terms
 from protrain_fx.profiler.fusion import EXTERN, is_matmul
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile
-from protrain_fx.runtime.chunks import HOST_STATES, MIN_GRAD_SLOTS, REDUCE_BUFFERS
 
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, each of the master dtype, per parameter element
 
@@ -877,7 +876,7 @@ class CostModel:
         self, config: Config, forward: dict, backward: dict, next_forward: float, clipped: int | None
     ) -> dict:
         """The host steps offloaded chunks one at a time, each once its gradient is there, the lowest landed one
-        first (runtime/host_queue.py: the next forward needs it first), beside the backward's copies and the next
+        first (host_queue.py: the next forward needs it first), beside the backward's copies and the next
         forward's (which starts at `next_forward`); its AdamW's rate at each moment is the one measured beside
         the copies then (`_HostRates`). With `clipped` only the last `clipped` chunks' updates start as their
         gradient lands, each also copying aside what it changes; the others' wait for the end of the backward

@@ -19,6 +19,14 @@ from protrain_fx.planner.chunking import ChunkLayout
 # library kernels: passes/activations.py), or swap its activations to the host
 BLOCK_MODES = ("none", "checkpoint", "selective", "swap")
 MASTER_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}  # the master dtypes a plan may name, and their size
+# What the chunk runtime (runtime/chunks.py) holds, which the cost model (planner/cost.py) counts:
+REDUCE_BUFFERS = 2  # master-dtype chunk buffers gradients are reduced in: one copied to the host while the next fills
+# what an offloaded shard always holds of the host, in elements of the master dtype: its master (the parameters'
+# only host copy) and the host AdamW's two states. Its gradient shard is one more (one per offloaded chunk, or
+# fewer, shared in turn)
+HOST_STATES = 3
+# the fewest shared gradient shards a plan may have: one lands while the host updates from the other
+MIN_GRAD_SLOTS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +185,12 @@ def master_bytes(forced: Mapping[str, Any]) -> int:
     if master_dtype not in MASTER_BYTES:
         raise ValueError(f"options['plan']['master_dtype'] must be one of {list(MASTER_BYTES)}, got {master_dtype!r}")
     return MASTER_BYTES[master_dtype]
+
+
+def decisions(plan: Mapping[str, Any]) -> dict[str, Any]:
+    """A plan's fields (as plan.json holds them) but its predictions and runners-up: forced, they time it again
+    with nothing searched."""
+    return {k: v for k, v in plan.items() if not k.startswith("predicted_") and k != "runners_up"}
 
 
 def make_plan(

@@ -43,12 +43,12 @@ import torch
 import torch.distributed as dist
 
 from protrain_fx.config import default_cache_dir
+from protrain_fx.distributed import least_on_every_rank, rank_and_world_size
+from protrain_fx.eager import eager
+from protrain_fx.host import available_host_bytes, meminfo_bytes
+from protrain_fx.host_queue import HostQueue, host_threads
 from protrain_fx.profiler.quiet import wait_until_children_quiet
 from protrain_fx.progress import progress
-from protrain_fx.runtime.chunks import across_ranks, rank_and_world_size
-from protrain_fx.runtime.eager import eager
-from protrain_fx.runtime.host import available_host_bytes, meminfo_bytes
-from protrain_fx.runtime.host_queue import HostQueue, host_threads
 
 log = logging.getLogger(__name__)
 
@@ -712,19 +712,3 @@ def host_capacity(device: torch.device) -> int | None:
     workers = threads if threads > 1 else 0
     reserve = HOST_RESERVE_BYTES + COMPILE_WORKER_BYTES * workers  # (each rank's process)
     return max(0, available - reserve * ranks) // ranks
-
-
-def least_on_every_rank(values: list[int | None], device: torch.device) -> list[int | None]:
-    """Each of `values` (capacities in bytes; None: not budgeted) as the least any rank has, so that every rank
-    plans under the same limits."""
-    _, world_size = rank_and_world_size()
-    if world_size == 1:
-        return values
-    unset = torch.iinfo(torch.int64).max
-    with eager():
-        where = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        mine = torch.tensor([unset if v is None else v for v in values], dtype=torch.int64, device=where)
-        with across_ranks("the all-reduce of the GPU and host capacities the plan is searched under"):
-            dist.all_reduce(mine, op=dist.ReduceOp.MIN)
-        least = mine.tolist()  # (a device-to-host copy: out of a fake mode, as planning inside the partitioner is)
-    return [None if v == unset else v for v in least]

@@ -35,6 +35,8 @@ from torch.fx.graph import _BoxedCodeGen
 from torch.utils._pytree import tree_leaves
 
 from protrain_fx.capture import OUTSIDE, BlockMap
+from protrain_fx.distributed import rank_and_world_size
+from protrain_fx.eager import eager
 from protrain_fx.profiler.fusion import classify, is_matmul
 from protrain_fx.profiler.hardware import IDLE_CYCLES, interpolate, probe_matmul
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
@@ -42,8 +44,6 @@ from protrain_fx.profiler.on_demand import CALL_OPS, AbsentCounting, GraphRun, O
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
 from protrain_fx.profiler.quiet import wait_until_children_quiet
 from protrain_fx.progress import progress
-from protrain_fx.runtime.chunks import rank_and_world_size
-from protrain_fx.runtime.eager import eager
 
 log = logging.getLogger(__name__)
 

@@ -25,17 +25,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from protrain_fx.capture import FrameRoots, block_index, find_block_families
+from protrain_fx.distributed import rank_and_world_size
+from protrain_fx.eager import eager
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
 from protrain_fx.planner.plan import Plan, make_plan, with_default_master
 from protrain_fx.runtime.chunks import (
     MANAGER_ATTR,
     NO_SYNC_ATTR,
     ChunkManager,
-    rank_and_world_size,
     replaced_param_error,
     skips_nonfinite,
 )
-from protrain_fx.runtime.eager import eager
 from protrain_fx.runtime.optim import OPTIMIZER_ATTR
 
 log = logging.getLogger(__name__)

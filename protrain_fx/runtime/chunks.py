@@ -17,7 +17,7 @@ Layout (planner/chunking.py) decides which parameter is where; the plan decides 
   gives it back once its update is queued; a step whose updates wait for `AdamW.step()` takes those it lacks
   from the allocator for the step.
 - non-persistent chunks: each rank holds its shard (fp32 master, fp32 gradient) in one host arena allocated
-  once at its exact size (runtime/host.py: pinned with `cudaHostRegister` on CUDA, not the power-of-two host
+  once at its exact size (host.py: pinned with `cudaHostRegister` on CUDA, not the power-of-two host
   allocator; unregistered when the manager is collected). The parameters' own storage is emptied
   (`resize_(0)`): the compiled graphs read them through `gather`, which copies this rank's fp32 master shard
   to the device, casts it into one of `n_buffer` compute-dtype buffers and all-gathers the rest. (Casting on
@@ -59,19 +59,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from protrain_fx.distributed import across_ranks, check_ranks_agree, rank_and_world_size
+from protrain_fx.host import available_host_bytes, check_host_memory, meminfo_bytes, pin_in_place, pinned_arena
+from protrain_fx.host_queue import HostQueue
 from protrain_fx.planner.chunking import ChunkLayout, Slot
-from protrain_fx.planner.plan import MASTER_BYTES
+from protrain_fx.planner.plan import HOST_STATES, MASTER_BYTES, REDUCE_BUFFERS
 from protrain_fx.progress import progress
 from protrain_fx.runtime import model_hooks, ops
 from protrain_fx.runtime.grads import ParamGrads
-from protrain_fx.runtime.host import (
-    available_host_bytes,
-    check_host_memory,
-    meminfo_bytes,
-    pin_in_place,
-    pinned_arena,
-)
-from protrain_fx.runtime.host_queue import HostQueue
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +77,6 @@ NO_SYNC_ATTR = "_protrain_no_sync"  # on the model: how many `protrain_fx.no_syn
 LOADED_MASTER_ATTR = "_protrain_loaded_master"
 
 
-REDUCE_BUFFERS = 2  # master-dtype chunk buffers gradients are reduced in: one copied to the host while the next fills
-# what an offloaded shard always holds of the host, in elements of the master dtype: its master (the parameters'
-# only host copy) and the host AdamW's two states. Its gradient shard is one more (one per offloaded chunk, or
-# fewer, shared in turn)
-HOST_STATES = 3
-# the fewest shared gradient shards a plan may have: one lands while the host updates from the other
-MIN_GRAD_SLOTS = 2
 HOST_UPDATES_KEPT = 64  # host AdamW timings kept (ChunkManager.host_updates)
 # a clipped model's host updates during the backward keep each shard's master and AdamW states as they were
 # (`ChunkManager.speculates`: HOST_STATES elements each), where that leaves UNDO_HOST_RESERVE of the host's memory
@@ -101,60 +89,12 @@ def _spinning_openmp() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "ACTIVE"
 
 
-def rank_and_world_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-class CollectiveError(RuntimeError):
-    """A collective of the chunks failed on a multi-rank run: another rank has most likely died or left."""
-
-
-@contextlib.contextmanager
-def across_ranks(what: str) -> Iterator[None]:
-    """Name the collective and the likely cause when one fails with several ranks (gloo: the peer's connection
-    closed; NCCL: the communicator aborted after its timeout), instead of the backend's bare message."""
-    try:
-        yield
-    except RuntimeError as e:
-        rank, world = rank_and_world_size()
-        if world == 1 or isinstance(e, CollectiveError):
-            raise
-        raise CollectiveError(
-            f"rank {rank} of {world}: {what} failed ({type(e).__name__}: {e}). Another rank has most likely died "
-            "or stopped (see its log), and this one cannot go on without it: restart every rank, resuming from "
-            "the last checkpoint (protrain_fx.state_dict with torch.distributed.checkpoint)"
-        ) from e
-
-
 def skips_nonfinite(optimizer, dtype: torch.dtype) -> bool:
     """Whether `optimizer` (a protrain_fx.optim.AdamW, or None) skips a step with an inf or NaN gradient instead of
     raising, over parameters of `dtype`: its `nonfinite` policy; by default for float16 (loss scaling), not for
     bfloat16 or float32. Such a step's updates all wait for `AdamW.step()`."""
     policy = optimizer.nonfinite if optimizer is not None else None
     return policy == "skip" or (policy is None and dtype == torch.float16)
-
-
-def check_ranks_agree(layout: ChunkLayout, n_persist: int, n_buffer: int) -> None:
-    """Every rank must lay out the same parameters the same way and plan alike; raise on all ranks if not
-    (a disagreement would otherwise hang in the first collective of unequal size)."""
-    if layout.world_size == 1:
-        return
-    mine = (layout.chunk_elems, layout.n_chunk, n_persist, n_buffer, [(s.name, s.numel) for s in layout.slots])
-    everyone: list = [None] * layout.world_size
-    dist.all_gather_object(everyone, mine)
-    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if differ:
-        first = everyone[differ[0]]
-        names = dict(first[4])
-        diff = [(n, k) for n, k in everyone[0][4] if names.get(n) != k][:3]
-        raise ValueError(
-            f"ranks {differ} disagree with rank 0 on the model or plan: rank 0 has {everyone[0][1]} chunks of "
-            f"{everyone[0][0]} elements (n_persist={everyone[0][2]}, n_buffer={everyone[0][3]}), rank {differ[0]} "
-            f"{first[1]} chunks of {first[0]} (n_persist={first[2]}, n_buffer={first[3]}); first parameters that "
-            f"differ: {diff or 'their order'}. Build the same model and pass the same options on every rank"
-        )
 
 
 def replaced_param_error(name: str) -> ValueError:

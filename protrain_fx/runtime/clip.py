@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from protrain_fx.distributed import across_ranks
 from protrain_fx.runtime.adopt import model_manager, user_model
-from protrain_fx.runtime.chunks import across_ranks
 
 
 @torch.no_grad()

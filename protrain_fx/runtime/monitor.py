@@ -12,7 +12,7 @@ parameter over the measured steps' updates, beside the plan's predicted mean ove
 beside the copies the cost model put there) and the hardware profile's figures for the plan's master dtype (alone
 and beside copies both ways) the plan was timed with; on CUDA a rate far outside those figures is logged as a
 warning: the profile, cached and reused, may have been measured while the machine was busy. Given how to time
-the plan again (`retime`: debug/from_dump.py `retimed`), also the plan's step time with the host's work scaled by
+the plan again (`retime`: planner/inputs.py `retimed`), also the plan's step time with the host's work scaled by
 the measured over the predicted rate (`host_scale`), and its error: what is left of the error is not the host's
 rate.
 """

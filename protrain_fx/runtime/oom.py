@@ -22,7 +22,7 @@ once an offloaded chunk's host update of that step has started (it changed the w
 Re-planning is for one process: with several ranks, the others are inside the step's collectives when one runs
 out of memory, and cannot re-plan with it (that would take aborting and rebuilding the process group). There the
 error is raised on that rank, says so, and the others stop at their next collective with the error of a rank
-that died (runtime/chunks.py: `across_ranks`).
+that died (distributed.py: `across_ranks`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from protrain_fx.config import ProTrainConfig
+from protrain_fx.distributed import rank_and_world_size
 from protrain_fx.profiler.hardware import device_capacity
-from protrain_fx.runtime.chunks import rank_and_world_size
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from protrain_fx.runtime.chunks import MANAGER_ATTR, OPTIMIZER_ATTR, across_ranks, skips_nonfinite
+from protrain_fx.distributed import across_ranks
+from protrain_fx.runtime.chunks import MANAGER_ATTR, OPTIMIZER_ATTR, skips_nonfinite
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from collections.abc import Sequence
 
 import torch
 
+from protrain_fx.host import check_host_memory, pinned_arena
 from protrain_fx.runtime import ops
-from protrain_fx.runtime.host import check_host_memory, pinned_arena
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,7 @@
-"""Host memory: how much there is, and one exact-size pinned arena per owner (chunks, swap slots)."""
+"""Host memory: how much there is, and one exact-size pinned arena per owner (chunks, swap slots).
+
+Read by the hardware profile (host capacity) and by the runtime (its host checks), so below both.
+"""
 
 from __future__ import annotations
 

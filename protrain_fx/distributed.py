@@ -1,0 +1,84 @@
+"""What every stage needs of torch.distributed: this rank and the world size, collectives that name themselves
+when a peer is gone, the check that every rank builds the same chunks, and the least of a value on any rank.
+
+Below the profiler, the planner and the runtime, which all read it; it imports none of them (the chunk
+layout only as a type).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from protrain_fx.eager import eager
+
+if TYPE_CHECKING:
+    from protrain_fx.planner.chunking import ChunkLayout
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the chunks failed on a multi-rank run: another rank has most likely died or left."""
+
+
+@contextlib.contextmanager
+def across_ranks(what: str) -> Iterator[None]:
+    """Name the collective and the likely cause when one fails with several ranks (gloo: the peer's connection
+    closed; NCCL: the communicator aborted after its timeout), instead of the backend's bare message."""
+    try:
+        yield
+    except RuntimeError as e:
+        rank, world = rank_and_world_size()
+        if world == 1 or isinstance(e, CollectiveError):
+            raise
+        raise CollectiveError(
+            f"rank {rank} of {world}: {what} failed ({type(e).__name__}: {e}). Another rank has most likely died "
+            "or stopped (see its log), and this one cannot go on without it: restart every rank, resuming from "
+            "the last checkpoint (protrain_fx.state_dict with torch.distributed.checkpoint)"
+        ) from e
+
+
+def check_ranks_agree(layout: ChunkLayout, n_persist: int, n_buffer: int) -> None:
+    """Every rank must lay out the same parameters the same way and plan alike; raise on all ranks if not
+    (a disagreement would otherwise hang in the first collective of unequal size)."""
+    if layout.world_size == 1:
+        return
+    mine = (layout.chunk_elems, layout.n_chunk, n_persist, n_buffer, [(s.name, s.numel) for s in layout.slots])
+    everyone: list = [None] * layout.world_size
+    dist.all_gather_object(everyone, mine)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        first = everyone[differ[0]]
+        names = dict(first[4])
+        diff = [(n, k) for n, k in everyone[0][4] if names.get(n) != k][:3]
+        raise ValueError(
+            f"ranks {differ} disagree with rank 0 on the model or plan: rank 0 has {everyone[0][1]} chunks of "
+            f"{everyone[0][0]} elements (n_persist={everyone[0][2]}, n_buffer={everyone[0][3]}), rank {differ[0]} "
+            f"{first[1]} chunks of {first[0]} (n_persist={first[2]}, n_buffer={first[3]}); first parameters that "
+            f"differ: {diff or 'their order'}. Build the same model and pass the same options on every rank"
+        )
+
+
+def least_on_every_rank(values: list[int | None], device: torch.device) -> list[int | None]:
+    """Each of `values` (capacities in bytes; None: not budgeted) as the least any rank has, so that every rank
+    plans under the same limits."""
+    _, world_size = rank_and_world_size()
+    if world_size == 1:
+        return values
+    unset = torch.iinfo(torch.int64).max
+    with eager():
+        where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        mine = torch.tensor([unset if v is None else v for v in values], dtype=torch.int64, device=where)
+        with across_ranks("the all-reduce of the GPU and host capacities the plan is searched under"):
+            dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+        least = mine.tolist()  # (a device-to-host copy: out of a fake mode, as planning inside the partitioner is)
+    return [None if v == unset else v for v in least]
