@@ -85,8 +85,7 @@ class HostQueue:
 def host_threads() -> int:
     """The cores this rank may use on the host: those the process may run on, shared among this machine's ranks
     (torchrun's LOCAL_WORLD_SIZE). Not torch's thread count, which torchrun sets to 1 (OMP_NUM_THREADS) in every
-    rank it starts: the host AdamW of a 5.5B model on two ranks then ran on one core each, 2.5 times as long a
-    step as on one rank (docs/benchmarks.md, twenty-first session)."""
+    rank it starts: the host AdamW would then run on one core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 

@@ -1,13 +1,14 @@
-"""The pass pipeline: one ordered list per stage, each pass `fn(gm, ctx, *, knobs) -> gm`.
+"""The pass pipeline: one ordered list per stage, each pass `fn(gm, ctx) -> gm`.
 
-Passes read decisions from the plan and tags in `node.meta`; a pass with nothing tagged returns the graph
-unchanged. Stages:
-  JOINT_PASSES   on the joint forward+backward graph, before partitioning (tagging, e.g. recompute tags)
-  GRAPH_PASSES   on the partitioned forward and backward graphs (rewrites, e.g. inserting runtime ops)
+A pass reads its decisions from `ctx` (the plan, the chunk manager, the capture record) and tags in `node.meta`;
+a pass with nothing to do returns the graph unchanged. Stages:
+  JOINT_PASSES   on the joint forward+backward graph, before it is partitioned again: the recompute tags of
+                 checkpointed and selective blocks, and of the views of offloaded parameters (activations.py,
+                 chunks.py)
+  GRAPH_PASSES   on the partitioned forward and backward graphs: the recompute order, activation swapping
+                 (activations.py), the chunk passes (chunks.py), then with a dump directory the step marks that
+                 measure the plan against its predictions (monitor.py)
   INFERENCE_PASSES  on a graph compiled under no_grad of a model with offloaded chunks (the chunk passes)
-Joint passes: activation checkpointing tags (passes/activations.py). Graph passes: activation swapping
-(passes/activations.py), the chunk passes (passes/chunks.py), then with a dump directory the step marks
-that measure the plan against its predictions (passes/monitor.py).
 With a dump directory, the graph after each pass is written as readable Python (`<stage>_<i>_<pass>.py`).
 """
 

@@ -1,7 +1,7 @@
 """The cost models (paper §4.3, Appendix A): step time and peak GPU memory of any configuration, from one profile
 of the graph (profiler/) and the hardware profile, without running it.
 
-    model = CostModel.build(profile, hardware, layout=..., family=..., ...)
+    model = CostModel.build(profile, hardware, n_block=..., layout=..., ...)
     model.step_s(Config(n_persist=4, n_buffer=2, n_swap=1, n_checkpoint=6, n_selective=8))
     model.peak_bytes(Config(...))
 
@@ -43,7 +43,7 @@ each is laid out chunk by chunk on three lanes, the compute and the link's two w
     displaced is uploaded: as many uploads;
   with one buffer a chunk's load cannot overlap the compute of the chunk before it (one buffer, in use).
 Each copy runs at the rate measured beside what runs where it starts: copies the other way, the host's AdamW
-(which slows copies to the device by about a fifth), both or neither (`_Link`, from an earlier pass of the
+(which slows copies to the device), both or neither (`_Link`, from an earlier pass of the
 timelines). On the CPU (no overlap) everything runs in line.
 A node's compute belongs to the chunk of its block (pre-block nodes, and those between two block lists, to the
 first chunk; post-block ones to the last). Without a chunk layout the step is the profiled compute plus recompute.

@@ -1,9 +1,9 @@
 """The plan: every memory decision for one compiled graph, made once and frozen.
 
 Later stages only read it. It is JSON-serializable so it can be dumped and replayed
-(`options={"plan": "plan.json"}`). This version carries out the chunk fields (`n_persist`, `n_buffer`,
-forced by the user; all chunks persistent by default) and the per-block activation modes (`n_checkpoint`,
-`n_selective`, `n_swap`, or `block_modes`; none by default) with the swap interval (`planner/cost.py`).
+(`options={"plan": "plan.json"}`). The fields the user does not force are searched (planner/search.py:
+`plan_graph`); `make_plan` builds a plan from forced fields alone, and there every chunk is persistent and no
+block optimized unless forced (as in `protrain_fx.prepare`, which runs before any search).
 """
 
 from __future__ import annotations

@@ -22,18 +22,15 @@ and n_persist with the paper's pruning:
   the first gradient's landing), then, for a configuration that comes first with it, `CostModel.step_bound_s`
   (the timelines' first pass and the host AdamW from each gradient's landing there).
 Configurations are ranked by the mean of two step times: with the host's work as profiled (the plan's
-`predicted_step_s`) and HOST_SLOWDOWN times as long (`predicted_slow_host_step_s`). The host's AdamW rate in
-training differs from the profile's by machine and run: over thirteen runs in docs/benchmarks.md training measured
-0.65-1.72 times the profile's rate, twelve of them at most 1.30. A plan whose offloaded chunks' updates land just
-before the next forward needs them is fastest at the profiled rate and loses the most where the host is slower: on
-an H200 machine, 1B at batch 8, the searched 7/3 (persistent/buffered chunks) was predicted 89.0 ms and measured
-97.8 ms, training's host 13% slower than profiled; the model gives 8/2 89.5 ms at either rate (twentieth
-session). The mean, not the slow time alone: where the host bounds every plan, their slow times are all alike.
+`predicted_step_s`) and HOST_SLOWDOWN times as long (`predicted_slow_host_step_s`): the host's AdamW rate in
+training differs from the profile's by machine and run, and a plan whose offloaded chunks' updates land just
+before the next forward needs them is fastest at the profiled rate and loses the most where the host is slower.
+The mean, not the slow time alone: where the host bounds every plan, their slow times are all alike.
 Among those that fit, the lowest so ranked wins. Ties (within TIE_REL) go to the one that rewrites the
 model least (fewest blocks checkpointed, selective or swapped, then most chunks persistent) among those leaving at least
 SAFE_HEADROOM of the capacity free, else to the one with the most headroom. (A swap hidden behind compute is
-priced at nothing, but its copies, events and settle points measured a few ms a step: with memory to spare it
-buys nothing.) A field the user forces is held at its value and the rest searched.
+priced at nothing, but its copies, events and settle points take some time: with memory to spare it buys
+nothing.) A field the user forces is held at its value and the rest searched.
 
 Last resort (`plan_graph`): where nothing fits, the search runs again with the persistent chunks sharing
 MIN_GRAD_SLOTS gradient buffers on the device instead of one each (`CostModel.share_device_grads`): the GPU

@@ -71,9 +71,8 @@ IDLE_CYCLES = 200_000_000  # a GPU sleep of ~0.1 s at H100/H200 clocks: long eno
 COLLECTIVE_BYTES = (2**20, 16 * 2**20, 128 * 2**20)
 CPU_COLLECTIVE_BYTES = (2**20, 16 * 2**20)  # gloo on a few cores: larger messages only take long (extrapolated)
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
-# host memory the plan leaves to the rest of each rank's training. Training a 13.6B model (one H100, 125 GiB of
-# host), the process grew after planning by what the plan counts and 1.8 GiB more (inductor compiling in the
-# process), leaving 2.6 GiB available at its peak; each of inductor's compile worker processes held 0.22 GiB
+# host memory the plan leaves to the rest of each rank's training: the process grows past what the plan counts
+# (its own heap, inductor compiling in the process), and each of inductor's compile worker processes holds some
 HOST_RESERVE_BYTES = 3 * 2**30
 COMPILE_WORKER_BYTES = 2**28
 
@@ -341,8 +340,8 @@ def _rate(nbytes: int, fn: Callable[[], object], device: torch.device) -> float:
 
 def _together() -> None:
     """Wait for every rank, so that what is measured next runs on all of them at once, as in training: the ranks'
-    copies and host AdamWs share the host's memory bandwidth (measured apart, four ranks' host AdamW was predicted
-    at two thirds of what training measured: docs/benchmarks.md, twenty-fourth session)."""
+    copies and host AdamWs share the host's memory bandwidth (measured apart, each rank would time them beside
+    whatever the others happened to measure)."""
     if rank_and_world_size()[1] > 1:
         dist.barrier()
 
@@ -447,9 +446,8 @@ def _host_adam_s_per_param(
     """torch's fused CPU AdamW per parameter as the chunk runtime runs an offloaded chunk's step: on a HostQueue
     worker thread (one core fewer beside a GPU), over ADAM_TENSORS views of one flat pinned chunk of `dtype`, while this
     thread repeats `copies` (pinned copies over the link, waited for) or waits. The median of a few steps, and
-    the median seconds of one run of `copies` meanwhile (None without). Copies slow it: on an H100 machine
-    2.0-2.3e-10 s/param alone, 2.5-2.8e-10 beside copies to the device and 3.3-3.7e-10 beside copies both ways
-    (docs/benchmarks.md, issue 5); it slows copies to the device by a fifth (eleventh session)."""
+    the median seconds of one run of `copies` meanwhile (None without). Copies slow it, and it slows copies to
+    the device: both use the host's memory bandwidth."""
     gpu = device.type == "cuda"
     master = torch.zeros(ADAM_PARAMS, pin_memory=gpu, dtype=dtype)
     grads = torch.full((ADAM_PARAMS,), 1e-3, pin_memory=gpu, dtype=dtype)
@@ -545,10 +543,9 @@ def _sustained_matmul_stretch(
     """`probe_matmul`s in workloads that give them each of SUSTAINED_SHARES of the device's time, the rest copies
     from `a` to `b` (bound by memory, as fused kernels are), each run for SUSTAINED_S: the share the matmuls
     took and their median time over the workload's last SUSTAINED_TAIL, over their least time in a short burst
-    after the device idled (as the profiler's probes are, profiler/interpreter.py). At its 700 W limit an H200
-    ran bf16 matmuls 16% slower once they had run for 0.3 s than in a burst, 4% slower with about half the time
-    in copies (docs/benchmarks.md, twenty-third session). With several ranks: each share's mean and stretch's
-    highest over the ranks. Empty off CUDA."""
+    after the device idled (as the profiler's probes are, profiler/interpreter.py). A device at its power limit
+    lowers its clocks, more the larger the matmuls' share of its time. With several ranks: each share's mean and
+    stretch's highest over the ranks. Empty off CUDA."""
     if device.type != "cuda":
         return ()
     mm = probe_matmul(device)
@@ -588,8 +585,7 @@ def _collective_beside_matmul(device: torch.device) -> tuple[float, float]:
     matmuls on the current stream that take BESIDE_MATMULS times as long as they do alone (the median of
     ADAM_STEPS tries), as the chunk runtime's collectives run beside the compute: their time there over their time
     alone, and by how much longer the matmuls take, per second of collective beside them. NCCL's kernels take
-    cores (and memory bandwidth) from the matmuls: on two H200s the compute stream's kernels took 48 ms longer in a
-    5.5B step beside 89 ms of collectives (docs/benchmarks.md, twenty-second session). (1.0, 0.0) with one rank
+    cores (and memory bandwidth) from the matmuls. (1.0, 0.0) with one rank
     or off CUDA (gloo runs on the host's cores)."""
     _, world_size = rank_and_world_size()
     if world_size == 1 or device.type != "cuda":

@@ -12,11 +12,11 @@ small kernel takes:
   interpreter adds tens of microseconds per node, more than many kernels take). On CUDA the marks are
   events and a short GPU sleep first lets the CPU queue kernels ahead, so consecutive marks measure the
   GPU time of each node's kernels; on CPU they are `time.perf_counter` readings. Each node keeps its least
-  time over TIMED_RUNS timed iterations: whatever else runs on the machine only adds to a node's time, and
-  one slow stretch of one iteration (the first profile on a fresh machine) once put 13 ms into a 1B model's
-  backward. On CUDA a probe matmul runs every PROBE_EVERY nodes between two marks of its own: a device near its
-  power limit lowers its clocks as a run goes on, so each matmul's time is taken as at the clocks of the fastest
-  probe (`_least_at_burst_clocks`), and the cost model prices training's clocks from the hardware profile.
+  time over TIMED_RUNS timed iterations: whatever else runs on the machine only adds to a node's time, so a
+  slow stretch of one iteration does not reach the profile. On CUDA a probe matmul runs every PROBE_EVERY nodes
+  between two marks of its own: a device near its power limit lowers its clocks as a run goes on, so each matmul's
+  time is taken as at the clocks of the fastest probe (`_least_at_burst_clocks`), and the cost model prices
+  training's clocks from the hardware profile.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def _storages(values: Any, dropped: dict[int, int] | None = None) -> dict[int, i
 ENGINE_FREES_OUTPUT_GRADS = hasattr(torch.autograd.function.BackwardCFunction, "apply_boxed")
 
 # time for the CPU to fill CUDA's launch queue ahead of the GPU (~0.1 s at H100/H200 clocks). A longer sleep queues
-# no more (the CPU then waits for room in the queue: about 500 nodes with their marks on an H200), so nodes that the
-# GPU runs faster than the CPU queues them are timed at the CPU's pace (18-28 us a node there)
+# no more (the CPU then waits for room in the queue), so nodes that the GPU runs faster than the CPU queues them
+# are timed at the CPU's pace
 _PREFILL_CYCLES = IDLE_CYCLES
 # ~1 ms: after tensors are dropped or brought back on demand, time for the CPU to catch up with the GPU
 _REFILL_CYCLES = 2_000_000
@@ -343,10 +343,9 @@ def _least_at_burst_clocks(nodes: list[NodeProfile], latencies: list[list[float]
     """Set each node's latency_s to its least over the timed runs (`latencies`, per run and node), matmuls'
     (`is_matmul`) each as at the clocks of a short burst: times the least probe time over the runs, over the
     probe time where it ran (`probes`, per run and node; none on the CPU). A device near its power limit lowers
-    its clocks as a run goes on, and how far differs from run to run and machine to machine (the same 1B model's
-    matmuls profiled 69-75 ms a step on one H200); the cost model prices the clocks of training from the hardware
-    profile (`HardwareProfile.sustained_matmul_stretch`). Returns the matmuls' least time as run over their time
-    at burst clocks (1 on the CPU)."""
+    its clocks as a run goes on, and how far differs from run to run and machine to machine; the cost model
+    prices the clocks of training from the hardware profile (`HardwareProfile.sustained_matmul_stretch`). Returns
+    the matmuls' least time as run over their time at burst clocks (1 on the CPU)."""
     burst = min((t for run in probes for t in run if t > 0), default=0.0)
     as_run, at_burst = 0.0, 0.0
     for i, record in enumerate(nodes):

@@ -36,7 +36,8 @@ class CudaMemoryTracker:
         """The allocator sees a storage resized to 0 bytes by itself."""
 
     # `torch.cuda.memory_allocated` and `max_memory_allocated` flatten every allocator statistic into one dict in
-    # Python (about 0.3 ms); the profile reads them around each of thousands of nodes, so read the one it needs
+    # Python, slower than a small kernel; the profile reads them around each of thousands of nodes, so read the one
+    # it needs
     def _allocated_bytes(self, which: str) -> int:
         stats = torch.cuda.memory_stats_as_nested_dict(self.device)  # {} before CUDA is initialized
         return stats["allocated_bytes"]["all"][which] if stats else 0

@@ -4,9 +4,7 @@
 (`AsyncCompile.wakeup()` in `compile_fx`): a sidecar process and a pool of workers under it (by default one per
 core), each importing torch, which takes seconds of every core. Profiling runs inside that compile. A timed graph
 whose thread loses its core cannot keep CUDA's launch queue filled (profiler/interpreter.py), and the nodes it
-then queues are timed at its own pace. Profiles that met something of the kind are in docs/benchmarks.md
-(twentieth session: the later part of each graph timed up to twice as long, casts taking 0.6-0.9 ms instead of
-50 us). The host AdamW of the hardware profile shares the cores with them too.
+then queues are timed at its own pace. The host AdamW of the hardware profile shares the cores with them too.
 
 So on CUDA, before anything is timed, `wait_until_children_quiet()` waits until the processes descended from this
 one (read from /proc) use under QUIET_CORES of the CPU over QUIET_WINDOW_S, or QUIET_TIMEOUT_S have passed. Other

@@ -1006,8 +1006,7 @@ class ChunkManager:
         stream waits (on the device, the CPU goes on) until the copy to the host that last read it (or, across
         ranks, its shard) has ended: gradients waiting for the link hold no more memory than these buffers, and
         the backward slows down instead where the copies are slower than it. (Shards made anew for each chunk
-        and held until their copy ended put two ranks of the 5.5B model 4.3 GiB over their plan:
-        docs/benchmarks.md, twenty-first session.)"""
+        would pile up while the copies lag, beyond what the plan counts.)"""
         i = self._next_reduce
         self._next_reduce = (i + 1) % self._n_reduce_buffers
         if i == len(self._reduce_buffers):

@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 WARMUP_STEPS = 2  # steps before measuring (compile, first-use costs)
 MEASURED_STEPS = 5
 # the host AdamW in training may run this much faster than the hardware profile's figure alone, or slower than
-# its figure beside copies both ways, before the profile is suspect (one H100 machine's host ran 2.4e-10 s/param
-# in one run and 3.8e-10 in the next, against 2.2e-10 alone and 3.4e-10 beside copies: docs/benchmarks.md)
+# its figure beside copies both ways, before the profile is suspect (the host's rate varies between runs on one
+# machine, so a tighter bound would warn of ordinary runs)
 HOST_RATE_SLACK = 1.5
 
 

@@ -226,8 +226,8 @@ def _dense_recomputed_attention(lowerings: dict) -> None:
     """A recomputed random op (the fused attentions are, for their dropout) reaches the backward wrapped by
     AOTAutograd in `run_with_rng_state` (`graphsafe_` on CUDA), which inductor lowers as a plain fallback: without
     the attention's own layout rule, so a query laid out with its head dimension strided fails in cuDNN ("The
-    stride for the last dimension ... should be 1"), as 5.5B training on four ranks did with a checkpointed
-    block. Wrapped attentions get their query, key and value row-major, as `sdpa_constraint` gives them unwrapped."""
+    stride for the last dimension ... should be 1") in a checkpointed block. Wrapped attentions get their query,
+    key and value row-major, as `sdpa_constraint` gives them unwrapped."""
     from torch._inductor import ir
     from torch._prims import rng_prims
 
