@@ -20,7 +20,7 @@ from bench.predict import from_dump, predict
 from bench.sweep import maxsize, scaling, sweep
 from bench.table import table
 from bench.trainer import TRAINER_SYSTEMS, trainer
-from bench.worker import RESULT_PREFIX, SYSTEMS, emit, train, unavailable
+from bench.worker import INITS, RESULT_PREFIX, SYSTEMS, emit, train, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ def worker(args: argparse.Namespace) -> int:
             "clip",
             "gpu_memory_gib",
             "memory_budget",
+            "init",
         )
         run = {name: getattr(args, name) for name in names}
         result = train(args.system, spec, plan=json.loads(args.plan), dump_dir=args.dump_dir or None, **run)
@@ -151,7 +152,7 @@ def _run_worker(system: str, args: argparse.Namespace, nproc: int = 1) -> dict:
     cmd = [*(launch if nproc > 1 else [sys.executable, "-m"]), "bench", "worker", "--system", system]
     cmd += ["--dtype", args.dtype, "--plan", args.plan, "--data", args.data, "--executor", args.executor]
     cmd += ["--dump-dir", args.dump_dir, "--clip", str(args.clip), "--gpu-memory-gib", str(args.gpu_memory_gib)]
-    cmd += ["--memory-budget", str(args.memory_budget)]
+    cmd += ["--memory-budget", str(args.memory_budget), "--init", args.init]
     cmd += [arg for name in flags for arg in (f"--{name}", str(getattr(args, name)))]
     log.info("running %s", shlex.join(cmd))
     proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)  # stderr (tqdm, logs) passes through
@@ -219,6 +220,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1.0,
         help="compile and compile-amp: torch._functorch.config.activation_memory_budget, the share of the "
         "activations the min-cut partitioner may keep (it recomputes the cheapest rest); 1.0: its default (default)",
+    )
+    sizes.add_argument(
+        "--init",
+        choices=INITS,
+        default="gpu",
+        help="protrain-chunks: build the model on the GPU, or on the CPU and put it into chunks with "
+        "protrain_fx.prepare, as a model larger than the GPU is (default gpu)",
     )
     sizes.add_argument("--dump-dir", default="", help="protrain's dump directory (protrain systems; '' for none)")
     sizes.add_argument(

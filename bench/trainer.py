@@ -80,10 +80,14 @@ def _run(system: str, args: argparse.Namespace) -> dict:
     if args.gpu_memory_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.gpu_memory_gib * 2**30 / total, 0)
-    model = build_model(spec, device, DTYPES[args.dtype], args.seed)
+    if args.init != "gpu" and system != "protrain":
+        raise ValueError(f"--init {args.init!r} is for protrain only")
+    model = build_model(spec, torch.device("cpu") if args.init == "cpu" else device, DTYPES[args.dtype], args.seed)
     steps = args.warmup + args.steps
     if system == "protrain":
         options = {"plan": json.loads(args.plan)}
+        if args.init == "cpu":
+            protrain_fx.prepare(model, device=device)
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=LR)
         model.compile(backend=protrain_fx.ProTrainBackend(options), dynamic=False)
     else:

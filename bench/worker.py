@@ -43,6 +43,7 @@ FSDP2_SYSTEMS = ("fsdp2-offload", "fsdp2-offload-ac")  # FSDP2 with CPU offload 
 DEEPSPEED_SYSTEMS = ("deepspeed-offload", "deepspeed-offload-ac")
 # compile-amp: torch.compile over fp32 weights (the masters) under bf16/fp16 autocast, with fp32 AdamW: the
 # numerics of protrain's default fp32 masters, where compile trains the weights in the compute dtype itself
+INITS = ("gpu", "cpu")  # where protrain-chunks' model is built (`train`)
 SYSTEMS = ("protrain", "protrain-chunks", "compile", "compile-amp", "eager", *FSDP2_SYSTEMS, *DEEPSPEED_SYSTEMS)
 RESULT_PREFIX = "BENCH_RESULT "  # marks the worker's result line on stdout; anything else there is ignored
 LR = 1e-4
@@ -74,6 +75,7 @@ class Result:
     hardware: dict | None = None
     clip: float = 0.0  # the gradient norm clipped to before each step (0: none)
     memory_budget: float = 1.0  # compile's activation_memory_budget (1.0: its default)
+    init: str = "gpu"  # protrain-chunks: built on the GPU, or on the CPU and put into chunks by protrain_fx.prepare
 
 
 def unavailable(system: str) -> str | None:
@@ -123,12 +125,17 @@ def train(
     clip: float = 0.0,
     gpu_memory_gib: float = 0.0,
     memory_budget: float = 1.0,
+    init: str = "gpu",
 ) -> Result:
     """Train `warmup + steps` AdamW steps of the model under `system` and measure them. `data`: "random"
     tokens or byte tokens of real "text" (bench/text.py). `clip` > 0: clip the gradient norm to it between
     backward and step. `gpu_memory_gib` > 0: the GPU memory the system may use (`limit_gpu_memory`).
     `memory_budget` < 1: compile and compile-amp keep at most that share of the activations, recomputing the
-    cheapest rest (`torch._functorch.config.activation_memory_budget`, for this run only)."""
+    cheapest rest (`torch._functorch.config.activation_memory_budget`, for this run only). `init` "cpu":
+    protrain-chunks' model is built on the CPU and put into chunks by `protrain_fx.prepare` (a model larger than
+    the GPU is built so), "gpu": on the GPU."""
+    if init not in INITS or (init != "gpu" and system != "protrain-chunks"):
+        raise ValueError(f"--init {init!r}: one of {INITS}, and other than 'gpu' only for protrain-chunks")
     if not 0 < memory_budget <= 1:
         raise ValueError(f"--memory-budget must be in (0, 1], got {memory_budget}")
     budgeted = system in ("compile", "compile-amp") and memory_budget < 1
@@ -144,7 +151,7 @@ def train(
     distributed = sharded or int(os.environ.get("WORLD_SIZE", 1)) > 1  # (torchrun sets it)
     with _process_group(device) if distributed else contextlib.nullcontext(), budget:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        model, opt = _model_and_optimizer(system, spec, device, DTYPES[dtype], seed, batch=batch, clip=clip)
+        model, opt = _model_and_optimizer(system, spec, device, DTYPES[dtype], seed, batch=batch, clip=clip, init=init)
         params = parameter_count(model)
         log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
         step_model = wrap(model, system, plan, dump_dir, executor, limit)
@@ -207,6 +214,7 @@ def train(
         hardware=hardware,
         clip=clip,
         memory_budget=memory_budget if budgeted else 1.0,
+        init=init,
     )
 
 
@@ -318,7 +326,15 @@ def emit(result: dict) -> None:
 
 
 def _model_and_optimizer(
-    system: str, spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int, *, batch: int, clip: float
+    system: str,
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    *,
+    batch: int,
+    clip: float,
+    init: str = "gpu",
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model to train and what the loop calls `step()` and `zero_grad()` on (DeepSpeed: its engine, whose step
     updates and clears the gradients)."""
@@ -334,9 +350,13 @@ def _model_and_optimizer(
         except (RuntimeError, ValueError) as e:
             log.warning("fused AdamW refused (%s); using foreach", e)
             return model, torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-    model = build_model(spec, device, torch.float32 if system == "compile-amp" else dtype, seed)
+    built_on = torch.device("cpu") if init == "cpu" else device
+    model = build_model(spec, built_on, torch.float32 if system == "compile-amp" else dtype, seed)
     if system == "protrain-chunks":
         import protrain_fx
+
+        if init == "cpu":
+            protrain_fx.prepare(model, device=device)
 
         return model, protrain_fx.optim.AdamW(model.parameters(), lr=LR)
     fused_or_foreach = {"fused": True} if device.type == "cuda" else {"foreach": True}

@@ -225,10 +225,11 @@ def test_spinning_openmp_threads_are_warned_of(monkeypatch, caplog):
     assert any("OMP_WAIT_POLICY=ACTIVE" in r.getMessage() for r in caplog.records)
 
 
-def test_prepared_cpu_model_trains_on_gpu():
-    """A bf16 model built on the CPU, put into chunks on the GPU by `prepare` (most chunks in the host arena):
-    its losses follow eager fp32 training under autocast within the bf16 tolerance, and the GPU never held
-    the offloaded parameters."""
+@pytest.mark.parametrize("plan", [{"n_persist": 1, "n_buffer": 2}, None])
+def test_prepared_cpu_model_trains_on_gpu(plan):
+    """A bf16 model built on the CPU, put into chunks on the GPU by `prepare` (most chunks in the host arena, or,
+    with no plan, every chunk until the first compile's search places them): its losses follow eager fp32
+    training under autocast within the bf16 tolerance, and the GPU never held the offloaded parameters."""
     import copy
 
     ref = models.build("llama", layers=4)
@@ -237,17 +238,19 @@ def test_prepared_cpu_model_trains_on_gpu():
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     largest = max(p.numel() * 2 for p in model.parameters())
-    protrain_fx.prepare(model, plan={"n_persist": 1, "n_buffer": 2})
+    protrain_fx.prepare(model, plan=plan)
     assert all(p.is_cuda for p in model.parameters())
-    layout = protrain_fx.runtime.adopt.model_manager(model).layout
-    # prepare allocates on the GPU one persistent chunk (bf16, fp32 master, fp32 gradient), two bf16 buffers, the
-    # fp32 landing area of a loaded shard, and one parameter in passing (+ the allocator's 512-byte rounding)
-    expected = layout.chunk_elems * (2 + 4 + 4 + 2 + 2 + 4) + largest
-    assert torch.cuda.max_memory_allocated() - before <= expected + 8 * 512
+    manager = protrain_fx.runtime.adopt.model_manager(model)
+    # prepare allocates on the GPU one persistent chunk (bf16, fp32 master, fp32 gradient), two bf16 buffers (with
+    # no plan: no persistent chunk, one buffer), the fp32 landing area of a loaded shard, and one parameter in
+    # passing (+ the allocator's 512-byte rounding)
+    per_elem = (2 + 4 + 4 + 2 + 2 + 4) if plan else (2 + 4)
+    assert torch.cuda.max_memory_allocated() - before <= manager.layout.chunk_elems * per_elem + largest + 8 * 512
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend="protrain", dynamic=False)
     _train_against_autocast(ref, ref_opt, compiled, opt)
+    assert manager.pending_plan is None and manager.n_persist == protrain_fx.plan_of(model).n_persist
 
 
 def test_fp16_chunks_with_loss_scaling():
@@ -500,12 +503,14 @@ def test_profile_on_demand_matches_the_full_profile(monkeypatch):
     assert dropped.measured_peak_bytes < 0.5 * full.peak_bytes
 
 
-def test_prepared_model_profiled_and_trained_under_a_memory_limit():
+@pytest.mark.parametrize("plan", [{"n_persist": 0, "n_buffer": 2}, None])
+def test_prepared_model_profiled_and_trained_under_a_memory_limit(plan):
     """A prepared 1B model at batch 8 under a 12 GiB limit on this process: profiling it whole would need about
-    twice that (its profile says so), on demand it fits; the searched plan then trains within the limit."""
+    twice that (its profile says so), on demand it fits; the searched plan then trains within the limit (with no
+    plan given to prepare, the search also places the chunks)."""
     limit = 12 * 2**30
     model = _llama().cpu()
-    protrain_fx.prepare(model, plan={"n_persist": 0, "n_buffer": 2})
+    protrain_fx.prepare(model, plan=plan)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-4)
     backend = protrain_fx.ProTrainBackend({"gpu_memory_bytes": limit})
     compiled = torch.compile(model, backend=backend, dynamic=False)
@@ -532,3 +537,4 @@ def test_prepared_model_profiled_and_trained_under_a_memory_limit():
     )
     assert profile.peak_bytes > limit > profile.measured_peak_bytes
     assert peak <= limit and all(torch.isfinite(torch.tensor(losses)))
+    assert protrain_fx.runtime.adopt.model_manager(model).n_persist == plan.n_persist < plan.n_chunk
