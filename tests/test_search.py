@@ -15,6 +15,7 @@ from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Config, CostModel, _HostRates, _Segment
 from protrain_fx.planner.plan import HOST_STATES, MIN_GRAD_SLOTS
 from protrain_fx.planner.search import (
+    CLIP_WEIGHT,
     HOST_SLOWDOWN,
     SAFE_HEADROOM,
     TIE_REL,
@@ -115,7 +116,7 @@ def test_step_bound_is_a_lower_bound_and_spares_most_timings(monkeypatch):
     timed = []
     step_s = CostModel.step_s
     monkeypatch.setattr(
-        CostModel, "step_s", lambda self, config, clipped=None: timed.append(config) or step_s(self, config)
+        CostModel, "step_s", lambda self, config, clipped=None: timed.append(config) or step_s(self, config, clipped)
     )
     search(model, None)
     assert len(configs) > 10 * len(timed) > 0
@@ -168,6 +169,48 @@ def test_plans_are_ranked_also_with_a_slower_host():
     assert slow.hardware.host_adam_s(True, True) == pytest.approx(
         HOST_SLOWDOWN * model.hardware.host_adam_s(True, True)
     )
+
+
+def _clip_sensitive() -> CostModel:
+    """Ten chunks whose device AdamW the backward nearly hides, over a fast link: offloading the last two saves a
+    little of it and their host updates hide behind the backward, unless a clip applies and they wait for
+    `optimizer.step()`."""
+    model = _link(synthetic(n_chunk=10, block_saved=GiB // 8), rate=1e12)
+    return _beside(model, 0.95)
+
+
+def test_a_plan_far_slower_when_the_clip_applies_loses():
+    """Offloading two chunks is predicted a hair (under TIE_REL) faster unclipped, but a fifth slower where the clip
+    applies (every update waits for `optimizer.step()`), as on an H200 where Hugging Face's Trainer clipped every
+    step: the search keeps every chunk on the device. The capacity leaves the all-persistent plan under
+    SAFE_HEADROOM free, so a tie would go to the offloaded plan's lower peak: it must win on time. Its plan still
+    predicts the unclipped step."""
+    model = _clip_sensitive()
+    persistent, offloaded = Config(10, 0), Config(8, 2)
+    assert 0 < 1 - model.step_s(offloaded) / model.step_s(persistent) < TIE_REL
+    assert model.step_s(offloaded, clipped=0) > 1.15 * model.step_s(persistent, clipped=0)
+    capacity = int(model.reserved_bytes(persistent) / (1 - SAFE_HEADROOM / 2))
+    assert model.reserved_bytes(offloaded) <= (1 - SAFE_HEADROOM) * capacity < model.reserved_bytes(persistent)
+    activations = {"n_swap": 0, "n_checkpoint": 0}  # (the offload choice alone: a hidden swap would tie)
+    (best, ranked, _), _ = search(model, capacity, activations)
+    assert best == persistent
+    assert ranked == pytest.approx(
+        (1 - CLIP_WEIGHT) * (model.step_s(best) + slow_host(model).step_s(best)) / 2
+        + CLIP_WEIGHT * model.step_s(best, clipped=0)
+    )
+    layout = ChunkLayout(chunk_elems=model.chunk_elems, element_size=2, world_size=1, slots=(), n_chunk=model.n_chunk)
+    plan = plan_graph(model, activations, layout, capacity)
+    assert plan.n_persist == 10 and plan.predicted_step_s == pytest.approx(model.step_s(persistent))
+
+
+def test_where_memory_forces_offloading_the_search_still_offloads():
+    """The same model with no room for every chunk on the GPU: the search offloads (however slow a clipped step
+    then is) and fits."""
+    model = _clip_sensitive()
+    capacity = model.reserved_bytes(Config(10, 0)) - 1
+    (best, _, peak), runners_up = search(model, capacity, {"n_swap": 0, "n_checkpoint": 0})
+    assert best == Config(8, 2) and model.reserved_bytes(best, peak) <= capacity
+    assert all(model.reserved_bytes(r[0], r[2]) <= capacity for r in runners_up)
 
 
 def test_forced_fields_are_held():

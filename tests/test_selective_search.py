@@ -10,7 +10,15 @@ from test_search import _beside, _capacities, _link, _two_ranks, synthetic
 
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Config, CostModel
-from protrain_fx.planner.search import HOST_SLOWDOWN, brute_force, plan_graph, rank, search
+from protrain_fx.planner.search import (
+    CLIP_WEIGHT,
+    HOST_SLOWDOWN,
+    brute_force,
+    plan_graph,
+    rank,
+    ranked_step_s,
+    search,
+)
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
 
 
@@ -126,30 +134,42 @@ def test_memory_and_time_of_a_selective_block():
     assert mixed["forward_s"] == pytest.approx(base["forward_s"])
 
 
-@pytest.mark.parametrize("variant", ["overlapping", "cpu", "two-ranks", "noisy-link", "host-bound"])
+@pytest.mark.parametrize(
+    "variant", ["overlapping", "cpu", "two-ranks", "noisy-link", "host-bound", "link-slow-by-host"]
+)
 def test_floor_and_bound_never_exceed_the_step(variant):
     """`step_floor_s` <= `step_bound_s` <= `step_s` for every configuration, selective or not, with the host as
-    profiled and HOST_SLOWDOWN times slower (the mean the search ranks by): on a GPU (copies overlap), on the CPU (nothing
-    overlaps), across two ranks, with a link measured faster beside other work than alone, with a slow host."""
+    profiled and HOST_SLOWDOWN times slower and a step whose clip applies, weighted as the search ranks by them:
+    on a GPU (copies overlap), on the CPU (nothing overlaps), across two ranks, with a link measured faster beside
+    other work than alone, with a slow host, with a link ten times slower beside the host's AdamW; and with
+    `clip_weight=1.0` under the clipped step alone, which is not always the longer step (its copies run beside no
+    host work: here it is the shorter for some on the CPU, across two ranks and with that link)."""
     model = {
         "overlapping": synthetic(n_block=8, n_chunk=6),
         "cpu": dataclasses.replace(synthetic(n_block=8, n_chunk=6), overlap=False),
         "two-ranks": _two_ranks(0.002, stretch=2.0, delay=0.5),
         "noisy-link": _link(synthetic(n_block=8, n_chunk=6), rate=40e9, h2d_concurrent=60e9, both_beside_host=80e9),
         "host-bound": _beside(synthetic(n_block=8, n_chunk=6), 0.3),
+        "link-slow-by-host": _link(synthetic(n_block=8, n_chunk=6), h2d_beside_host=5e9, both_beside_host=3e9),
     }[variant]
     if variant == "host-bound":
         model = dataclasses.replace(model, hardware=model.hardware.host_slower(5.0))
     model = selective(model, kept=0.3, recompute=0.2)
-    slow = dataclasses.replace(model, hardware=model.hardware.host_slower(HOST_SLOWDOWN))
-    scales, ulp = (1.0, HOST_SLOWDOWN), 1 + 1e-12  # (the floor is the bound where copies add nothing: rounding)
+    ranked = ranked_step_s(model)
+    weighed, ulp = {"host_scales": (1.0, HOST_SLOWDOWN), "clip_weight": CLIP_WEIGHT}, 1 + 1e-12  # (rounding)
+    shorter_clipped = 0
     for config, _, _ in brute_force(model, None):
         terms = model.mode_terms(config)
-        ranked = (model.step_s(config) + slow.step_s(config)) / 2
-        floor, bound = (f(config, terms, host_scales=scales) for f in (model.step_floor_s, model.step_bound_s))
-        assert floor <= bound * ulp and bound <= ranked * ulp, config
+        floor, bound = (f(config, terms, **weighed) for f in (model.step_floor_s, model.step_bound_s))
+        assert floor <= bound * ulp and bound <= ranked(config) * ulp, config
         floor, bound, step = model.step_floor_s(config), model.step_bound_s(config), model.step_s(config)
         assert floor <= bound * ulp and bound <= step * ulp, config
+        clipped = model.step_s(config, clipped=0)
+        floor, bound = (f(config, terms, clip_weight=1.0) for f in (model.step_floor_s, model.step_bound_s))
+        assert floor <= bound * ulp and bound <= clipped * ulp, config
+        shorter_clipped += clipped < step
+    if variant in ("cpu", "two-ranks", "link-slow-by-host"):  # (so the unclipped step is no bound of the clipped one)
+        assert shorter_clipped
 
 
 def test_the_search_times_few_of_the_selective_space(monkeypatch):
@@ -159,7 +179,7 @@ def test_the_search_times_few_of_the_selective_space(monkeypatch):
     timed = []
     step_s = CostModel.step_s
     monkeypatch.setattr(
-        CostModel, "step_s", lambda self, config, clipped=None: timed.append(config) or step_s(self, config)
+        CostModel, "step_s", lambda self, config, clipped=None: timed.append(config) or step_s(self, config, clipped)
     )
     search(model, capacity)
     assert len(configs) > 5 * len(timed) > 0

@@ -620,7 +620,12 @@ class CostModel:
         return self.phases(config)["cpu_optim_s"] / params if params else None
 
     def step_floor_s(
-        self, config: Config, terms: ModeTerms | None = None, *, host_scales: Sequence[float] = (1.0,)
+        self,
+        config: Config,
+        terms: ModeTerms | None = None,
+        *,
+        host_scales: Sequence[float] = (1.0,),
+        clip_weight: float = 0.0,
     ) -> float:
         """A lower bound of `step_bound_s(config)`, so of `step_s`, in a few operations (no copy laid out). The
         forward takes no less than its compute, the uploads of the chunks it loads one after another (each at least
@@ -630,7 +635,9 @@ class CostModel:
         the first gradient (the last chunk's backward and its copy) on, and the next forward's upload of the chunk
         last stepped and the last chunk's forward follow it. On the CPU, where nothing overlaps, they all add.
         `host_scales`: the mean of the bounds with the host's work that many times as long
-        (`HardwareProfile.host_slower`)."""
+        (`HardwareProfile.host_slower`). `clip_weight`: that share of the bound is one of the step whose clip
+        applies, the host as profiled (`step_s(config, clipped=0)`), whose device AdamW adds all its time after
+        the backward and whose host AdamW starts only then."""
         if terms is None or (self.n_chunk and terms.per_chunk is None):
             terms = self.mode_terms(config)
         forward = sum(self.other_fwd_s) + sum(self.block_fwd_s)
@@ -641,26 +648,42 @@ class CostModel:
         uploads = (offloaded * load, max(0, offloaded - max(1, config.n_buffer)) * load)
         swapped = (terms.swapped_bytes / hw.d2h_bytes_per_s, terms.swapped_bytes / hw.h2d_bytes_per_s)
         work = sum(self.chunk_params[config.n_persist :]) / self.world_size * self._host_floor_s()
-        if not self.overlap:
+        if not self.overlap:  # (the device's AdamW adds all its time, clipped or not)
             devices = forward + backward + sum(uploads) + sum(swapped) + self._gpu_optim_s(config)
-            return devices + work * sum(host_scales) / len(host_scales)
-        devices = max(forward, uploads[0], swapped[0]) + max(backward, uploads[1] + swapped[1])
-        devices += self._gpu_optim_s(config)
-        if not offloaded:
-            return devices
-        first = per["backward"][-1] + per["recompute"][-1] + self.shard_elems * self.master_bytes / hw.d2h_bytes_per_s
-        return sum(max(devices, first + work * s + load + per["forward"][-1]) for s in host_scales) / len(host_scales)
+            return devices + work * ((1 - clip_weight) * sum(host_scales) / len(host_scales) + clip_weight)
+        forward, backward = max(forward, uploads[0], swapped[0]), max(backward, uploads[1] + swapped[1])
+        devices = forward + backward + self._gpu_optim_s(config)
+        waits = load + per["forward"][-1]  # (the next forward's, after the host's last update)
+        unclipped = devices
+        if offloaded:
+            first = (
+                per["backward"][-1] + per["recompute"][-1] + self.shard_elems * self.master_bytes / hw.d2h_bytes_per_s
+            )
+            unclipped = sum(max(devices, first + work * s + waits) for s in host_scales) / len(host_scales)
+        if not clip_weight:
+            return unclipped
+        # a step whose clip applies: the host's AdamW starts after the backward and the device's (all of its time)
+        clipped = backward + self._gpu_optim_s(config, early=False) + max(forward, work + waits if offloaded else 0.0)
+        return (1 - clip_weight) * unclipped + clip_weight * clipped
 
     def step_bound_s(
-        self, config: Config, terms: ModeTerms | None = None, *, host_scales: Sequence[float] = (1.0,)
+        self,
+        config: Config,
+        terms: ModeTerms | None = None,
+        *,
+        host_scales: Sequence[float] = (1.0,),
+        clip_weight: float = 0.0,
     ) -> float:
         """A lower bound of `step_s(config)` at a fraction of its cost: the first pass of the timelines alone
         (every copy at its idle rate, which no copy beats beside other work); and the host's AdamW at its fastest
         rate, each chunk's once its gradient has landed as that pass has it, which the next forward's upload of the
         chunk last stepped and the last chunk's compute follow (on the CPU, where nothing overlaps, it adds).
         `host_scales`: the mean of the bounds with the host's work that many times as long (the first pass does
-        not depend on it)."""
-        if self.n_chunk == 0:
+        not depend on it). `clip_weight`: that share of the bound is one of the step whose clip applies, the host
+        as profiled (`step_s(config, clipped=0)`): the device's AdamW adds all its time after the backward (which
+        ends no sooner than that pass has it), the host's starts only then, and the next forward's upload of the
+        chunk last stepped and the last chunk's compute follow it (on the CPU the host's work adds, as unclipped)."""
+        if self.n_chunk == 0:  # (no chunk: nothing waits for a clip)
             return self.step_s(config)
         per = terms.per_chunk if terms is not None and terms.per_chunk is not None else self._per_chunk(config)
         link = _Link(self.hardware)
@@ -677,7 +700,18 @@ class CostModel:
             for c in sorted(offloaded, key=backward["copy_end"].__getitem__):
                 host = max(host, backward["copy_end"][c]) + self.chunk_params[c] * rate
             bounds.append(max(bound, host + self._load_floor_s() + per["forward"][-1]) if offloaded else bound)
-        return sum(bounds) / len(bounds)
+        unclipped = sum(bounds) / len(bounds)
+        if not clip_weight:
+            return unclipped
+        work = sum(self.chunk_params[c] for c in offloaded) * self._host_floor_s() / self.world_size
+        before = backward["end"] + self._gpu_optim_s(config, early=False)
+        if not self.overlap:
+            clipped = forward["end"] + before + work
+        elif offloaded:
+            clipped = before + max(forward["end"], work + self._load_floor_s() + per["forward"][-1])
+        else:
+            clipped = before + forward["end"]
+        return (1 - clip_weight) * unclipped + clip_weight * clipped
 
     def _load_floor_s(self) -> float:
         """The least seconds of an offloaded chunk's load: its shard up at the link's rate alone, the all-gather."""

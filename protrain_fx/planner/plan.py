@@ -59,7 +59,8 @@ class Plan:
     # does: half the optimizer's bytes, with bfloat16's rounding in every update). The user's choice, never searched
     master_dtype: str = "float32"
     predicted_step_s: float | None = None
-    # with the host's work planner/search.py's HOST_SLOWDOWN times as long as profiled: what plans are ranked by
+    # with the host's work planner/search.py's HOST_SLOWDOWN times as long as profiled: part of what plans are ranked
+    # by (`ranked_step_s`: with `predicted_step_s` and a step whose clip applies)
     predicted_slow_host_step_s: float | None = None
     predicted_clipped_step_s: float | None = None  # a step with clipping (that does not apply)
     # the host AdamW's mean seconds per parameter in the predicted step (beside the copies predicted there), to

@@ -20,12 +20,16 @@ and n_persist with the paper's pruning:
   time `rank` can still use (`_timed`): the result is that of timing them all. The bound is refined lazily: first
   `CostModel.step_floor_s` (a few operations: compute, uploads, swap copies, the device AdamW, the host AdamW from
   the first gradient's landing), then, for a configuration that comes first with it, `CostModel.step_bound_s`
-  (the timelines' first pass and the host AdamW from each gradient's landing there).
-Configurations are ranked by the mean of two step times: with the host's work as profiled (the plan's
-`predicted_step_s`) and HOST_SLOWDOWN times as long (`predicted_slow_host_step_s`): the host's AdamW rate in
-training differs from the profile's by machine and run, and a plan whose offloaded chunks' updates land just
-before the next forward needs them is fastest at the profiled rate and loses the most where the host is slower.
-The mean, not the slow time alone: where the host bounds every plan, their slow times are all alike.
+  (the timelines' first pass and the host AdamW from each gradient's landing there), each also of the step whose
+  clip applies (its host AdamW from the end of the backward and the device's AdamW on), weighted as ranked.
+Configurations are ranked by the mean of two step times, with the host's work as profiled (the plan's
+`predicted_step_s`) and HOST_SLOWDOWN times as long (`predicted_slow_host_step_s`), weighing 1 - CLIP_WEIGHT,
+and by the step whose clip applies, the host as profiled, weighing CLIP_WEIGHT. The host's AdamW rate in training
+differs from the profile's by machine and run, and a plan whose offloaded chunks' updates land just before the next
+forward needs them is fastest at the profiled rate and loses the most where the host is slower. The mean, not the
+slow time alone: where the host bounds every plan, their slow times are all alike. Where a clip applies, every
+update waits for `optimizer.step()` (`CostModel.step_s(config, clipped=0)`), and most training loops clip (Hugging
+Face's Trainer by default, accelerate, torchtitan): a plan a hair faster unclipped can be far slower there.
 Among those that fit, the lowest so ranked wins. Ties (within TIE_REL) go to the one that rewrites the
 model least (fewest blocks checkpointed, selective or swapped, then most chunks persistent) among those leaving at least
 SAFE_HEADROOM of the capacity free, else to the one with the most headroom. (A swap hidden behind compute is
@@ -55,6 +59,7 @@ from protrain_fx.planner.plan import MODE_COUNTS, Plan, make_plan, master_bytes
 log = logging.getLogger(__name__)
 
 HOST_SLOWDOWN = 1.3  # configurations are ranked also by their step time with the host's work this many times as long
+CLIP_WEIGHT = 0.1  # loops clip, so a plan a hair faster unclipped but far slower when the clip applies must lose
 TIE_REL = 0.005  # step times within 0.5% count as equal
 SAFE_HEADROOM = 0.1  # a plan predicted to leave this share of the capacity free needs no more headroom
 MAX_BUFFER = 4  # buffers searched: one in use, one loading, one recomputed from, one spare (more is forced only)
@@ -196,25 +201,33 @@ def slow_host(model: CostModel) -> CostModel:
 
 
 def ranked_step_s(model: CostModel) -> Callable[[Config], float]:
-    """What configurations are ranked by: the mean of their step times with the host as profiled and slow
-    (`slow_host`). Never under `model.step_bound_s` (a slower host only makes a step longer)."""
+    """What configurations are ranked by: 1 - CLIP_WEIGHT times the mean of their step times with the host as
+    profiled and slow (`slow_host`), plus CLIP_WEIGHT times that of a step whose clip applies, the host as
+    profiled (`step_s(config, clipped=0)`: no update starts before `optimizer.step()`). Never under
+    `model.step_bound_s(config, host_scales=(1.0, HOST_SLOWDOWN), clip_weight=CLIP_WEIGHT)`, which weighs the
+    three's bounds alike. (The clipped step is not always the longer: its copies run beside no host work.)"""
     slow = slow_host(model)
-    return lambda config: (model.step_s(config) + slow.step_s(config)) / 2
+
+    def ranked(config: Config) -> float:
+        profiled = model.step_s(config)
+        # (where every update waits anyway, or no chunk is there to wait, a clipped step is timed as any)
+        clipped = profiled if model.updates_wait or not model.n_chunk else model.step_s(config, clipped=0)
+        return (1 - CLIP_WEIGHT) * (profiled + slow.step_s(config)) / 2 + CLIP_WEIGHT * clipped
+
+    return ranked
 
 
 def _timed(model: CostModel, fitting: list[tuple[Config, int]], by_modes: _ByModes) -> list[tuple[Config, float, int]]:
     """(config, step seconds as ranked, peak) of those of `fitting` ((config, peak) pairs) whose step time `rank`
     can use: the ties of the fastest (within TIE_REL) and the N_RUNNERS_UP + 1 fastest (the best and its
     runners-up). They are timed in the order of a lower bound of their step time, until the bound passes both:
-    every one left is slower. Each bound is the mean of the two step times' bounds, as `ranked_step_s` takes the
-    mean of the step times: first `step_floor_s`, refined to `step_bound_s` when the configuration comes first
-    with it. In the order of `fitting`."""
-    ranked, scales = ranked_step_s(model), (1.0, HOST_SLOWDOWN)  # (as `slow_host` makes the host slower)
+    every one left is slower. Each bound weighs the bounds of the three step times `ranked_step_s` weighs alike:
+    first `step_floor_s`, refined to `step_bound_s` when the configuration comes first with it. In the order of
+    `fitting`."""
+    ranked, weighed = ranked_step_s(model), {"host_scales": (1.0, HOST_SLOWDOWN), "clip_weight": CLIP_WEIGHT}
     below = 1 - BOUND_ROUNDING  # (a bound that adds up to the step time may round above it)
     # (lower bound, refined, index); a floor that comes first is refined, a refined bound is timed
-    heap = [
-        (model.step_floor_s(c, by_modes(c), host_scales=scales) * below, False, i) for i, (c, _) in enumerate(fitting)
-    ]
+    heap = [(model.step_floor_s(c, by_modes(c), **weighed) * below, False, i) for i, (c, _) in enumerate(fitting)]
     heapq.heapify(heap)
     times: list[float] = []  # step times so far, ascending
     steps: dict[int, float] = {}
@@ -224,7 +237,7 @@ def _timed(model: CostModel, fitting: list[tuple[Config, int]], by_modes: _ByMod
             break
         config = fitting[i][0]
         if not refined:
-            heapq.heappush(heap, (model.step_bound_s(config, by_modes(config), host_scales=scales) * below, True, i))
+            heapq.heappush(heap, (model.step_bound_s(config, by_modes(config), **weighed) * below, True, i))
             continue
         steps[i] = ranked(config)
         bisect.insort(times, steps[i])
