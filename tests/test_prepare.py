@@ -5,6 +5,7 @@ Tolerance: bitwise, as in test_chunk_parity (fp32 on the CPU, the same fused Ada
 """
 
 import copy
+import os
 
 import models
 import pytest
@@ -105,6 +106,92 @@ def test_prepare_holds_the_fields_it_is_given_and_the_compile_holds_the_rest():
     )
     with pytest.raises(Exception, match="asks for n_buffer=1 but the model's chunks were already built .* n_buffer=2"):
         compiled(**models.batch("llama"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_pretrained_weights_from_safetensors_shards(kind, tmp_path):
+    """save_pretrained in shards, an empty model (parameters on the meta device, buffers real, as accelerate's
+    init_empty_weights(include_buffers=False) builds it), prepare(weights=folder): every value equals the saved
+    model's (a tied head found under its embedding's name), and training is bitwise eager's."""
+    from accelerate import init_empty_weights
+
+    ref = models.build(kind)
+    ref.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    with init_empty_weights(include_buffers=False):
+        model = type(ref)(ref.config)
+    model.tie_weights()  # (init_empty_weights unties them, as accelerate documents)
+    protrain_fx.prepare(model, weights=tmp_path, device="cpu")
+    state = protrain_fx.full_state_dict(model)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(state[name], value), name
+    _compare(ref, model, kind)
+
+
+PEAK_SCRIPT = """
+import json, sys
+from pathlib import Path
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM
+import protrain_fx
+
+def rss_peak():
+    return int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM")).split()[1])
+
+config = AutoConfig.from_pretrained(sys.argv[1])
+with init_empty_weights(include_buffers=False):
+    model = AutoModelForCausalLM.from_config(config)
+Path("/proc/self/clear_refs").write_text("5")  # (the peak so far: from here)
+before = rss_peak()
+protrain_fx.prepare(model, weights=sys.argv[1], device="cpu")
+manager = protrain_fx.runtime.adopt.model_manager(model)
+chunks = sum(m.untyped_storage().nbytes() for m in manager.master.values()) + manager.arena.numel()
+print(json.dumps({"grew": (rss_peak() - before) * 1024, "chunks": chunks}))
+"""
+
+
+def test_pretrained_weights_peak_host_memory(tmp_path):
+    """prepare(weights=...) of an empty model: the host's peak grows by what the chunks hold (fp32 masters, every
+    chunk offloaded until the first compile) and a few tensors in passing, not by the checkpoint too."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs /proc/self/clear_refs")
+    config = LlamaConfig(
+        hidden_size=512, intermediate_size=1376, num_hidden_layers=12, num_attention_heads=8, vocab_size=2048
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path, max_shard_size="40MB")
+    # glibc's dynamic mmap threshold keeps tensors the size of this small model's, once freed, resident in its
+    # heap (a large model's are mapped and given back): a fixed threshold measures what prepare holds
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    run = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured = json.loads(run.stdout.strip().splitlines()[-1])
+    checkpoint = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    assert measured["grew"] < measured["chunks"] + 0.25 * checkpoint, (measured, checkpoint)
+
+
+def test_pretrained_weights_errors(tmp_path):
+    ref = models.build("llama")
+    ref.save_pretrained(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="neither model.safetensors.index.json nor model.safetensors"):
+        protrain_fx.prepare(models.build("llama"), weights=tmp_path / "empty", device="cpu")
+    with pytest.raises(ValueError, match="pass a folder saved by save_pretrained"):
+        protrain_fx.prepare(models.build("llama"), weights=tmp_path / "missing", device="cpu")
+    with torch.device("meta"):  # (buffers on the meta device too: the checkpoint has none of them)
+        meta = type(ref)(ref.config)
+    with pytest.raises(ValueError, match="on the meta device and the checkpoint has no values for them .* init=fn"):
+        protrain_fx.prepare(meta, weights=tmp_path, device="cpu")
+    other = models.build("llama", layers=3)
+    with pytest.raises(ValueError, match="the checkpoint has no values for .* parameters"):
+        protrain_fx.prepare(other, weights=tmp_path, device="cpu")
+    assert model_manager(other) is None  # (checked before anything is built)
 
 
 def test_prepare_errors():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from protrain_fx.runtime.chunks import (
     skips_nonfinite,
 )
 from protrain_fx.runtime.optim import OPTIMIZER_ATTR
+from protrain_fx.runtime.weights import ModuleFiller
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +257,7 @@ def prepare(
     plan: Mapping[str, Any] | None = None,
     device: torch.device | str | None = None,
     init: Callable[[nn.Module], None] | None = None,
+    weights: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Put the trainable parameters of a model built on the CPU (or on the meta device) into chunks on
     `device` (default: CUDA when available), before `torch.compile(model, backend="protrain")`.
@@ -271,6 +274,10 @@ def prepare(
     - `init(module)`: for a model built under `torch.device("meta")`: called on each module after its own
       parameters and buffers are allocated on the CPU (the parameter objects stay the same) to fill them,
       just before they are copied into the chunks; so the host never holds the whole model besides the chunks.
+    - `weights`: a Hugging Face checkpoint in safetensors (a `save_pretrained` folder, sharded or not, or one
+      `.safetensors` file) whose values fill each module the same way, after `init` (runtime/weights.py); one
+      tensor at a time, so a meta model's host memory peaks at the chunks plus one tensor. A tied parameter is
+      found under any of its names.
 
     Layout order is registration order (`model.named_parameters()`), blocks kept whole where the size
     allows, a tied parameter outside the blocks (an embedding the head reads too) in a chunk of its own. Returns
@@ -282,15 +289,10 @@ def prepare(
     if model_manager(model) is not None:
         raise ValueError("this model's parameters are in chunks already; prepare() it once, before compiling")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if meta and init is None:
-        raise ValueError(
-            f"{len(meta)} parameters and buffers of the model are on the meta device (e.g. {meta[0]!r}); pass "
-            "init=fn, where fn(module) fills a module's own parameters and buffers after they are allocated"
-        )
     ordered = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not ordered:
         raise ValueError("the model has no trainable parameters; nothing to put in chunks")
+    fill = ModuleFiller(model, init, weights)  # (checks that every tensor gets a value before anything is built)
     families = find_block_families(model)
 
     def block_of(name: str) -> int | None:
@@ -306,23 +308,8 @@ def prepare(
     chosen = make_plan(sum(f.n_blocks for f in families), with_default_master(fields, layout), layout)
     owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
 
-    def materialize(module: nn.Module) -> None:
-        """Allocate a meta module's own tensors on the CPU (parameters keep their identity) and fill them."""
-        if not any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
-            return
-        for p in module.parameters(recurse=False):
-            if p.is_meta:
-                cpu = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
-                cpu.__dict__.update(p.__dict__)
-                torch.utils.swap_tensors(p, cpu)
-        for name, b in module.named_buffers(recurse=False):
-            if b.is_meta:
-                module._buffers[name] = torch.empty_like(b, device="cpu")
-        with torch.no_grad():
-            init(module)
-
     def source(p: nn.Parameter) -> torch.Tensor:
-        materialize(owner[id(p)])
+        fill(owner[id(p)])
         return p.detach()
 
     manager = ChunkManager(
@@ -340,12 +327,13 @@ def prepare(
     )
     model.__dict__[MODEL_ATTR] = manager
     for module in model.modules():  # what is not in chunks: buffers and frozen parameters go to the device
-        materialize(module)
+        fill(module)
         for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             if id(t) not in manager.index and t.device != device:
                 if isinstance(t, nn.Parameter):
                     t.data = t.data.to(device)
                 else:
                     module._buffers[name] = t.to(device)
+    fill.close()
     log.info("prepared %d parameters in %d chunks on %s", len(ordered), layout.n_chunk, device)
     return model
