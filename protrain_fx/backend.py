@@ -485,8 +485,41 @@ class _Partitioner(CustomPartitionerFn):
         return self  # inductor copies its config, which holds us; our inputs are real tensors, not copyable
 
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
-        record, config = self.record, self.config
+        """The flow of one graph, stage by stage (docs/design.md): capture, partition, profile, plan (and the
+        model's chunks), rewrite, each a method below."""
+        record = self.record
         assert record is not None, f"the partitioner of {joint} ran after its compile was done"
+        roots = self._capture(joint)
+        dumper = Dumper(self.config.dump_dir) if self.config.dump_dir else None
+        if dumper:
+            dumper.write_text("joint.py", joint.print_readable(print_output=False))
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        params = [self.example_inputs[e.index] for e in record.param_map.values()]
+        manager = model_manager(roots.model)
+        if manager is not None:
+            check_params_managed(manager, record.param_map, self.example_inputs)
+        device = _device_of(self.example_inputs)
+        if record.profile is None:  # (a re-plan after running out of memory reuses the graph's profile)
+            self._profile(joint, fw, bw, params, manager, device)
+        manager = self._plan_and_chunks(roots, params, manager, device, bw)
+        if dumper:
+            _dump_plan(dumper, record, fw, bw)
+        if self.explain and manager is None:
+            record.forward, record.backward = fw, bw
+            return fw, bw
+        # (a prepared model's graphs are rewritten even to explain: its offloaded parameters hold no values, so
+        # the forward that compiling runs needs its chunks gathered)
+        fw, bw = self._rewrite(joint, joint_inputs, kwargs, (fw, bw), roots, manager, device, dumper)
+        record.forward, record.backward = fw, bw
+        log.debug("graph %d forward:\n%s", record.index, fw.print_readable(print_output=False))
+        log.debug("graph %d backward:\n%s", record.index, bw.print_readable(print_output=False))
+        if dumper:
+            _dump(dumper, record)
+        return fw, bw
+
+    def _capture(self, joint: fx.GraphModule) -> FrameRoots:
+        """The frame's modules in the model, the block map and the parameter map (capture.py)."""
+        record = self.record
         roots = find_frame_roots(self.dynamo_gm, self.example_inputs)
         _pin_to_frame_modules(self.dynamo_gm, roots)
         record.block_map = build_block_map(joint, roots)
@@ -498,16 +531,12 @@ class _Partitioner(CustomPartitionerFn):
                 record.index,
                 len(record.param_map),
             )
-        dumper = Dumper(config.dump_dir) if config.dump_dir else None
-        if dumper:
-            dumper.write_text("joint.py", joint.print_readable(print_output=False))
+        return roots
 
-        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        params = [self.example_inputs[e.index] for e in record.param_map.values()]
-        manager = model_manager(roots.model)
-        if manager is not None:
-            check_params_managed(manager, record.param_map, self.example_inputs)
-        device = _device_of(self.example_inputs)
+    def _profile(self, joint, fw, bw, params, manager, device: torch.device) -> None:
+        """One profiled iteration of the partitioned graphs, the same on every rank (profiler/); on demand for a
+        prepared model, and again on demand where the whole iteration runs out of GPU memory."""
+        record = self.record
 
         def profile():
             if manager is not None:  # a prepared model: its offloaded parameters are fetched as they are used
@@ -533,15 +562,19 @@ class _Partitioner(CustomPartitionerFn):
             )
             return profile_iteration(fw, bw, self.example_inputs, record.block_map, OnDemand())
 
-        if record.profile is None:  # (a re-plan after running out of memory reuses the graph's profile)
-            start = time.perf_counter()
-            record.profile = profile_on_every_rank(profile, device)
-            record.seconds["profile"] = time.perf_counter() - start
-            if device.type == "cuda":  # the allocator gives back what it cached for an iteration that held all
-                torch.cuda.empty_cache()
-            # what a selective block of this graph would keep and recompute (profiler/selective.py), for the planner
-            forward = {n.name: n for n in record.profile.nodes if n.graph == "forward"}
-            mark_selective(forward, selective_marks(joint.graph, record.block_map.block, record.block_map.region))
+        start = time.perf_counter()
+        record.profile = profile_on_every_rank(profile, device)
+        record.seconds["profile"] = time.perf_counter() - start
+        if device.type == "cuda":  # the allocator gives back what it cached for an iteration that held all
+            torch.cuda.empty_cache()
+        # what a selective block of this graph would keep and recompute (profiler/selective.py), for the planner
+        forward = {n.name: n for n in record.profile.nodes if n.graph == "forward"}
+        mark_selective(forward, selective_marks(joint.graph, record.block_map.block, record.block_map.region))
+
+    def _plan_and_chunks(self, roots: FrameRoots, params, manager, device: torch.device, bw):
+        """The plan (planner/), and the model's chunks where it gets them: built for the plan at the model's first
+        graph, or a prepared model's placed by it. Returns the model's chunk manager (None: no chunks)."""
+        record, config = self.record, self.config
         if manager is None and (wants_chunks(params) or (self.explain and any(p.requires_grad for p in params))):
             layout = model_layout(roots, record, self.example_inputs, config.plan, every_trainable=self.explain)
             self.config = config = dataclasses.replace(config, plan=with_default_master(config.plan, layout))
@@ -572,22 +605,14 @@ class _Partitioner(CustomPartitionerFn):
         if roots.model is not None and params and not self.explain:
             _warn_if_reshaped(roots.model, record, self.example_inputs)
             roots.model.__dict__.setdefault(PLANS_ATTR, []).append((len(params), record.plan))
-        if dumper:
-            dumper.write_json("plan.json", record.plan.to_json())
-            dumper.write_json("seconds.json", record.seconds)
-            if record.costs is not None:
-                dumper.write_json("costs.json", _cost_terms(record.costs, record.plan))
-            if record.planning is not None:
-                dumper.write_json(PLANNING_FILE, record.planning.to_json())
-            # as profiled (every block saving all it saves), before any pass or re-cut for the plan: what
-            # profiler/fusion.py classified (debug/from_dump.py)
-            dumper.write_json(GRAPHS_FILE, {"forward": describe(fw.graph), "backward": describe(bw.graph)})
-        if self.explain and manager is None:
-            record.forward, record.backward = fw, bw
-            return fw, bw
-        # (a prepared model's graphs are rewritten even to explain: its offloaded parameters hold no values, so
-        # the forward that compiling runs needs its chunks gathered)
+        return manager
 
+    def _rewrite(self, joint, joint_inputs, kwargs, graphs, roots: FrameRoots, manager, device: torch.device, dumper):
+        """The plan carried out (passes/): the joint passes and the partition again where blocks are recomputed,
+        then the forward and backward passes, with the swap space and step monitor they use; (forward, backward).
+        `graphs`: the forward and backward as first partitioned."""
+        record, config = self.record, self.config
+        fw, bw = graphs
         ctx = PassContext(
             config=config,
             plan=record.plan,
@@ -605,19 +630,7 @@ class _Partitioner(CustomPartitionerFn):
             limits = (record.plan.predicted_peak_bytes, config.gpu_memory_bytes, device_capacity(device))
             budget = min((limit for limit in limits if limit), default=None)  # prefetch within the tightest
             swap = SwapSpace(device, budget_bytes=budget, upload_stream=manager.upload_stream if manager else None)
-        # (a graph of no model, a loss after a graph break, has nothing to keep its monitor alive: none there)
-        hardware = record.costs.hardware if record.costs is not None else None
-        retime = (
-            functools.partial(retimed, record.costs, record.planning, record.plan)
-            if record.costs is not None and record.planning is not None
-            else None
-        )
-        monitor = (
-            StepMonitor(device, record.plan, dumper, manager=manager, hardware=hardware, retime=retime)
-            if dumper and roots.model is not None
-            else None
-        )
-        record.monitor = monitor
+        monitor = self._monitor(roots, manager, device, dumper)
         for runtime_object in (swap, monitor):  # the ops reach them by weak handle: the model keeps them alive
             if runtime_object is not None:
                 roots.model.__dict__.setdefault(RUNTIME_ATTR, []).append(runtime_object)
@@ -647,12 +660,23 @@ class _Partitioner(CustomPartitionerFn):
         if manager is not None:
             for node in bw.graph.find_nodes(op="call_function", target=torch.ops.protrain.reduce_grads.default):
                 manager.expect_gradients(node.args[1], node.args[2])
-        record.forward, record.backward = fw, bw
-        log.debug("graph %d forward:\n%s", record.index, fw.print_readable(print_output=False))
-        log.debug("graph %d backward:\n%s", record.index, bw.print_readable(print_output=False))
-        if dumper:
-            _dump(dumper, record)
         return fw, bw
+
+    def _monitor(self, roots: FrameRoots, manager, device: torch.device, dumper) -> StepMonitor | None:
+        """The step monitor of a dumped model's graph (a graph of no model, a loss after a graph break, has
+        nothing to keep it alive: none there)."""
+        record = self.record
+        if not dumper or roots.model is None:
+            record.monitor = None
+            return None
+        hardware = record.costs.hardware if record.costs is not None else None
+        retime = (
+            functools.partial(retimed, record.costs, record.planning, record.plan)
+            if record.costs is not None and record.planning is not None
+            else None
+        )
+        record.monitor = StepMonitor(device, record.plan, dumper, manager=manager, hardware=hardware, retime=retime)
+        return record.monitor
 
     def _build_chunks(self, model: nn.Module, layout, device: torch.device, bw: fx.GraphModule):
         """The model's ChunkManager for the plan; out of memory, under on_oom="replan", searched again under a
@@ -769,6 +793,18 @@ def _nbytes(tensors) -> int:
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
     return next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
+def _dump_plan(dumper: Dumper, record: GraphRecord, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+    """What the plan was searched from and what it decided, and the graphs as profiled (every block saving all it
+    saves, before any pass or re-cut for the plan: what profiler/fusion.py classified, for debug/from_dump.py)."""
+    dumper.write_json("plan.json", record.plan.to_json())
+    dumper.write_json("seconds.json", record.seconds)
+    if record.costs is not None:
+        dumper.write_json("costs.json", _cost_terms(record.costs, record.plan))
+    if record.planning is not None:
+        dumper.write_json(PLANNING_FILE, record.planning.to_json())
+    dumper.write_json(GRAPHS_FILE, {"forward": describe(fw.graph), "backward": describe(bw.graph)})
 
 
 def _dump(dumper: Dumper, record: GraphRecord) -> None:
