@@ -225,8 +225,8 @@ def _parser() -> argparse.ArgumentParser:
         "--init",
         choices=INITS,
         default="gpu",
-        help="protrain-chunks: build the model on the GPU, or on the CPU and put it into chunks with "
-        "protrain_fx.prepare, as a model larger than the GPU is (default gpu)",
+        help="protrain-chunks: build the model on the GPU, or on the CPU or the meta device and put it into "
+        "chunks with protrain_fx.prepare, as a model larger than the GPU is (default gpu)",
     )
     sizes.add_argument("--dump-dir", default="", help="protrain's dump directory (protrain systems; '' for none)")
     sizes.add_argument(

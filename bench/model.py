@@ -44,6 +44,9 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    if torch.device(device).type == "meta":  # (nothing allocated: protrain_fx.prepare(init=...) fills it)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(_config(spec), dtype=dtype).train()
     with torch.device(device):  # initialise on the device: the host never holds the fp32 weights
         model = AutoModelForCausalLM.from_config(_config(spec))
     return model.to(device, dtype=dtype).train()

@@ -82,12 +82,13 @@ def _run(system: str, args: argparse.Namespace) -> dict:
         torch.cuda.set_per_process_memory_fraction(args.gpu_memory_gib * 2**30 / total, 0)
     if args.init != "gpu" and system != "protrain":
         raise ValueError(f"--init {args.init!r} is for protrain only")
-    model = build_model(spec, torch.device("cpu") if args.init == "cpu" else device, DTYPES[args.dtype], args.seed)
+    built_on = {"cpu": torch.device("cpu"), "meta": torch.device("meta")}.get(args.init, device)
+    model = build_model(spec, built_on, DTYPES[args.dtype], args.seed)
     steps = args.warmup + args.steps
     if system == "protrain":
         options = {"plan": json.loads(args.plan)}
-        if args.init == "cpu":
-            protrain_fx.prepare(model, device=device)
+        if args.init != "gpu":
+            protrain_fx.prepare(model, device=device, init=model._init_weights if args.init == "meta" else None)
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=LR)
         model.compile(backend=protrain_fx.ProTrainBackend(options), dynamic=False)
     else:

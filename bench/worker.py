@@ -43,7 +43,7 @@ FSDP2_SYSTEMS = ("fsdp2-offload", "fsdp2-offload-ac")  # FSDP2 with CPU offload 
 DEEPSPEED_SYSTEMS = ("deepspeed-offload", "deepspeed-offload-ac")
 # compile-amp: torch.compile over fp32 weights (the masters) under bf16/fp16 autocast, with fp32 AdamW: the
 # numerics of protrain's default fp32 masters, where compile trains the weights in the compute dtype itself
-INITS = ("gpu", "cpu")  # where protrain-chunks' model is built (`train`)
+INITS = ("gpu", "cpu", "meta")  # where protrain-chunks' model is built (`train`)
 SYSTEMS = ("protrain", "protrain-chunks", "compile", "compile-amp", "eager", *FSDP2_SYSTEMS, *DEEPSPEED_SYSTEMS)
 RESULT_PREFIX = "BENCH_RESULT "  # marks the worker's result line on stdout; anything else there is ignored
 LR = 1e-4
@@ -131,9 +131,9 @@ def train(
     tokens or byte tokens of real "text" (bench/text.py). `clip` > 0: clip the gradient norm to it between
     backward and step. `gpu_memory_gib` > 0: the GPU memory the system may use (`limit_gpu_memory`).
     `memory_budget` < 1: compile and compile-amp keep at most that share of the activations, recomputing the
-    cheapest rest (`torch._functorch.config.activation_memory_budget`, for this run only). `init` "cpu":
-    protrain-chunks' model is built on the CPU and put into chunks by `protrain_fx.prepare` (a model larger than
-    the GPU is built so), "gpu": on the GPU."""
+    cheapest rest (`torch._functorch.config.activation_memory_budget`, for this run only). `init` "cpu" or "meta":
+    protrain-chunks' model is built there and put into chunks by `protrain_fx.prepare` (a model larger than the
+    GPU is built so), "gpu": on the GPU."""
     if init not in INITS or (init != "gpu" and system != "protrain-chunks"):
         raise ValueError(f"--init {init!r}: one of {INITS}, and other than 'gpu' only for protrain-chunks")
     if not 0 < memory_budget <= 1:
@@ -350,13 +350,13 @@ def _model_and_optimizer(
         except (RuntimeError, ValueError) as e:
             log.warning("fused AdamW refused (%s); using foreach", e)
             return model, torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-    built_on = torch.device("cpu") if init == "cpu" else device
+    built_on = {"cpu": torch.device("cpu"), "meta": torch.device("meta")}.get(init, device)
     model = build_model(spec, built_on, torch.float32 if system == "compile-amp" else dtype, seed)
     if system == "protrain-chunks":
         import protrain_fx
 
-        if init == "cpu":
-            protrain_fx.prepare(model, device=device)
+        if init != "gpu":  # (on meta, each module is initialised by Hugging Face's own init as it goes into chunks)
+            protrain_fx.prepare(model, device=device, init=model._init_weights if init == "meta" else None)
 
         return model, protrain_fx.optim.AdamW(model.parameters(), lr=LR)
     fused_or_foreach = {"fused": True} if device.type == "cuda" else {"foreach": True}

@@ -28,6 +28,18 @@ def test_recomputed_blocks_count_in_tflops():
     assert result.hardware["device_adam_s_per_param"] > 0  # and the hardware profile it was searched with
 
 
+def test_prepared_models_train_as_the_one_built_in_place():
+    """`init`: protrain-chunks' model built on the CPU (the same values) or the meta device (Hugging Face's own init
+    as each module goes into chunks) and prepared, with no plan: it trains, its plan searched."""
+    built = train("protrain-chunks", ModelSpec(**TINY), executor="eager", **RUN)
+    on_cpu = train("protrain-chunks", ModelSpec(**TINY), executor="eager", init="cpu", **RUN)
+    assert on_cpu.losses == built.losses and on_cpu.init == "cpu"
+    on_meta = train("protrain-chunks", ModelSpec(**TINY), executor="eager", init="meta", **RUN)
+    assert math.isfinite(on_meta.loss_last) and abs(on_meta.loss_first - math.log(96)) < 0.5  # (a fresh init)
+    with pytest.raises(ValueError, match="--init 'cpu'"):
+        train("compile", ModelSpec(**TINY), init="cpu", **RUN)
+
+
 @pytest.mark.filterwarnings("error:.*empty generator")  # (torch warns where it is handed no parameter)
 def test_clipped_runs_train_alike(monkeypatch):
     """`clip`: each system clips every step with its own function (protrain_fx.clip_grad_norm_ on protrain,
