@@ -96,6 +96,29 @@ def test_prepare_without_a_plan_is_planned_by_the_search():
     assert plan.predicted_reserved_bytes <= small["gpu_memory_bytes"]
 
 
+def test_a_failed_first_compile_leaves_the_prepared_chunks_waiting(monkeypatch):
+    """Profiling runs out of memory (raised here on the CPU): the error reaches the user, the chunks stay as
+    prepare left them (offloaded, waiting for a plan), and compiling again trains bitwise like eager."""
+    import protrain_fx.backend as backend_module
+
+    ref = models.build("llama")
+    model = protrain_fx.prepare(copy.deepcopy(ref), device="cpu")
+    real = backend_module.profile_iteration
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("profiling ran out of memory (raised by the test)")
+
+    monkeypatch.setattr(backend_module, "profile_iteration", out_of_memory)
+    failed = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=False)
+    with pytest.raises(Exception, match="raised by the test"):
+        failed(**models.batch("llama"))
+    manager = model_manager(model)
+    assert manager.pending_plan == {} and manager.n_persist == 0 and not manager.has_grad
+    monkeypatch.setattr(backend_module, "profile_iteration", real)
+    torch._dynamo.reset()
+    _compare(ref, model, "llama")
+
+
 def test_prepare_holds_the_fields_it_is_given_and_the_compile_holds_the_rest():
     model = protrain_fx.prepare(models.build("llama"), plan={"n_buffer": 2}, device="cpu")
     plan = _plan_trained(model, {"plan": {"n_persist": 0}})
