@@ -24,7 +24,7 @@ import gc
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -748,10 +748,22 @@ class _Partitioner(CustomPartitionerFn):
         record.capacity, host = least_on_every_rank(
             [self.config.gpu_memory_bytes or device_capacity(device), host], device
         )
-        plan = plan_graph(costs, forced, layout, record.capacity, host)
+        plan = plan_graph(costs, forced, layout, record.capacity, host, fixed_by=_fixed_by(self.config.plan, manager))
         record.seconds["search"] = time.perf_counter() - start
         record.planning = dataclasses.replace(inputs, capacity_bytes=record.capacity, host_bytes=host)
         return plan
+
+
+def _fixed_by(options_plan: Mapping[str, Any], manager) -> dict[str, str]:
+    """Where each forced plan field came from, for NoPlanFits to say: options['plan'], prepare's plan where the
+    chunks wait for their plan, or the chunks already built (whose fields plan_fields_of forces)."""
+    origin = {k: "options['plan']" for k in options_plan}
+    if manager is None:
+        return origin
+    if manager.pending_plan is not None:
+        return {**{k: "protrain_fx.prepare's plan" for k in manager.pending_plan}, **origin}
+    built = "the chunks already built (by protrain_fx.prepare or an earlier graph)"
+    return {**origin, **{k: built for k in ("n_persist", "n_buffer", "host_grad_slots", "device_grad_slots")}}
 
 
 def _regathers(param_map: dict[str, ParamEntry], layout, model) -> tuple[tuple[int, int], ...]:

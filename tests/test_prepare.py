@@ -6,6 +6,7 @@ Tolerance: bitwise, as in test_chunk_parity (fp32 on the CPU, the same fused Ada
 
 import copy
 import os
+import re
 
 import models
 import pytest
@@ -117,6 +118,30 @@ def test_a_failed_first_compile_leaves_the_prepared_chunks_waiting(monkeypatch):
     monkeypatch.setattr(backend_module, "profile_iteration", real)
     torch._dynamo.reset()
     _compare(ref, model, "llama")
+
+
+def test_no_plan_fits_names_the_fields_fixed_and_the_n_persist_that_fits():
+    """Every chunk kept persistent by prepare's plan, under a GPU too small for that: the error names n_persist as
+    fixed by the chunks already built, and the n_persist the search finds instead, which then trains under that
+    GPU and is what prepare without a plan gets. The same n_persist in options['plan'] is named as the user's."""
+    ref = models.build("llama")
+    on_device = _plan_trained(copy.deepcopy(ref), {})
+    n_chunk, small = on_device.n_chunk, {"gpu_memory_bytes": int(on_device.predicted_reserved_bytes * 0.8)}
+    model = protrain_fx.prepare(copy.deepcopy(ref), plan={"n_persist": n_chunk}, device="cpu")
+    with pytest.raises(Exception, match="no plan fits the GPU") as raised:
+        _plan_trained(model, small)
+    error = raised.value.inner_exception  # (torch.compile wraps the backend's NoPlanFits)
+    message = str(error)
+    built = "fixed by the chunks already built (by protrain_fx.prepare or an earlier graph)"
+    assert f"with n_persist={n_chunk}, host_grad_slots=0, device_grad_slots={n_chunk} {built}" in message
+    n_persist = error.released.config.n_persist
+    assert n_persist < n_chunk and f"searched instead, the search plans n_persist={n_persist} " in message
+    model = protrain_fx.prepare(copy.deepcopy(ref), plan={"n_persist": n_persist}, device="cpu")
+    plan = _plan_trained(model, small)
+    assert plan.n_persist == n_persist and plan.predicted_reserved_bytes <= small["gpu_memory_bytes"]
+    assert _plan_trained(protrain_fx.prepare(copy.deepcopy(ref), device="cpu"), small).n_persist == n_persist
+    with pytest.raises(Exception, match=re.escape(f"with n_persist={n_chunk} fixed by options['plan']")):
+        _plan_trained(copy.deepcopy(ref), {**small, "plan": {"n_persist": n_chunk}})
 
 
 def test_prepare_holds_the_fields_it_is_given_and_the_compile_holds_the_rest():

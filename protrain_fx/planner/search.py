@@ -40,6 +40,8 @@ Last resort (`plan_graph`): where nothing fits, the search runs again with the p
 MIN_GRAD_SLOTS gradient buffers on the device instead of one each (`CostModel.share_device_grads`): the GPU
 then holds more chunks and the host fewer. It is not the first choice: a step whose updates wait for
 `optimizer.step()` (clipping, accumulation) holds every persistent gradient, which such a plan has no room for.
+Where that fits neither, NoPlanFits (planner/nofit.py) names the forced fields and what searching them instead gives
+(`_released`), and the share of the batch that would fit (`batch_share`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from typing import Any
 
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Config, CostModel, ModeTerms
+from protrain_fx.planner.nofit import NoPlanFits, Released, batch_share
 from protrain_fx.planner.plan import MODE_COUNTS, Plan, make_plan, master_bytes
 
 log = logging.getLogger(__name__)
@@ -65,42 +68,6 @@ SAFE_HEADROOM = 0.1  # a plan predicted to leave this share of the capacity free
 MAX_BUFFER = 4  # buffers searched: one in use, one loading, one recomputed from, one spare (more is forced only)
 N_RUNNERS_UP = 3
 BOUND_ROUNDING = 1e-9  # step-time bounds are taken this much lower: where one adds up to the step, it may round above
-
-
-class NoPlanFits(ValueError):
-    """No configuration fits. Either even the one needing the least GPU memory does not fit the GPU (`peak_bytes`:
-    its reserved bytes), or every one that fits the GPU needs more host memory than this rank has (`host_needed`:
-    the least of them, `config`; `host_bytes`: what there is)."""
-
-    def __init__(
-        self,
-        peak_bytes: int,
-        config: Config,
-        capacity_bytes: int | None,
-        host_needed: int | None = None,
-        host_bytes: int | None = None,
-    ):
-        self.peak_bytes, self.config, self.capacity_bytes = peak_bytes, config, capacity_bytes
-        self.host_needed, self.host_bytes = host_needed, host_bytes
-        if host_needed is None:
-            message = (
-                f"no plan fits the GPU: the smallest ({config}) needs {peak_bytes / 2**30:.2f} GiB, the GPU has "
-                f"{capacity_bytes / 2**30:.2f} GiB for it. To make it fit: use a smaller batch or sequence length, "
-                "spread the model over more GPUs (chunks are sharded across ranks), or free GPU memory; a larger "
-                "host memory lets more chunks be offloaded. If the capacity is wrong, set "
-                "options={'gpu_memory_bytes': ...}."
-            )
-        else:
-            message = (
-                f"no plan fits the host memory: the plans that fit the GPU need at least {host_needed / 2**30:.2f} "
-                f"GiB of it for this rank (the least, {config}, for its offloaded chunks' fp32 masters, AdamW states "
-                f"and gradients and its swap space), and there are {host_bytes / 2**30:.2f} GiB. To make it fit: "
-                "spread the model over more GPUs (each rank holds its shard of the offloaded chunks), free host "
-                "memory or use a machine with more, use a smaller model, or set TORCHINDUCTOR_COMPILE_THREADS=1 "
-                "(inductor then compiles in this process, and the memory kept for its compile workers goes to the "
-                "model). If the host capacity is wrong, set options={'host_memory_bytes': ...}."
-            )
-        super().__init__(message)
 
 
 def _values(forced: Mapping[str, Any], key: str, values) -> list[int]:
@@ -153,22 +120,14 @@ class _ByModes:
         return self.known[key]
 
 
-def search(
-    model: CostModel,
-    capacity_bytes: int | None,
-    forced: Mapping[str, Any] | None = None,
-    host_bytes: int | None = None,
-):
-    """The best configuration as (Config, step seconds as ranked: `ranked_step_s`, peak bytes), and the runners-up
-    likewise. `host_bytes`: the host memory this rank has for offloaded chunks and swap space (None: not
-    budgeted). Raises NoPlanFits."""
-    forced = dict(forced or {})
-    model = dataclasses.replace(model, host_budget=host_bytes)
+def _scan(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, Any], host_bytes: int | None, by_modes):
+    """The configurations that fit the GPU and the host, as (config, peak); the one of least GPU memory, as
+    (reserved, config); and of those that fit the GPU but not the host, the one of least host memory, as (host
+    bytes, config) (None where none)."""
     fitting: list[tuple[Config, int]] = []
     smallest: tuple[int, Config] | None = None
-    least_host: tuple[int, Config] | None = None  # of the configurations that fit the GPU but not the host
+    least_host: tuple[int, Config] | None = None
     seen: set[Config] = set()
-    by_modes = _ByModes(model)
     for row in candidates(model, forced):
         for config in row:  # n_persist upwards: GPU memory only grows along a row, host memory only shrinks
             terms = by_modes(config)
@@ -185,11 +144,36 @@ def search(
             if config not in seen:
                 seen.add(config)
                 fitting.append((config, peak))
+    return fitting, smallest, least_host
+
+
+def search(
+    model: CostModel,
+    capacity_bytes: int | None,
+    forced: Mapping[str, Any] | None = None,
+    host_bytes: int | None = None,
+):
+    """The best configuration as (Config, step seconds as ranked: `ranked_step_s`, peak bytes), and the runners-up
+    likewise. `host_bytes`: the host memory this rank has for offloaded chunks and swap space (None: not
+    budgeted). Raises NoPlanFits."""
+    forced = dict(forced or {})
+    model = dataclasses.replace(model, host_budget=host_bytes)
+    by_modes = _ByModes(model)
+    fitting, smallest, least_host = _scan(model, capacity_bytes, forced, host_bytes, by_modes)
     if not fitting:
         assert smallest is not None, "no configuration to search"
+        batch = batch_share(model, itertools.chain.from_iterable(candidates(model, forced)), capacity_bytes, host_bytes)
         if least_host is not None:
-            raise NoPlanFits(smallest[0], least_host[1], capacity_bytes, least_host[0], host_bytes)
-        raise NoPlanFits(smallest[0], smallest[1], capacity_bytes)
+            raise NoPlanFits(
+                smallest[0],
+                least_host[1],
+                capacity_bytes,
+                least_host[0],
+                host_bytes,
+                n_chunk=model.n_chunk,
+                batch=batch,
+            )
+        raise NoPlanFits(smallest[0], smallest[1], capacity_bytes, n_chunk=model.n_chunk, batch=batch)
     fits = _timed(model, fitting, by_modes)
     log.info("timed %d of the %d configurations that fit", len(fits), len(fitting))
     return rank(fits, capacity_bytes, alpha=model.alpha)
@@ -289,6 +273,52 @@ def brute_force(
 
 
 SEARCHED = tuple(f.name for f in dataclasses.fields(Config))
+# the fields a plan may fix that the search would otherwise choose; where none fits, the error says what searching
+# them gives
+FIXABLE = SEARCHED + ("block_modes", "host_grad_slots", "device_grad_slots")
+
+
+def _search(costs: CostModel, capacity_bytes: int | None, held: Mapping[str, Any], may_share: bool):
+    """`search` under `costs.host_budget`, and where nothing fits and `may_share`, again with the persistent
+    chunks sharing device gradient buffers (the last resort): (best, runners-up, the cost model they fit)."""
+    try:
+        return (*search(costs, capacity_bytes, held, costs.host_budget), costs)
+    except NoPlanFits:
+        if not may_share:
+            raise
+        costs = dataclasses.replace(costs, share_device_grads=True)
+        return (*search(costs, capacity_bytes, held, costs.host_budget), costs)
+
+
+def _released(
+    costs: CostModel, fixed: Mapping[str, Any], layout: ChunkLayout | None, capacity_bytes: int | None, host_bytes
+) -> Released:
+    """What the search finds with the `fixed` fields searched too (the host budgeted where n_persist is then
+    searched), on a copy of `costs` that holds none of them."""
+    held = {} if costs.prices_selective else {"n_selective": 0}
+    if layout is None:
+        held.update(n_persist=0, n_buffer=0)
+    fields = tuple(k for k in fixed if k not in held)
+    if not fields:
+        return Released(())
+    free = dataclasses.replace(
+        costs,
+        forced_modes=(),
+        grad_slots_held=None,
+        device_grad_slots_held=None,
+        share_device_grads=False,
+        host_budget=host_bytes if "n_persist" not in held else None,
+    )
+    try:
+        (config, _, peak), _, free = _search(free, capacity_bytes, held, layout is not None)
+    except NoPlanFits as error:
+        return Released(fields, error=error)
+    most = None
+    if "n_persist" in fields:
+        fitting, _, _ = _scan(free, capacity_bytes, held, free.host_budget, _ByModes(free))
+        most = max(c.n_persist for c, _ in fitting)
+    host = free.host_bytes(config) if layout is not None else 0
+    return Released(fields, config, free.reserved_bytes(config, peak), host, most)
 
 
 def plan_graph(
@@ -297,12 +327,16 @@ def plan_graph(
     layout: ChunkLayout | None,
     capacity_bytes: int | None,
     host_bytes: int | None = None,
+    *,
+    fixed_by: Mapping[str, str] | None = None,
 ) -> Plan:
     """The plan of one graph: the forced fields as given (checked by make_plan), the rest searched, with the
     predictions and the runners-up. Fully forced plans are not searched; one predicted over capacity is kept,
     with a warning. The host memory (`host_bytes`) is budgeted only where `n_persist` is searched: a forced one
-    is the user's or that of the model's chunks, already built (their host memory is in use, not available)."""
-    forced = dict(forced)
+    is the user's or that of the model's chunks, already built (their host memory is in use, not available).
+    Where none fits, NoPlanFits names the forced fields (`fixed_by`: where each came from, as "options['plan']";
+    default: nofit.GENERIC_ORIGIN) and what searching them instead gives."""
+    forced, given = dict(forced), costs
     make_plan(costs.n_block, forced, layout, swap_interval=costs.swap_interval)  # the user's fields, checked
     held = {k: forced[k] for k in SEARCHED if k in forced}
     if "host_grad_slots" in forced:
@@ -334,12 +368,14 @@ def plan_graph(
         if "n_persist" not in held:
             costs = dataclasses.replace(costs, host_budget=host_bytes)
         try:
-            best, runners_up = search(costs, capacity_bytes, held, costs.host_budget)
-        except NoPlanFits:
-            if layout is None or "device_grad_slots" in forced:
-                raise
-            costs = dataclasses.replace(costs, share_device_grads=True)
-            best, runners_up = search(costs, capacity_bytes, held, costs.host_budget)
+            best, runners_up, costs = _search(
+                costs, capacity_bytes, held, layout is not None and "device_grad_slots" not in forced
+            )
+        except NoPlanFits as error:
+            fixed = {k: forced[k] for k in FIXABLE if k in forced}
+            released = _released(given, fixed, layout, capacity_bytes, host_bytes) if fixed else None
+            raise error.told(fixed=fixed, fixed_by=fixed_by or {}, released=released) from None
+        if costs.share_device_grads:
             log.warning(
                 "no plan with a gradient buffer for each persistent chunk fits this machine: the %d "
                 "persistent chunks share %d. Steps whose updates wait for optimizer.step() (gradient clipping, "
