@@ -689,3 +689,11 @@ def test_matmuls_are_timed_at_the_clocks_of_a_sustained_workload():
     assert warm.block_bwd_s == pytest.approx((0.003 * 1.10 + 0.001,) * 2)
     assert warm.backward_matmul_share == pytest.approx(0.0033 / 0.0043)
     assert (cool.matmul_stretch, warm.matmul_stretch) == (1.0, pytest.approx(1.10))
+
+
+def test_a_forced_n_persist_that_leaves_fewer_chunks_offloaded_than_buffers_is_planned():
+    """n_persist forced to one chunk short of all: one chunk offloaded, fewer than the least buffers searched;
+    the plan takes the least buffers instead of finding no configuration."""
+    model = synthetic()
+    best, _ = search(model, None, {"n_persist": model.n_chunk - 1})
+    assert best[0].n_persist == model.n_chunk - 1 and best[0].n_buffer in (2, 3)

@@ -101,7 +101,10 @@ def candidates(model: CostModel, forced: Mapping[str, Any]):
             for n_persist in _values(forced, "n_persist", range(model.n_chunk + 1)):
                 offloaded = model.n_chunk - n_persist
                 if offloaded and n_buffer > offloaded and "n_buffer" not in forced:
-                    continue  # (a forced count is the user's: more buffers than chunks only costs memory)
+                    # (a forced count is the user's: more buffers than chunks only costs memory; so does the least
+                    # count where the user's n_persist leaves fewer chunks offloaded)
+                    if "n_persist" not in forced or n_buffer != least:
+                        continue
                 row.append(Config(n_persist, n_buffer if offloaded else 0, *counts))
             yield row
 
