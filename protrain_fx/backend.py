@@ -51,9 +51,8 @@ from protrain_fx.capture import (
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import GRAPHS_FILE, PLANNING_FILE, Dumper
 from protrain_fx.distributed import least_on_every_rank
-from protrain_fx.eager import eager
 from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, PassContext, run_passes
-from protrain_fx.planner.cost import Config, CostModel, swap_interval
+from protrain_fx.planner.cost import Candidate, CostModel, swap_interval
 from protrain_fx.planner.inputs import PlanningInputs, cost_model, retimed, settled
 from protrain_fx.planner.plan import (
     ACTIVATION_FIELDS,
@@ -69,6 +68,7 @@ from protrain_fx.profiler.interpreter import profile_iteration, profile_on_every
 from protrain_fx.profiler.on_demand import OnDemand, storage_key
 from protrain_fx.profiler.profile import GraphProfile
 from protrain_fx.profiler.selective import mark_selective, selective_marks
+from protrain_fx.real_tensors import real_tensors
 from protrain_fx.runtime.adopt import (
     build_manager,
     check_not_in_ddp,
@@ -654,7 +654,7 @@ class _Partitioner(CustomPartitionerFn):
                 fw.graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default),
                 key=lambda n: n.args[1],
             )
-            with eager():  # the partitioner runs under AOTAutograd's fake mode
+            with real_tensors():  # the partitioner runs under AOTAutograd's fake mode
                 swap.allocate([n.meta["val"] for n in outs])
             record.swap = swap
         if manager is not None:
@@ -729,7 +729,7 @@ class _Partitioner(CustomPartitionerFn):
                 persistent = [p for p in graph_params if manager.holds(p) and manager.is_persistent(p)]
                 held = _nbytes(p for p in graph_params if manager.holds(p) and not manager.is_persistent(p))
                 if device.type == "cuda":
-                    held += costs.state_bytes(Config(manager.n_persist, manager.n_buffer))
+                    held += costs.state_bytes(Candidate(manager.n_persist, manager.n_buffer))
                 else:
                     held += sum({storage_key(p): p.untyped_storage().nbytes() for p in persistent}.values())
             elif device.type == "cuda":  # the allocator counts every parameter of the model on the device
@@ -782,7 +782,7 @@ def _regathers(param_map: dict[str, ParamEntry], layout, model) -> tuple[tuple[i
 
 def _cost_terms(costs: CostModel, plan: Plan) -> dict[str, Any]:
     """The plan's predicted step split into its terms, and what the models read (costs.json of a dump)."""
-    config = Config(plan.n_persist, plan.n_buffer, plan.n_swap, plan.n_checkpoint, plan.n_selective)
+    config = Candidate(plan.n_persist, plan.n_buffer, plan.n_swap, plan.n_checkpoint, plan.n_selective)
     costs = dataclasses.replace(costs, forced_modes=plan.block_modes)
     return {
         **costs.phases(config),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from protrain_fx.eager import eager
+from protrain_fx.real_tensors import real_tensors
 
 if TYPE_CHECKING:
     from protrain_fx.planner.chunking import ChunkLayout
@@ -75,7 +75,7 @@ def least_on_every_rank(values: list[int | None], device: torch.device) -> list[
     if world_size == 1:
         return values
     unset = torch.iinfo(torch.int64).max
-    with eager():
+    with real_tensors():
         where = device if dist.get_backend() == "nccl" else torch.device("cpu")
         mine = torch.tensor([unset if v is None else v for v in values], dtype=torch.int64, device=where)
         with across_ranks("the all-reduce of the GPU and host capacities the plan is searched under"):

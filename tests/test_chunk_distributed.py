@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, rendezvous: str, kind: str, plan: dict, error
         from test_chunk_parity import chunk_states, device_bytes_held, run
 
         import protrain_fx
-        from protrain_fx.planner.cost import Config
+        from protrain_fx.planner.cost import Candidate
         from protrain_fx.runtime.adopt import model_manager
 
         # a power of two averages without rounding; on GPUs the eager reference steps with CUDA's fused AdamW and
@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, rendezvous: str, kind: str, plan: dict, error
         # the device holds what the planner counts, across ranks each reduce buffer's shard too
         manager, costs = model_manager(model), compiler.graphs[0].costs
         held = device_bytes_held(manager, chunk_states(manager, optimizers[1]))
-        assert held == costs.state_bytes(Config(manager.n_persist, manager.n_buffer)), f"rank {rank}: {held} bytes"
+        assert held == costs.state_bytes(Candidate(manager.n_persist, manager.n_buffer)), f"rank {rank}: {held} bytes"
         state = protrain_fx.full_state_dict(model)  # a collective: every rank calls it
         for name, value in ref.state_dict().items():
             value = value.cpu()

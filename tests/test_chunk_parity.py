@@ -15,7 +15,7 @@ from helpers import train_steps
 
 import protrain_fx
 from protrain_fx.distributed import rank_and_world_size
-from protrain_fx.planner.cost import Config
+from protrain_fx.planner.cost import Candidate
 from protrain_fx.runtime.adopt import model_manager
 
 STEPS = 10
@@ -107,7 +107,7 @@ def test_the_cost_model_counts_what_the_chunks_hold(master_dtype):
     plan, optimizers = {"n_persist": 1, "n_buffer": 2, "master_dtype": master_dtype}, []
     _, model, backend = run("llama", plan, steps=2, dtype=torch.bfloat16, optimizers=optimizers)
     manager, costs = model_manager(model), backend.graphs[0].costs
-    config = Config(manager.n_persist, manager.n_buffer)
+    config = Candidate(manager.n_persist, manager.n_buffer)
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
     states = chunk_states(manager, optimizers[1])
     assert costs.master_bytes == manager.master_bytes

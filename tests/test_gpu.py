@@ -18,7 +18,7 @@ from helpers import eager_and_protrain, train
 
 import protrain_fx
 import protrain_fx.runtime.adopt
-from protrain_fx.planner.cost import Config
+from protrain_fx.planner.cost import Candidate
 
 pytestmark = pytest.mark.gpu
 BF16_RTOL = 2e-2
@@ -104,7 +104,7 @@ def test_profile_against_inductor_execution():
     profile must never under-predict the compiled peak."""
     backend = protrain_fx.ProTrainBackend({"executor": "inductor", **UNCHANGED})
     prof_s, meas_s, prof_peak, meas_peak = measure_against_profile("inductor", backend=backend)
-    terms = [g.costs.phases(Config()) for g in backend.graphs if g.costs is not None]
+    terms = [g.costs.phases(Candidate()) for g in backend.graphs if g.costs is not None]
     fused_s = sum(t["forward_s"] + t["backward_s"] for t in terms)
     print(
         f"inductor executor: profiled {prof_s * 1e3:.1f} ms, fused estimate {fused_s * 1e3:.1f} ms, measured "

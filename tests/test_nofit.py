@@ -10,7 +10,7 @@ import pytest
 from test_search import _capacities, brute_force, synthetic
 
 from protrain_fx.planner.chunking import ChunkLayout
-from protrain_fx.planner.cost import Config, CostModel
+from protrain_fx.planner.cost import Candidate, CostModel
 from protrain_fx.planner.nofit import GENERIC_ORIGIN
 from protrain_fx.planner.search import NoPlanFits, plan_graph
 
@@ -84,9 +84,9 @@ def test_a_fixed_n_persist_is_named_with_the_plan_that_fits_with_it_searched(com
     with pytest.raises(NoPlanFits) as err:
         plan_graph(model, {"n_persist": 6}, layout, capacity, host, fixed_by={"n_persist": "the chunks already built"})
     message = str(err.value)
-    assert message.startswith("no plan fits the GPU: the smallest (Config(n_persist=6, ")
+    assert message.startswith("no plan fits the GPU: the smallest (Candidate(n_persist=6, ")
     assert "for it, with n_persist=6 fixed by the chunks already built. What would make it fit:" in message
-    config = Config(searched.n_persist, searched.n_buffer, searched.n_swap, searched.n_checkpoint)
+    config = Candidate(searched.n_persist, searched.n_buffer, searched.n_swap, searched.n_checkpoint)
     assert err.value.fixed == {"n_persist": 6} and err.value.released.config == config
     assert (
         f"- with n_persist searched instead, the search plans n_persist={searched.n_persist} "
@@ -99,7 +99,7 @@ def test_a_fixed_n_persist_is_named_with_the_plan_that_fits_with_it_searched(com
     assert most != searched.n_persist or compute == 1
     # the last resort (persistent chunks sharing two gradient buffers) was tried too: its states are the least
     sharing = dataclasses.replace(model, share_device_grads=True)
-    states = sharing.reserved_bytes(Config(6), sharing.state_bytes(Config(6)) + model.other_bytes)
+    states = sharing.reserved_bytes(Candidate(6), sharing.state_bytes(Candidate(6)) + model.other_bytes)
     assert states > capacity
     assert (
         f"- a smaller batch would not do: even with no activations the plans need at least {states / GiB:.2f}"

@@ -12,7 +12,7 @@ import torch
 
 import protrain_fx
 from protrain_fx.planner.chunking import ChunkLayout
-from protrain_fx.planner.cost import Config, CostModel, _HostRates, _Segment
+from protrain_fx.planner.cost import Candidate, CostModel, _HostRates, _Segment
 from protrain_fx.planner.plan import HOST_STATES, MIN_GRAD_SLOTS
 from protrain_fx.planner.search import (
     CLIP_WEIGHT,
@@ -87,7 +87,7 @@ def synthetic(n_block=8, n_chunk=6, seed=0, block_saved=1 * GiB, chunk_elems=2**
 
 
 def _capacities(model):
-    everything = model.peak_bytes(Config(model.n_chunk, 0, 0, 0))
+    everything = model.peak_bytes(Candidate(model.n_chunk, 0, 0, 0))
     least = min(model.peak_bytes(c) for c, _, _ in brute_force(model, None))
     return [int(least + (everything - least) * f) for f in (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.2)]
 
@@ -128,7 +128,7 @@ def test_search_reacts_to_capacity():
     model = synthetic()
     plans = [search(model, capacity)[0][0] for capacity in reversed(_capacities(model))]
     roomy, tight = plans[0], plans[-1]
-    assert roomy == Config(model.n_chunk, 0, 0, 0)
+    assert roomy == Candidate(model.n_chunk, 0, 0, 0)
     assert tight.n_persist < model.n_chunk and tight.n_checkpoint + tight.n_swap > 0
     persist = [p.n_persist for p in plans]
     assert persist == sorted(persist, reverse=True)
@@ -138,8 +138,8 @@ def test_ties_go_to_the_least_rewritten_plan_with_headroom_to_spare():
     """Equal predicted times (a swap hidden behind compute is priced at nothing): with SAFE_HEADROOM to spare the
     plan that rewrites least wins; when only the swapping one leaves it, that one; when none does, the lowest
     peak."""
-    plain, swapped = (Config(4, 0, 0, 0), 1.0, 50), (Config(4, 0, 1, 0), 1.0 + TIE_REL / 2, 40)
-    slower = (Config(4, 0, 0, 1), 1.1, 30)
+    plain, swapped = (Candidate(4, 0, 0, 0), 1.0, 50), (Candidate(4, 0, 1, 0), 1.0 + TIE_REL / 2, 40)
+    slower = (Candidate(4, 0, 0, 1), 1.1, 30)
     fits = [swapped, slower, plain]
     assert rank(fits, 100)[0] == plain
     assert rank(fits, None)[0] == plain
@@ -160,7 +160,7 @@ def test_plans_are_ranked_also_with_a_slower_host():
     fastest = min(brute_force(model, capacity), key=lambda f: model.step_s(f[0]))[0]  # at the profiled rate
     layout = ChunkLayout(chunk_elems=model.chunk_elems, element_size=2, world_size=1, slots=(), n_chunk=model.n_chunk)
     plan = plan_graph(model, {}, layout, capacity)
-    best = Config(plan.n_persist, plan.n_buffer, plan.n_swap, plan.n_checkpoint)
+    best = Candidate(plan.n_persist, plan.n_buffer, plan.n_swap, plan.n_checkpoint)
     assert best != fastest
     assert model.step_s(fastest) < model.step_s(best) < model.step_s(fastest) * 1.05
     assert slow.step_s(best) < slow.step_s(fastest)
@@ -186,7 +186,7 @@ def test_a_plan_far_slower_when_the_clip_applies_loses():
     SAFE_HEADROOM free, so a tie would go to the offloaded plan's lower peak: it must win on time. Its plan still
     predicts the unclipped step."""
     model = _clip_sensitive()
-    persistent, offloaded = Config(10, 0), Config(8, 2)
+    persistent, offloaded = Candidate(10, 0), Candidate(8, 2)
     assert 0 < 1 - model.step_s(offloaded) / model.step_s(persistent) < TIE_REL
     assert model.step_s(offloaded, clipped=0) > 1.15 * model.step_s(persistent, clipped=0)
     capacity = int(model.reserved_bytes(persistent) / (1 - SAFE_HEADROOM / 2))
@@ -207,9 +207,9 @@ def test_where_memory_forces_offloading_the_search_still_offloads():
     """The same model with no room for every chunk on the GPU: the search offloads (however slow a clipped step
     then is) and fits."""
     model = _clip_sensitive()
-    capacity = model.reserved_bytes(Config(10, 0)) - 1
+    capacity = model.reserved_bytes(Candidate(10, 0)) - 1
     (best, _, peak), runners_up = search(model, capacity, {"n_swap": 0, "n_checkpoint": 0})
-    assert best == Config(8, 2) and model.reserved_bytes(best, peak) <= capacity
+    assert best == Candidate(8, 2) and model.reserved_bytes(best, peak) <= capacity
     assert all(model.reserved_bytes(r[0], r[2]) <= capacity for r in runners_up)
 
 
@@ -272,17 +272,17 @@ def test_host_memory_of_a_configuration():
     model = synthetic(n_chunk=5)
     shard = model.shard_elems
     assert HOST_STATES == 3 and MIN_GRAD_SLOTS == 2
-    offloaded = Config(1, 2, 0, 0)  # four offloaded chunks
-    assert model.host_bytes(Config(5, 0, 0, 0)) == 0 and model.host_bytes(offloaded) == 4 * 16 * shard
+    offloaded = Candidate(1, 2, 0, 0)  # four offloaded chunks
+    assert model.host_bytes(Candidate(5, 0, 0, 0)) == 0 and model.host_bytes(offloaded) == 4 * 16 * shard
     assert model.grad_slots(offloaded) == 4 and model.least_host_bytes(offloaded) == 4 * 12 * shard + 2 * 4 * shard
     for budget, slots in [(4 * 16 * shard, 4), (4 * 16 * shard - 1, 3), (4 * 12 * shard + 8 * shard, 2), (0, 2)]:
         budgeted = dataclasses.replace(model, host_budget=budget)
         assert budgeted.grad_slots(offloaded) == slots, budget
         assert budgeted.host_bytes(offloaded) == 4 * 12 * shard + slots * 4 * shard
-    assert dataclasses.replace(model, host_budget=0).grad_slots(Config(4, 1, 0, 0)) == 1  # (one chunk: its own)
+    assert dataclasses.replace(model, host_budget=0).grad_slots(Candidate(4, 1, 0, 0)) == 1  # (one chunk: its own)
     own = dataclasses.replace(model, master_bytes=2)  # bfloat16 masters: the parameters themselves
     assert own.host_bytes(offloaded) == 4 * 8 * shard
-    swapped = Config(5, 0, 1, 0)
+    swapped = Candidate(5, 0, 1, 0)
     assert model.host_bytes(swapped) == sum(
         model.block_saved[b] for b, m in enumerate(model.modes(swapped)) if m == "swap"
     )
@@ -298,15 +298,15 @@ def test_memory_model_terms():
     swapped = ("swap",) + ("none",) * (model.n_block - 1)
     assert none - model.activation_peak(swapped) == model.block_saved[0]
     elems = model.chunk_elems
-    assert model.state_bytes(Config(4, 0, 0, 0)) == 4 * elems * (2 + 4 + 4 + 8)
+    assert model.state_bytes(Candidate(4, 0, 0, 0)) == 4 * elems * (2 + 4 + 4 + 8)
     # + the landing shard and the reduce buffer of the one offloaded chunk
-    assert model.state_bytes(Config(3, 2, 0, 0)) == 3 * elems * 18 + 2 * elems * 2 + elems * 4 + elems * 4
-    assert model.state_bytes(Config(1, 2, 0, 0)) == elems * 18 + 2 * elems * 2 + elems * 4 + 2 * elems * 4
+    assert model.state_bytes(Candidate(3, 2, 0, 0)) == 3 * elems * 18 + 2 * elems * 2 + elems * 4 + elems * 4
+    assert model.state_bytes(Candidate(1, 2, 0, 0)) == elems * 18 + 2 * elems * 2 + elems * 4 + 2 * elems * 4
     # bfloat16 masters: the parameters are their own, gradients and states are bfloat16 (8 bytes an element), and
     # offloaded shards land straight in their buffer
     own = dataclasses.replace(model, master_bytes=2)
-    assert own.state_bytes(Config(4, 0, 0, 0)) == 4 * elems * (2 + 2 + 4)
-    assert own.state_bytes(Config(1, 2, 0, 0)) == elems * 8 + 2 * elems * 2 + 2 * elems * 2
+    assert own.state_bytes(Candidate(4, 0, 0, 0)) == 4 * elems * (2 + 2 + 4)
+    assert own.state_bytes(Candidate(1, 2, 0, 0)) == elems * 8 + 2 * elems * 2 + 2 * elems * 2
 
 
 def test_bfloat16_masters_fit_more_chunks_and_update_faster():
@@ -314,8 +314,8 @@ def test_bfloat16_masters_fit_more_chunks_and_update_faster():
     or (not measured) in proportion to the bytes, takes half the time."""
     model = synthetic(n_chunk=6, block_saved=GiB // 8)
     own = dataclasses.replace(model, master_bytes=2)
-    capacity = model.reserved_bytes(Config(3, 2, 0, 0))
-    assert own.reserved_bytes(Config(6, 0, 0, 0)) <= capacity < model.reserved_bytes(Config(4, 2, 0, 0))
+    capacity = model.reserved_bytes(Candidate(3, 2, 0, 0))
+    assert own.reserved_bytes(Candidate(6, 0, 0, 0)) <= capacity < model.reserved_bytes(Candidate(4, 2, 0, 0))
     assert max(c.n_persist for c, _, _ in brute_force(model, capacity)) == 3
     assert max(c.n_persist for c, _, _ in brute_force(own, capacity)) == 6
     hw = model.hardware
@@ -330,7 +330,7 @@ def test_gradient_copies_slower_than_the_backward_hold_it_up():
     backward makes each reduce wait for the copy out of the buffer it reuses, and the host's AdamW for its
     gradients."""
     model = synthetic(n_chunk=4)
-    config = Config(n_persist=1, n_buffer=2)
+    config = Candidate(n_persist=1, n_buffer=2)
 
     def with_link(bytes_per_s):
         link = {"d2h_bytes_per_s": bytes_per_s, "d2h_concurrent_bytes_per_s": bytes_per_s}
@@ -350,7 +350,7 @@ def test_shared_gradient_shards_hold_the_backward_up_where_the_host_is_slower():
     backward the step takes longer and the backward waits; with a fast host nothing changes. The search on a
     budget prices that."""
     model = synthetic(n_chunk=6)
-    config = Config(n_persist=1, n_buffer=2)  # five offloaded chunks
+    config = Candidate(n_persist=1, n_buffer=2)  # five offloaded chunks
 
     def host(s_per_param: float, slots: int | None) -> CostModel:
         rates = {f: s_per_param for f in ("host_adam", "host_adam_h2d", "host_adam_d2h", "host_adam_both")}
@@ -389,7 +389,7 @@ def test_persistent_chunks_share_device_gradient_buffers_only_where_nothing_else
     a plan fits without, or the user forces the count, there is no last resort."""
     model = synthetic(n_chunk=6)
     sharing = dataclasses.replace(model, share_device_grads=True)
-    config = Config(n_persist=4, n_buffer=2)
+    config = Candidate(n_persist=4, n_buffer=2)
     assert (model.device_grad_slots(config), sharing.device_grad_slots(config)) == (4, MIN_GRAD_SLOTS)
     assert model.state_bytes(config) - sharing.state_bytes(config) == 2 * model.chunk_elems * 4
     layout = ChunkLayout(chunk_elems=model.chunk_elems, element_size=2, world_size=1, slots=(), n_chunk=model.n_chunk)
@@ -436,10 +436,10 @@ def test_uploads_run_ahead_as_far_as_the_buffers_allow():
     with one buffer only the first does, and each later one waits for the chunk before it to be computed."""
     model = _link(synthetic(n_chunk=6), rate=1e9)
     load = model.shard_elems * 4 / 1e9  # > any chunk's compute
-    per = model._per_chunk(Config(n_persist=3, n_buffer=3))
+    per = model._per_chunk(Candidate(n_persist=3, n_buffer=3))
     persistent, offloaded = sum(per["forward"][:3]), per["forward"][3:]
-    many = model.phases(Config(n_persist=3, n_buffer=3))["forward_s"]
-    one = model.phases(Config(n_persist=3, n_buffer=1))["forward_s"]
+    many = model.phases(Candidate(n_persist=3, n_buffer=3))["forward_s"]
+    one = model.phases(Candidate(n_persist=3, n_buffer=1))["forward_s"]
     assert many == pytest.approx(max(persistent, 3 * load) + offloaded[-1])
     assert one == pytest.approx(max(persistent, load) + sum(offloaded) + 2 * load)
 
@@ -451,7 +451,7 @@ def test_a_chunk_gathered_again_is_uploaded_again_where_offloaded():
     model = _link(dataclasses.replace(synthetic(n_chunk=6), regathers=((0, 5),)), rate=1e9)
     untied = dataclasses.replace(model, regathers=())
     load = model.shard_elems * 4 / 1e9  # > any chunk's compute
-    offloaded, persistent = Config(n_persist=0, n_buffer=2), Config(n_persist=1, n_buffer=2)
+    offloaded, persistent = Candidate(n_persist=0, n_buffer=2), Candidate(n_persist=1, n_buffer=2)
     last = model._per_chunk(offloaded)["forward"][5]
     forward = model.phases(offloaded)["forward_s"]
     assert forward == pytest.approx(untied.phases(offloaded)["forward_s"] - last + load)
@@ -464,7 +464,7 @@ def test_copies_beside_the_host_optimizer_run_slower():
     while the host steps earlier chunks takes longer where the profile measured the link slower beside it. A
     plan with nothing offloaded has no host work and does not change."""
     model = synthetic(n_chunk=6)
-    offloaded, persistent = Config(n_persist=2, n_buffer=2), Config(n_persist=6, n_buffer=0)
+    offloaded, persistent = Candidate(n_persist=2, n_buffer=2), Candidate(n_persist=6, n_buffer=0)
     fast, slow = _link(model), _link(model, h2d_beside_host=1e9, both_beside_host=1e9)
     assert slow.phases(offloaded)["backward_s"] > fast.phases(offloaded)["backward_s"] + model.shard_elems * 4 / 2e9
     assert slow.step_s(persistent) == fast.step_s(persistent)
@@ -485,7 +485,7 @@ def test_persistent_updates_add_what_the_backward_does_not_hide():
     none); chunk 0's runs after the backward and adds all its time. A clipped step updates in `AdamW.step()`:
     all of it. Beside a short backward only what fits adds less."""
     model = synthetic(n_chunk=6)
-    config = Config(n_persist=6, n_buffer=0)
+    config = Candidate(n_persist=6, n_buffer=0)
     adam = [n * model.hardware.device_adam_s(model.master_bytes) for n in model.chunk_params]
     full = sum(adam)
     assert _beside(model, 0.0).phases(config)["gpu_optim_s"] == pytest.approx(full)  # nothing hidden
@@ -503,7 +503,7 @@ def test_persistent_updates_add_what_the_backward_does_not_hide():
     for hidden in (0.0, 0.5, 1.0):
         beside = _beside(model, hidden)
         for n_persist in range(model.n_chunk + 1):
-            config = Config(n_persist, 0 if n_persist == model.n_chunk else 2)
+            config = Candidate(n_persist, 0 if n_persist == model.n_chunk else 2)
             assert beside.step_bound_s(config) <= beside.step_s(config) * (1 + 1e-12), (hidden, config)
 
 
@@ -528,7 +528,7 @@ def test_collectives_hold_the_compute_up_as_the_runtime_runs_them():
     passes over the fp32 gradient on the compute stream, which one rank does not make. On two H200s the
     compute's kernels took 48 ms longer in a 5.5B step beside 89 ms of collectives (twenty-second session)."""
     fast, slow = _two_ranks(0.0), _two_ranks(0.002)
-    offloaded, persistent = Config(n_persist=0, n_buffer=6), Config(n_persist=6, n_buffer=0)
+    offloaded, persistent = Candidate(n_persist=0, n_buffer=6), Candidate(n_persist=6, n_buffer=0)
     assert slow.phases(offloaded)["backward_s"] == pytest.approx(fast.phases(offloaded)["backward_s"] + 6 * 0.002)
     one_rank = synthetic(n_chunk=6).phases(persistent)["backward_s"]
     passes = 2 * 2 * fast.chunk_elems * 4 / fast.hardware.device_bytes_per_s  # (a pass reads and writes the chunk)
@@ -542,7 +542,7 @@ def test_updates_that_wait_for_the_step_are_timed_as_a_clipped_step():
     as a clipped one none of whose offloaded chunks update during the backward: longer than one where they do."""
     model = _beside(synthetic(n_chunk=6), 0.5)
     waiting = dataclasses.replace(model, updates_wait=True)
-    for config in (Config(6, 0), Config(3, 2)):
+    for config in (Candidate(6, 0), Candidate(3, 2)):
         assert waiting.step_s(config) == pytest.approx(model.step_s(config, clipped=0))
         assert waiting.step_s(config) > model.step_s(config)
         assert waiting.step_bound_s(config) <= waiting.step_s(config)
@@ -602,7 +602,7 @@ def test_copies_beside_the_host_optimizer_slow_offloaded_plans():
     """Slower host rates beside copies lengthen the step of a plan whose host optimizer is on the critical path,
     and change nothing where every chunk is persistent."""
     model = synthetic()
-    offloaded, persistent = Config(n_persist=2, n_buffer=2), Config(n_persist=model.n_chunk, n_buffer=0)
+    offloaded, persistent = Candidate(n_persist=2, n_buffer=2), Candidate(n_persist=model.n_chunk, n_buffer=0)
     alone = dataclasses.replace(model, hardware=_host_adam(2e-9, 2e-9, 2e-9, 2e-9))
     shared = dataclasses.replace(model, hardware=_host_adam(2e-9, 3e-9, 3e-9, 4e-9))
     assert shared.step_s(offloaded) > alone.step_s(offloaded)
@@ -615,7 +615,7 @@ def test_the_next_forward_waits_for_the_host_optimizer():
     chunk only once it is stepped. A host fast enough costs nothing; past that, every extra second the host
     spends on the offloaded chunks is a second of step time."""
     model = synthetic()
-    config = Config(n_persist=2, n_buffer=2)
+    config = Candidate(n_persist=2, n_buffer=2)
     offloaded = sum(model.chunk_params[2:])
 
     def with_host(s_per_param):
@@ -636,7 +636,7 @@ def test_clipped_steps_overlap_the_host_updates_where_undoing_them_pays():
     the host's work; where the copy makes the host the bottleneck, fewer chunks overlap. The plan takes the fastest
     count, and says what a clipped step costs."""
     model = synthetic()
-    config = Config(n_persist=2, n_buffer=2)
+    config = Candidate(n_persist=2, n_buffer=2)
     offloaded = model.n_chunk - 2
     chunk = model.chunk_params[2]
 

@@ -9,7 +9,7 @@ import pytest
 from test_search import _beside, _capacities, _link, _two_ranks, synthetic
 
 from protrain_fx.planner.chunking import ChunkLayout
-from protrain_fx.planner.cost import Config, CostModel
+from protrain_fx.planner.cost import Candidate, CostModel
 from protrain_fx.planner.search import (
     CLIP_WEIGHT,
     HOST_SLOWDOWN,
@@ -54,7 +54,7 @@ def test_selective_wins_where_its_recompute_is_cheap_and_memory_tight():
     and is faster than the best plan without them (which checkpoints whole forwards, swaps, or offloads
     chunks)."""
     model = selective(synthetic(n_block=8, n_chunk=6), kept=0.3, recompute=0.05)
-    capacity = model.reserved_bytes(Config(n_persist=6, n_selective=8))
+    capacity = model.reserved_bytes(Candidate(n_persist=6, n_selective=8))
     (best, step, _), _ = search(model, capacity)
     (without, step_without, _), _ = search(model, capacity, {"n_selective": 0})
     assert best.n_selective > 0 and best.n_checkpoint == 0, best
@@ -110,7 +110,7 @@ def test_a_selective_block_is_priced_from_its_marks():
     assert model.block_kept == (500, 500) and model.block_saved == (1100, 1100)
     assert model.block_selective_s == pytest.approx((0.001, 0.001)) and model.block_selective_transient == (1000,) * 2
     assert model.saving(0, "selective") == 600 and model.recompute_s(0, "selective") == pytest.approx(0.001)
-    none, one = model.phases(Config()), model.phases(Config(n_selective=1))
+    none, one = model.phases(Candidate()), model.phases(Candidate(n_selective=1))
     assert one["backward_s"] - none["backward_s"] == pytest.approx(0.001)
     unmarked = [dataclasses.replace(n, kept_bytes=0, recomputed=False) for n in nodes]
     plain = CostModel.build(dataclasses.replace(profile, nodes=unmarked), hardware, n_block=2)
@@ -126,10 +126,13 @@ def test_memory_and_time_of_a_selective_block():
     none = model.activation_peak(("none",) * n)
     first = ("selective",) + ("none",) * (n - 1)
     assert none - model.activation_peak(first) == model.block_saved[0] - model.block_kept[0]
-    layout = model.modes(Config(n_persist=4, n_selective=3, n_checkpoint=2))
+    layout = model.modes(Candidate(n_persist=4, n_selective=3, n_checkpoint=2))
     assert layout == ("checkpoint",) * 2 + ("selective",) * 3 + ("none",) * (n - 5)
     extra = sum(model.block_selective_s[2:5]) + sum(model.block_fwd_s[:2])
-    base, mixed = model.phases(Config(n_persist=4)), model.phases(Config(n_persist=4, n_checkpoint=2, n_selective=3))
+    base, mixed = (
+        model.phases(Candidate(n_persist=4)),
+        model.phases(Candidate(n_persist=4, n_checkpoint=2, n_selective=3)),
+    )
     assert mixed["backward_s"] - base["backward_s"] == pytest.approx(extra)
     assert mixed["forward_s"] == pytest.approx(base["forward_s"])
 
@@ -194,6 +197,6 @@ def test_a_forced_selective_layout_is_planned_with_its_price():
     plan = plan_graph(model, {"block_modes": modes, "n_persist": 4}, layout, None)
     assert plan.block_modes == tuple(modes) and (plan.n_selective, plan.n_checkpoint) == (2, 1)
     forced = dataclasses.replace(model, forced_modes=tuple(modes))
-    config = Config(n_persist=4, n_checkpoint=1, n_selective=2)
+    config = Candidate(n_persist=4, n_checkpoint=1, n_selective=2)
     assert plan.predicted_step_s == pytest.approx(forced.step_s(config))
-    assert plan.predicted_peak_bytes == forced.peak_bytes(config) < model.peak_bytes(Config(n_persist=4))
+    assert plan.predicted_peak_bytes == forced.peak_bytes(config) < model.peak_bytes(Candidate(n_persist=4))

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from protrain_fx.debug.dump import GRAPHS_FILE, PLANNING_FILE
-from protrain_fx.planner.cost import Config
+from protrain_fx.planner.cost import Candidate
 from protrain_fx.planner.inputs import PlanningInputs, cost_model
 from protrain_fx.planner.plan import Plan, decisions
 from protrain_fx.planner.search import plan_graph
@@ -64,7 +64,9 @@ def host_scale_of(graph_dir: str | Path) -> float | None:
         dumped = decisions(json.loads((folder / "plan.json").read_text()))
         profile, inputs = _read(folder)
         costs = cost_model(profile, inputs, dumped)
-        config = Config(*(dumped.get(f.name, 0) for f in dataclasses.fields(Config)))  # (older dumps: no n_selective)
+        config = Candidate(
+            *(dumped.get(f.name, 0) for f in dataclasses.fields(Candidate))
+        )  # (older dumps: no n_selective)
         report["predicted_host_adam_s_per_param"] = costs.host_adam_mean_s(config)
     return monitor.host_scale(report)
 

@@ -2,8 +2,8 @@
 of the graph (profiler/) and the hardware profile, without running it.
 
     model = CostModel.build(profile, hardware, n_block=..., layout=..., ...)
-    model.step_s(Config(n_persist=4, n_buffer=2, n_swap=1, n_checkpoint=6, n_selective=8))
-    model.peak_bytes(Config(...))
+    model.step_s(Candidate(n_persist=4, n_buffer=2, n_swap=1, n_checkpoint=6, n_selective=8))
+    model.peak_bytes(Candidate(...))
 
 Compute times are the profiled node times; under inductor (`fused`) the nodes it fuses cost the bytes their
 fused kernels move at the device's memory bandwidth instead (`node_s`, profiler/fusion.py).
@@ -214,7 +214,7 @@ def node_s(node: NodeProfile, hardware: HardwareProfile) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Candidate:
     """The searched fields of a plan (paper: n_persist, n_buffer, n_swap, n_checkpoint; and n_selective)."""
 
     n_persist: int = 0
@@ -435,7 +435,7 @@ class CostModel:
 
     # ----- memory ------------------------------------------------------------------------------------
 
-    def modes(self, config: Config) -> tuple[str, ...]:
+    def modes(self, config: Candidate) -> tuple[str, ...]:
         return self.forced_modes or interleaved_modes(
             self.n_block, config.n_swap, config.n_checkpoint, config.n_selective
         )
@@ -496,7 +496,7 @@ class CostModel:
         keep no separate master."""
         return self.master_bytes == self.element_size
 
-    def state_bytes(self, config: Config) -> int:
+    def state_bytes(self, config: Candidate) -> int:
         """Device bytes of the model states a chunk configuration keeps (runtime/chunks.py allocates these)."""
         if self.n_chunk == 0:
             return 0
@@ -514,7 +514,7 @@ class CostModel:
             reduce += min(REDUCE_BUFFERS, buffered) * self.shard_elems * self.master_bytes
         return persistent + buffers + landing + reduce
 
-    def host_bytes(self, config: Config, grad_slots: int | None = None, terms: ModeTerms | None = None) -> int:
+    def host_bytes(self, config: Candidate, grad_slots: int | None = None, terms: ModeTerms | None = None) -> int:
         """Host bytes of this rank the configuration needs (runtime/chunks.py: what its host check asks for): per
         offloaded chunk its shard's master and host AdamW states, `grad_slots` gradient shards (default
         `grad_slots(config)`), and the swap space of the swapped blocks' activations (runtime/swap.py)."""
@@ -523,7 +523,7 @@ class CostModel:
         chunks = self.shard_elems * self.master_bytes * (offloaded * HOST_STATES + slots)
         return chunks + (terms or self.mode_terms(config, chunks=False)).swapped_bytes
 
-    def grad_slots(self, config: Config) -> int:
+    def grad_slots(self, config: Candidate) -> int:
         """The host gradient shards the offloaded chunks of `config` get (the user's, if held): one each where
         `host_budget` has room (or is not set), else as many as it has, and no fewer than MIN_GRAD_SLOTS
         (`least_host_bytes`), which they share (runtime/chunks.py)."""
@@ -535,7 +535,7 @@ class CostModel:
         room = (self.host_budget - self.host_bytes(config, 0)) // (self.shard_elems * self.master_bytes)
         return max(min(offloaded, MIN_GRAD_SLOTS), min(offloaded, room))
 
-    def device_grad_slots(self, config: Config) -> int:
+    def device_grad_slots(self, config: Candidate) -> int:
         """The gradient buffers the persistent chunks of `config` get on the device (the user's, if held):
         one each, or MIN_GRAD_SLOTS, which they share (runtime/chunks.py), with `share_device_grads`."""
         if self.device_grad_slots_held is not None:
@@ -544,16 +544,16 @@ class CostModel:
             return min(config.n_persist, MIN_GRAD_SLOTS)
         return config.n_persist
 
-    def least_host_bytes(self, config: Config, terms: ModeTerms | None = None) -> int:
+    def least_host_bytes(self, config: Candidate, terms: ModeTerms | None = None) -> int:
         """The least host memory `config` trains in: its offloaded chunks sharing MIN_GRAD_SLOTS gradient shards."""
         return self.host_bytes(config, min(self.n_chunk - config.n_persist, MIN_GRAD_SLOTS), terms)
 
-    def peak_bytes(self, config: Config, terms: ModeTerms | None = None) -> int:
+    def peak_bytes(self, config: Candidate, terms: ModeTerms | None = None) -> int:
         """The highest allocated bytes of a step (what torch.cuda.max_memory_allocated reports)."""
         activation_peak = terms.activation_peak if terms else self.activation_peak(self.modes(config))
         return activation_peak + self.state_bytes(config) + self.other_bytes
 
-    def mode_terms(self, config: Config, *, chunks: bool = True) -> ModeTerms:
+    def mode_terms(self, config: Candidate, *, chunks: bool = True) -> ModeTerms:
         """What `config`'s costs read of its block modes alone; `chunks` False: without the per-chunk split."""
         modes = self.modes(config)
         return ModeTerms(
@@ -563,7 +563,7 @@ class CostModel:
             per_chunk=self._per_chunk(config) if chunks and self.n_chunk else None,
         )
 
-    def reserved_bytes(self, config: Config, peak_bytes: int | None = None) -> int:
+    def reserved_bytes(self, config: Candidate, peak_bytes: int | None = None) -> int:
         """The peak (`peak_bytes` if already known) times α: what the allocator reserves for it, so what must
         fit the GPU."""
         return int((self.peak_bytes(config) if peak_bytes is None else peak_bytes) * self.alpha)
@@ -604,7 +604,7 @@ class CostModel:
         beside = seconds * hw.collective_stretch_beside_matmul
         return beside, beside * hw.matmul_delay_beside_collective
 
-    def step_s(self, config: Config, clipped: int | None = None) -> float:
+    def step_s(self, config: Candidate, clipped: int | None = None) -> float:
         """Predicted seconds per training step (forward, backward and optimizer) of `config`; `clipped`: a step
         with gradient clipping (`phases`)."""
         t = self.phases(config, clipped)
@@ -612,7 +612,7 @@ class CostModel:
             return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_s"]
         return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_wait_s"]
 
-    def host_adam_mean_s(self, config: Config) -> float | None:
+    def host_adam_mean_s(self, config: Candidate) -> float | None:
         """The host AdamW's mean seconds per parameter over the offloaded chunks' updates of a step of `config`,
         at the rates beside the copies the timelines put there: what the step monitor measures in training. None
         where nothing is offloaded."""
@@ -621,7 +621,7 @@ class CostModel:
 
     def step_floor_s(
         self,
-        config: Config,
+        config: Candidate,
         terms: ModeTerms | None = None,
         *,
         host_scales: Sequence[float] = (1.0,),
@@ -668,7 +668,7 @@ class CostModel:
 
     def step_bound_s(
         self,
-        config: Config,
+        config: Candidate,
         terms: ModeTerms | None = None,
         *,
         host_scales: Sequence[float] = (1.0,),
@@ -723,7 +723,7 @@ class CostModel:
         return min(hw.host_adam_s(h2d, d2h, self.master_bytes) for h2d in (False, True) for d2h in (False, True))
 
     def _gpu_optim_s(
-        self, config: Config, reduced: Sequence[float] | None = None, end: float = 0.0, *, early: bool = True
+        self, config: Candidate, reduced: Sequence[float] | None = None, end: float = 0.0, *, early: bool = True
     ) -> float:
         """What the persistent chunks' AdamW on the device adds to the step. Each starts on the optimizer stream
         once its chunk's gradient is reduced (`reduced`, per chunk: `_backward_timeline`'s copy_end), the last
@@ -760,14 +760,14 @@ class CostModel:
             return self.block_selective_s[block]
         return 0.0
 
-    def _block_extras(self, config: Config) -> tuple[list[float], list[int]]:
+    def _block_extras(self, config: Candidate) -> tuple[list[float], list[int]]:
         """Per block, the seconds of its recompute (checkpointed, selective) and the bytes it swaps (swapped)."""
         modes = self.modes(config)
         recompute = [self.recompute_s(b, m) for b, m in enumerate(modes)]
         swapped = [self.block_saved[b] if m == "swap" else 0 for b, m in enumerate(modes)]
         return recompute, swapped
 
-    def _per_chunk(self, config: Config) -> dict[str, list[float]]:
+    def _per_chunk(self, config: Candidate) -> dict[str, list[float]]:
         """Each chunk's share of the work: seconds of forward and backward compute and of recompute, bytes of the
         swap-out copies (forward) and swap-in copies (backward) that run beside it, and the offloaded chunks the
         forward gathers again beside it (`regathers`)."""
@@ -799,7 +799,7 @@ class CostModel:
         }
 
     def _forward_timeline(
-        self, config: Config, per: dict[str, list[float]], link: _Link, ready: Sequence[float] | None = None
+        self, config: Candidate, per: dict[str, list[float]], link: _Link, ready: Sequence[float] | None = None
     ) -> dict:
         """The forward, chunk by chunk, on three lanes: the compute, the copies to the device and those to the
         host. A non-persistent chunk's upload (its shard up, then the all-gather, on one stream) starts once the
@@ -840,7 +840,7 @@ class CostModel:
         return {"end": t, "h2d": h2d, "d2h": d2h}
 
     def _backward_timeline(
-        self, config: Config, per: dict[str, list[float]], link: _Link, host_ends: list | None = None
+        self, config: Candidate, per: dict[str, list[float]], link: _Link, host_ends: list | None = None
     ) -> dict:
         """The backward, chunk by chunk (last to first), on the same three lanes. The last n_buffer non-persistent
         chunks are still in their buffers from the forward; each one before them is uploaded once the link is
@@ -907,7 +907,7 @@ class CostModel:
         return {"copy_end": copy_end, "end": t, "h2d": h2d, "d2h": d2h}
 
     def _host_timeline(
-        self, config: Config, forward: dict, backward: dict, next_forward: float, clipped: int | None
+        self, config: Candidate, forward: dict, backward: dict, next_forward: float, clipped: int | None
     ) -> dict:
         """The host steps offloaded chunks one at a time, each once its gradient is there, the lowest landed one
         first (host_queue.py: the next forward needs it first), beside the backward's copies and the next
@@ -941,7 +941,7 @@ class CostModel:
             spans.append((start, clock))
         return {"ends": ends, "spans": spans, "busy": sum(b - a for a, b in spans)}
 
-    def phases(self, config: Config, clipped: int | None = None) -> dict[str, float]:
+    def phases(self, config: Candidate, clipped: int | None = None) -> dict[str, float]:
         """The terms of `step_s`: forward and backward seconds (copies they do not hide included), the optimizer's
         on the device and on the host, and how long the next forward waits for the host's (no optimizer without
         chunks: it is the user's then). The offloaded chunks' host updates start as their gradient lands; with

@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from protrain_fx.planner.cost import Config, CostModel, ModeTerms
+from protrain_fx.planner.cost import Candidate, CostModel, ModeTerms
 
 GENERIC_ORIGIN = "the plan given (options['plan'] or protrain_fx.prepare's plan) or the chunks already built"
 
@@ -27,7 +27,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
-def _config(config: Config) -> str:
+def _config(config: Candidate) -> str:
     return " ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config))
 
 
@@ -39,7 +39,7 @@ class BatchShare:
     (None: none's do); `host_checked`: the host was budgeted."""
 
     share: float
-    config: Config | None = None
+    config: Candidate | None = None
     activation_bytes: int = 0
     least_bytes: int | None = None
     host_checked: bool = False
@@ -52,7 +52,7 @@ class Released:
     fixed); or `error`, where it finds none."""
 
     fields: tuple[str, ...]
-    config: Config | None = None
+    config: Candidate | None = None
     reserved_bytes: int = 0
     host_bytes: int = 0
     most_persistent: int | None = None
@@ -60,7 +60,7 @@ class Released:
 
 
 def batch_share(
-    model: CostModel, configs: Iterable[Config], capacity_bytes: int | None, host_bytes: int | None
+    model: CostModel, configs: Iterable[Candidate], capacity_bytes: int | None, host_bytes: int | None
 ) -> BatchShare:
     """The largest share f of the profiled activations with which one of `configs` fits the GPU and the host.
     Every term of `CostModel.activation_peak` scales with the batch, so a configuration reserves
@@ -102,7 +102,7 @@ class NoPlanFits(ValueError):
     def __init__(
         self,
         peak_bytes: int,
-        config: Config,
+        config: Candidate,
         capacity_bytes: int | None,
         host_needed: int | None = None,
         host_bytes: int | None = None,

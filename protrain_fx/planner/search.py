@@ -55,7 +55,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from protrain_fx.planner.chunking import ChunkLayout
-from protrain_fx.planner.cost import Config, CostModel, ModeTerms
+from protrain_fx.planner.cost import Candidate, CostModel, ModeTerms
 from protrain_fx.planner.nofit import NoPlanFits, Released, batch_share
 from protrain_fx.planner.plan import MODE_COUNTS, Plan, make_plan, master_bytes
 
@@ -91,7 +91,7 @@ def candidates(model: CostModel, forced: Mapping[str, Any]):
     increasing memory)."""
     for counts in _block_counts(model, forced):
         if model.n_chunk == 0:
-            yield [Config(0, 0, *counts)]
+            yield [Candidate(0, 0, *counts)]
             continue
         # buffers in use at once: the chunk computing and the one loading, and with recompute the chunk the
         # recomputed block reads (the chunk passes reject a plan with fewer)
@@ -105,7 +105,7 @@ def candidates(model: CostModel, forced: Mapping[str, Any]):
                     # count where the user's n_persist leaves fewer chunks offloaded)
                     if "n_persist" not in forced or n_buffer != least:
                         continue
-                row.append(Config(n_persist, n_buffer if offloaded else 0, *counts))
+                row.append(Candidate(n_persist, n_buffer if offloaded else 0, *counts))
             yield row
 
 
@@ -116,7 +116,7 @@ class _ByModes:
     def __init__(self, model: CostModel):
         self.model, self.known = model, {}
 
-    def __call__(self, config: Config) -> ModeTerms:
+    def __call__(self, config: Candidate) -> ModeTerms:
         key = (config.n_swap, config.n_checkpoint, config.n_selective)
         if key not in self.known:
             self.known[key] = self.model.mode_terms(config)
@@ -127,10 +127,10 @@ def _scan(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, Any
     """The configurations that fit the GPU and the host, as (config, peak); the one of least GPU memory, as
     (reserved, config); and of those that fit the GPU but not the host, the one of least host memory, as (host
     bytes, config) (None where none)."""
-    fitting: list[tuple[Config, int]] = []
-    smallest: tuple[int, Config] | None = None
-    least_host: tuple[int, Config] | None = None
-    seen: set[Config] = set()
+    fitting: list[tuple[Candidate, int]] = []
+    smallest: tuple[int, Candidate] | None = None
+    least_host: tuple[int, Candidate] | None = None
+    seen: set[Candidate] = set()
     for row in candidates(model, forced):
         for config in row:  # n_persist upwards: GPU memory only grows along a row, host memory only shrinks
             terms = by_modes(config)
@@ -156,7 +156,7 @@ def search(
     forced: Mapping[str, Any] | None = None,
     host_bytes: int | None = None,
 ):
-    """The best configuration as (Config, step seconds as ranked: `ranked_step_s`, peak bytes), and the runners-up
+    """The best configuration as (Candidate, step seconds as ranked: `ranked_step_s`, peak bytes), and the runners-up
     likewise. `host_bytes`: the host memory this rank has for offloaded chunks and swap space (None: not
     budgeted). Raises NoPlanFits."""
     forced = dict(forced or {})
@@ -187,7 +187,7 @@ def slow_host(model: CostModel) -> CostModel:
     return dataclasses.replace(model, hardware=model.hardware.host_slower(HOST_SLOWDOWN))
 
 
-def ranked_step_s(model: CostModel) -> Callable[[Config], float]:
+def ranked_step_s(model: CostModel) -> Callable[[Candidate], float]:
     """What configurations are ranked by: 1 - CLIP_WEIGHT times the mean of their step times with the host as
     profiled and slow (`slow_host`), plus CLIP_WEIGHT times that of a step whose clip applies, the host as
     profiled (`step_s(config, clipped=0)`: no update starts before `optimizer.step()`). Never under
@@ -195,7 +195,7 @@ def ranked_step_s(model: CostModel) -> Callable[[Config], float]:
     three's bounds alike. (The clipped step is not always the longer: its copies run beside no host work.)"""
     slow = slow_host(model)
 
-    def ranked(config: Config) -> float:
+    def ranked(config: Candidate) -> float:
         profiled = model.step_s(config)
         # (where every update waits anyway, or no chunk is there to wait, a clipped step is timed as any)
         clipped = profiled if model.updates_wait or not model.n_chunk else model.step_s(config, clipped=0)
@@ -204,7 +204,9 @@ def ranked_step_s(model: CostModel) -> Callable[[Config], float]:
     return ranked
 
 
-def _timed(model: CostModel, fitting: list[tuple[Config, int]], by_modes: _ByModes) -> list[tuple[Config, float, int]]:
+def _timed(
+    model: CostModel, fitting: list[tuple[Candidate, int]], by_modes: _ByModes
+) -> list[tuple[Candidate, float, int]]:
     """(config, step seconds as ranked, peak) of those of `fitting` ((config, peak) pairs) whose step time `rank`
     can use: the ties of the fastest (within TIE_REL) and the N_RUNNERS_UP + 1 fastest (the best and its
     runners-up). They are timed in the order of a lower bound of their step time, until the bound passes both:
@@ -231,7 +233,7 @@ def _timed(model: CostModel, fitting: list[tuple[Config, int]], by_modes: _ByMod
     return [(fitting[i][0], steps[i], fitting[i][1]) for i in sorted(steps)]
 
 
-def rank(fits: list[tuple[Config, float, int]], capacity_bytes: int | None, *, alpha: float = 1.0):
+def rank(fits: list[tuple[Candidate, float, int]], capacity_bytes: int | None, *, alpha: float = 1.0):
     """(best, runners-up): the fastest; among ties within TIE_REL the least rewritten plan whose predicted
     reserved bytes (peak times `alpha`, as `CostModel.reserved_bytes`) leave SAFE_HEADROOM of `capacity_bytes`
     free (any, with no capacity), else the lowest peak; then by step time."""
@@ -253,7 +255,7 @@ def rank(fits: list[tuple[Config, float, int]], capacity_bytes: int | None, *, a
     return best, rest[:N_RUNNERS_UP]
 
 
-def _rewritten(config: Config) -> int:
+def _rewritten(config: Candidate) -> int:
     """Blocks whose activations the configuration does not keep as they are."""
     return config.n_swap + config.n_checkpoint + config.n_selective
 
@@ -275,7 +277,7 @@ def brute_force(
     return [f for f in fits if capacity_bytes is None or model.reserved_bytes(f[0], f[2]) <= capacity_bytes]
 
 
-SEARCHED = tuple(f.name for f in dataclasses.fields(Config))
+SEARCHED = tuple(f.name for f in dataclasses.fields(Candidate))
 # the fields a plan may fix that the search would otherwise choose; where none fits, the error says what searching
 # them gives
 FIXABLE = SEARCHED + ("block_modes", "host_grad_slots", "device_grad_slots")
@@ -358,7 +360,7 @@ def plan_graph(
     elif held.get("n_persist") == layout.n_chunk:
         held["n_buffer"] = 0
     if all(k in held for k in SEARCHED):
-        config = Config(**held)
+        config = Candidate(**held)
         best, runners_up = (config, costs.step_s(config), costs.peak_bytes(config)), []
         if capacity_bytes is not None and costs.reserved_bytes(config) > capacity_bytes:
             log.warning(
@@ -388,7 +390,7 @@ def plan_graph(
                 (best[0].n_persist - costs.device_grad_slots(best[0])) * costs.chunk_elems * costs.master_bytes / 2**30,
             )
 
-    def to_plan(found: tuple[Config, float, int], chosen: bool) -> Plan:
+    def to_plan(found: tuple[Candidate, float, int], chosen: bool) -> Plan:
         """`chosen`: the plan in force, which also gets how a clipped step runs (runners-up are shown, not run)."""
         config, _, peak = found
         step_s = costs.step_s(config)

@@ -44,11 +44,11 @@ import torch.distributed as dist
 
 from protrain_fx.config import default_cache_dir
 from protrain_fx.distributed import least_on_every_rank, rank_and_world_size
-from protrain_fx.eager import eager
 from protrain_fx.host import available_host_bytes, meminfo_bytes
 from protrain_fx.host_queue import HostQueue, host_threads
 from protrain_fx.profiler.quiet import wait_until_children_quiet
 from protrain_fx.progress import progress
+from protrain_fx.real_tensors import real_tensors
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def hardware_profile(
     device: torch.device, *, cache_dir: Path | None = None, remeasure: bool = False
 ) -> HardwareProfile:
     """The profile of this machine for `device`: from the cache when one was measured under the same key."""
-    with eager():  # real tensors, also when planning inside AOTAutograd's partitioner
+    with real_tensors():  # real tensors, also when planning inside AOTAutograd's partitioner
         return _cached_or_measured(torch.device(device), cache_dir, remeasure)
 
 
@@ -251,7 +251,7 @@ def _read(path: Path) -> HardwareProfile | None:
 
 def measure(device: torch.device, key: dict | None = None) -> HardwareProfile:
     """Measure everything (a collective with several ranks: every rank calls it)."""
-    with eager():
+    with real_tensors():
         return _measure(torch.device(device), key)
 
 

@@ -36,7 +36,6 @@ from torch.utils._pytree import tree_leaves
 
 from protrain_fx.capture import OUTSIDE, BlockMap
 from protrain_fx.distributed import rank_and_world_size
-from protrain_fx.eager import eager
 from protrain_fx.profiler.fusion import classify, is_matmul
 from protrain_fx.profiler.hardware import IDLE_CYCLES, interpolate, probe_matmul
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
@@ -44,6 +43,7 @@ from protrain_fx.profiler.on_demand import CALL_OPS, AbsentCounting, GraphRun, O
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
 from protrain_fx.profiler.quiet import wait_until_children_quiet
 from protrain_fx.progress import progress
+from protrain_fx.real_tensors import real_tensors
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +399,7 @@ def _iteration(
     )
     # the partitioner runs under AOTAutograd's fake mode: real tensors need it switched off
     with (
-        eager(),
+        real_tensors(),
         torch.no_grad(),
         torch.random.fork_rng(devices=rng_devices),
         tracker or contextlib.nullcontext(),
@@ -490,7 +490,7 @@ def profile_on_every_rank(run, device: torch.device) -> GraphProfile:
         if failure is not None:
             raise failure
         return profile
-    with eager():  # real tensors for the collectives (the partitioner runs under fake mode)
+    with real_tensors():  # real tensors for the collectives (the partitioner runs under fake mode)
         return _agreed(profile, failure, world_size, device)
 
 

@@ -27,9 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from protrain_fx.capture import FrameRoots, block_index, find_block_families
 from protrain_fx.distributed import rank_and_world_size
-from protrain_fx.eager import eager
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
 from protrain_fx.planner.plan import Plan, make_plan, with_default_master
+from protrain_fx.real_tensors import real_tensors
 from protrain_fx.runtime.chunks import (
     MANAGER_ATTR,
     NO_SYNC_ATTR,
@@ -192,7 +192,7 @@ def _owner_id(p: nn.Parameter) -> int:
 def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkManager:
     by_name = dict(model.named_parameters(remove_duplicate=False))  # (a tied parameter under any of its names)
     params = [by_name[slot.name] for slot in layout.slots]
-    with eager():  # called from the partitioner, under AOTAutograd's fake mode
+    with real_tensors():  # called from the partitioner, under AOTAutograd's fake mode
         manager = ChunkManager(
             params,
             layout,
@@ -209,7 +209,7 @@ def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkMan
 
 def place_chunks(manager: ChunkManager, plan: Plan) -> None:
     """A prepared model's chunks where the first compile's plan puts them (`ChunkManager.place`)."""
-    with eager():  # called from the partitioner, under AOTAutograd's fake mode
+    with real_tensors():  # called from the partitioner, under AOTAutograd's fake mode
         manager.place(plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots)
 
 
