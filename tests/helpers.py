@@ -8,6 +8,7 @@ import models
 import torch
 
 import protrain_fx
+from protrain_fx.runtime.adopt import model_manager
 
 
 def train(model, kind: str, steps: int, *, seed: int = 0, lr: float = 1e-2, device="cpu", autocast=None):
@@ -91,7 +92,9 @@ class CapturingBackend(protrain_fx.ProTrainBackend):
 
 def manager_of(model):
     """The ChunkManager of a model (or of its torch.compile wrapper) trained with protrain_fx.optim.AdamW."""
-    return getattr(model, "_orig_mod", model).__dict__["_protrain_chunk_manager"]
+    manager = model_manager(getattr(model, "_orig_mod", model))
+    assert manager is not None, "the model has no chunks"
+    return manager
 
 
 def chunk_grads(model) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from transformers import get_linear_schedule_with_warmup
 
 import protrain_fx
+from protrain_fx.runtime.adopt import model_manager
 
 KIND = "llama"
 PLANS = {"persistent": {}, "offloaded": {"n_persist": 0, "n_buffer": 2}}
@@ -62,7 +63,7 @@ def _loop(accelerator, model, opt, sched, loader, clip_every_micro_batch: bool) 
             opt.zero_grad()
         losses.append(loss.item())
     model = accelerator.unwrap_model(model)
-    chunked = "_protrain_chunk_manager" in model.__dict__
+    chunked = model_manager(model) is not None
     return losses, norms, protrain_fx.full_state_dict(model) if chunked else model.state_dict()
 
 

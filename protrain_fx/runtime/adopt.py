@@ -42,7 +42,7 @@ from protrain_fx.runtime.weights import ModuleFiller
 
 log = logging.getLogger(__name__)
 
-MODEL_ATTR = "_protrain_chunk_manager"  # on the model object: its ChunkManager
+MODEL_ATTR = "_protrain_model_chunks"  # on the model object: its ChunkManager (MANAGER_ATTR is on each parameter)
 
 
 def model_manager(model: nn.Module | None) -> ChunkManager | None:
