@@ -12,7 +12,7 @@ import torch
 
 import protrain_fx
 from protrain_fx.host_queue import HostQueue, host_threads
-from protrain_fx.runtime.chunks import MANAGER_ATTR
+from protrain_fx.runtime.adopt import model_manager
 
 
 def test_beside_a_gpu_the_worker_runs_on_this_ranks_share_of_the_cores(monkeypatch):
@@ -84,8 +84,8 @@ def test_a_dropped_model_frees_its_chunks_and_worker_thread():
         compiled(**models.batch("toy", 2, 16, seed=step)).backward()
         opt.step()
         opt.zero_grad()
-    model.__dict__[MANAGER_ATTR].wait_for_update()  # (the last step's host updates may still be running)
-    manager = weakref.ref(model.__dict__[MANAGER_ATTR])
+    model_manager(model).wait_for_update()  # (the last step's host updates may still be running)
+    manager = weakref.ref(model_manager(model))
     assert _workers() - before
     del model, opt, compiled, backend
     torch._dynamo.reset()
