@@ -52,6 +52,18 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed:
     return model.to(device, dtype=dtype).train()
 
 
+def build_prepared_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int, init: str) -> nn.Module:
+    """`build_model` where `init` says ("gpu": on `device`); built on the CPU or the meta device, the model is put
+    into chunks on `device` by `protrain_fx.prepare` (on meta, each module initialised by Hugging Face's own
+    `_init_weights` as it goes into chunks), as a model larger than the GPU is."""
+    import protrain_fx
+
+    if init == "gpu":
+        return build_model(spec, device, dtype, seed)
+    model = build_model(spec, torch.device(init), dtype, seed)
+    return protrain_fx.prepare(model, device=device, init=model._init_weights if init == "meta" else None)
+
+
 def build_deepspeed_model(
     spec: ModelSpec, dtype: torch.dtype, seed: int, *, batch: int, lr: float, clip: float, checkpoint: bool
 ):

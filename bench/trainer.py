@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from bench.model import DTYPES, ModelSpec, build_model, random_batches
+from bench.model import DTYPES, ModelSpec, build_prepared_model, random_batches
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +82,10 @@ def _run(system: str, args: argparse.Namespace) -> dict:
         torch.cuda.set_per_process_memory_fraction(args.gpu_memory_gib * 2**30 / total, 0)
     if args.init != "gpu" and system != "protrain":
         raise ValueError(f"--init {args.init!r} is for protrain only")
-    built_on = {"cpu": torch.device("cpu"), "meta": torch.device("meta")}.get(args.init, device)
-    model = build_model(spec, built_on, DTYPES[args.dtype], args.seed)
+    model = build_prepared_model(spec, device, DTYPES[args.dtype], args.seed, args.init)
     steps = args.warmup + args.steps
     if system == "protrain":
         options = {"plan": json.loads(args.plan)}
-        if args.init != "gpu":
-            protrain_fx.prepare(model, device=device, init=model._init_weights if args.init == "meta" else None)
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=LR)
         model.compile(backend=protrain_fx.ProTrainBackend(options), dynamic=False)
     else:

@@ -33,7 +33,14 @@ from torch import nn
 from tqdm import tqdm
 
 from bench.flops import decoder_layers, matmul_tflops, parameter_count, step_flops
-from bench.model import DTYPES, ModelSpec, build_deepspeed_model, build_fsdp2_model, build_model, random_batches
+from bench.model import (
+    DTYPES,
+    ModelSpec,
+    build_deepspeed_model,
+    build_fsdp2_model,
+    build_prepared_model,
+    random_batches,
+)
 from bench.text import text_batches
 
 log = logging.getLogger(__name__)
@@ -75,7 +82,7 @@ class Result:
     hardware: dict | None = None
     clip: float = 0.0  # the gradient norm clipped to before each step (0: none)
     memory_budget: float = 1.0  # compile's activation_memory_budget (1.0: its default)
-    init: str = "gpu"  # protrain-chunks: built on the GPU, or on the CPU and put into chunks by protrain_fx.prepare
+    init: str = "gpu"  # protrain-chunks: built on the GPU, or on the CPU or meta device and prepared (INITS)
 
 
 def unavailable(system: str) -> str | None:
@@ -350,13 +357,9 @@ def _model_and_optimizer(
         except (RuntimeError, ValueError) as e:
             log.warning("fused AdamW refused (%s); using foreach", e)
             return model, torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-    built_on = {"cpu": torch.device("cpu"), "meta": torch.device("meta")}.get(init, device)
-    model = build_model(spec, built_on, torch.float32 if system == "compile-amp" else dtype, seed)
+    model = build_prepared_model(spec, device, torch.float32 if system == "compile-amp" else dtype, seed, init)
     if system == "protrain-chunks":
         import protrain_fx
-
-        if init != "gpu":  # (on meta, each module is initialised by Hugging Face's own init as it goes into chunks)
-            protrain_fx.prepare(model, device=device, init=model._init_weights if init == "meta" else None)
 
         return model, protrain_fx.optim.AdamW(model.parameters(), lr=LR)
     fused_or_foreach = {"fused": True} if device.type == "cuda" else {"foreach": True}

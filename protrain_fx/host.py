@@ -41,9 +41,7 @@ def pinned_arena(nbytes: int, owner: object, *, pin: bool) -> torch.Tensor:
     caching host allocator, which rounds up to a power of two) and unregistered when `owner` is collected."""
     arena = torch.empty(nbytes, dtype=torch.uint8)
     if pin and nbytes:
-        err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0)
-        assert int(err) == 0, f"cudaHostRegister of a {nbytes}-byte host arena failed with error {int(err)}"
-        weakref.finalize(owner, _unregister, arena)
+        pin_in_place(arena, owner)
     return arena
 
 
