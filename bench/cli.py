@@ -224,9 +224,10 @@ def _parser() -> argparse.ArgumentParser:
     sizes.add_argument(
         "--init",
         choices=INITS,
-        default="gpu",
+        default="auto",
         help="protrain-chunks: build the model on the GPU, or on the CPU or the meta device and put it into "
-        "chunks with protrain_fx.prepare, as a model larger than the GPU is (default gpu)",
+        "chunks with protrain_fx.prepare, as a model larger than the GPU is; auto: on the GPU where its weights "
+        "take at most half of the GPU memory, else on meta (default auto)",
     )
     sizes.add_argument("--dump-dir", default="", help="protrain's dump directory (protrain systems; '' for none)")
     sizes.add_argument(

@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+from bench.flops import parameter_count
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -62,6 +64,21 @@ def build_prepared_model(spec: ModelSpec, device: torch.device, dtype: torch.dty
         return build_model(spec, device, dtype, seed)
     model = build_model(spec, torch.device(init), dtype, seed)
     return protrain_fx.prepare(model, device=device, init=model._init_weights if init == "meta" else None)
+
+
+def resolve_init(
+    init: str, chunked: bool, spec: ModelSpec, dtype: torch.dtype, device: torch.device, limit: int
+) -> str:
+    """`init`, where "auto" is what a user would do: build the model on the GPU where its weights in `dtype` take
+    at most half of the GPU memory it may use (`limit` bytes, 0: all), leaving the rest for training; else, where
+    the system trains protrain's chunks (`chunked`), build it on the meta device and prepare it chunk by chunk."""
+    if init != "auto":
+        return init
+    if not chunked or device.type != "cuda":
+        return "gpu"
+    capacity = limit or torch.cuda.get_device_properties(device).total_memory
+    weights = parameter_count(build_model(spec, torch.device("meta"), dtype, 0)) * dtype.itemsize
+    return "gpu" if weights <= capacity / 2 else "meta"
 
 
 def build_deepspeed_model(

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from bench.model import DTYPES, ModelSpec, build_prepared_model, random_batches
+from bench.model import DTYPES, ModelSpec, build_prepared_model, random_batches, resolve_init
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,11 @@ def _run(system: str, args: argparse.Namespace) -> dict:
     if args.gpu_memory_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.gpu_memory_gib * 2**30 / total, 0)
-    if args.init != "gpu" and system != "protrain":
+    if args.init not in ("gpu", "auto") and system != "protrain":
         raise ValueError(f"--init {args.init!r} is for protrain only")
-    model = build_prepared_model(spec, device, DTYPES[args.dtype], args.seed, args.init)
+    limit = int(args.gpu_memory_gib * 2**30)
+    init = resolve_init(args.init, system == "protrain", spec, DTYPES[args.dtype], device, limit)
+    model = build_prepared_model(spec, device, DTYPES[args.dtype], args.seed, init)
     steps = args.warmup + args.steps
     if system == "protrain":
         options = {"plan": json.loads(args.plan)}

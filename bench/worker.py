@@ -40,6 +40,7 @@ from bench.model import (
     build_fsdp2_model,
     build_prepared_model,
     random_batches,
+    resolve_init,
 )
 from bench.text import text_batches
 
@@ -50,7 +51,8 @@ FSDP2_SYSTEMS = ("fsdp2-offload", "fsdp2-offload-ac")  # FSDP2 with CPU offload 
 DEEPSPEED_SYSTEMS = ("deepspeed-offload", "deepspeed-offload-ac")
 # compile-amp: torch.compile over fp32 weights (the masters) under bf16/fp16 autocast, with fp32 AdamW: the
 # numerics of protrain's default fp32 masters, where compile trains the weights in the compute dtype itself
-INITS = ("gpu", "cpu", "meta")  # where protrain-chunks' model is built (`train`)
+# where protrain-chunks' model is built (`train`); "auto": as its user would (`resolve_init`)
+INITS = ("auto", "gpu", "cpu", "meta")
 SYSTEMS = ("protrain", "protrain-chunks", "compile", "compile-amp", "eager", *FSDP2_SYSTEMS, *DEEPSPEED_SYSTEMS)
 RESULT_PREFIX = "BENCH_RESULT "  # marks the worker's result line on stdout; anything else there is ignored
 LR = 1e-4
@@ -82,7 +84,7 @@ class Result:
     hardware: dict | None = None
     clip: float = 0.0  # the gradient norm clipped to before each step (0: none)
     memory_budget: float = 1.0  # compile's activation_memory_budget (1.0: its default)
-    init: str = "gpu"  # protrain-chunks: built on the GPU, or on the CPU or meta device and prepared (INITS)
+    init: str = "gpu"  # built on the GPU, or (protrain-chunks) on the CPU or meta device and prepared (INITS)
 
 
 def unavailable(system: str) -> str | None:
@@ -132,7 +134,7 @@ def train(
     clip: float = 0.0,
     gpu_memory_gib: float = 0.0,
     memory_budget: float = 1.0,
-    init: str = "gpu",
+    init: str = "auto",
 ) -> Result:
     """Train `warmup + steps` AdamW steps of the model under `system` and measure them. `data`: "random"
     tokens or byte tokens of real "text" (bench/text.py). `clip` > 0: clip the gradient norm to it between
@@ -140,9 +142,9 @@ def train(
     `memory_budget` < 1: compile and compile-amp keep at most that share of the activations, recomputing the
     cheapest rest (`torch._functorch.config.activation_memory_budget`, for this run only). `init` "cpu" or "meta":
     protrain-chunks' model is built there and put into chunks by `protrain_fx.prepare` (a model larger than the
-    GPU is built so), "gpu": on the GPU."""
-    if init not in INITS or (init != "gpu" and system != "protrain-chunks"):
-        raise ValueError(f"--init {init!r}: one of {INITS}, and other than 'gpu' only for protrain-chunks")
+    GPU is built so), "gpu": on the GPU, "auto": as a user would (`resolve_init`)."""
+    if init not in INITS or (init not in ("gpu", "auto") and system != "protrain-chunks"):
+        raise ValueError(f"--init {init!r}: one of {INITS}, and 'cpu' or 'meta' only for protrain-chunks")
     if not 0 < memory_budget <= 1:
         raise ValueError(f"--memory-budget must be in (0, 1], got {memory_budget}")
     budgeted = system in ("compile", "compile-amp") and memory_budget < 1
@@ -154,6 +156,7 @@ def train(
     limit = int(gpu_memory_gib * 2**30)
     if limit > 0:
         limit_gpu_memory(device, limit)
+    init = resolve_init(init, system == "protrain-chunks", spec, DTYPES[dtype], device, limit)
     sharded = system in FSDP2_SYSTEMS or system in DEEPSPEED_SYSTEMS  # (they need a process group)
     distributed = sharded or int(os.environ.get("WORLD_SIZE", 1)) > 1  # (torchrun sets it)
     with _process_group(device) if distributed else contextlib.nullcontext(), budget:

@@ -5,7 +5,9 @@ import math
 
 import pytest
 
-from bench.model import FAMILIES, ModelSpec
+import torch
+
+from bench.model import FAMILIES, ModelSpec, resolve_init
 from bench.worker import train
 
 TINY = dict(hidden=32, layers=2, intermediate=64, heads=4, vocab=96, seq=16)
@@ -38,6 +40,19 @@ def test_prepared_models_train_as_the_one_built_in_place():
     assert math.isfinite(on_meta.loss_last) and abs(on_meta.loss_first - math.log(96)) < 0.5  # (a fresh init)
     with pytest.raises(ValueError, match="--init 'cpu'"):
         train("compile", ModelSpec(**TINY), init="cpu", **RUN)
+    assert built.init == "gpu"  # ("auto" on the CPU: built where it trains)
+
+
+def test_auto_init_builds_where_a_user_would():
+    """`--init auto`: on the GPU where the weights take at most half the GPU memory given, else on meta and
+    prepared; systems without chunks and CPU runs always build in place; a named init is kept."""
+    spec, cuda = ModelSpec(**TINY), torch.device("cuda")
+    weights = (32 * 96 + 2 * (4 * 32 * 32 + 3 * 32 * 64 + 2 * 32) + 32 + 32 * 96) * 2  # bf16 (LLaMA, untied head)
+    assert resolve_init("auto", True, spec, torch.bfloat16, cuda, limit=2 * weights) == "gpu"
+    assert resolve_init("auto", True, spec, torch.bfloat16, cuda, limit=2 * weights - 2) == "meta"
+    assert resolve_init("auto", False, spec, torch.bfloat16, cuda, limit=weights) == "gpu"
+    assert resolve_init("auto", True, spec, torch.bfloat16, torch.device("cpu"), limit=weights) == "gpu"
+    assert resolve_init("cpu", True, spec, torch.bfloat16, cuda, limit=10 * weights) == "cpu"
 
 
 @pytest.mark.filterwarnings("error:.*empty generator")  # (torch warns where it is handed no parameter)
