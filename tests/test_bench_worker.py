@@ -4,7 +4,6 @@ recomputed blocks counted for a checkpointed protrain plan), MFU and the step's 
 import math
 
 import pytest
-
 import torch
 
 from bench.model import FAMILIES, ModelSpec, resolve_init

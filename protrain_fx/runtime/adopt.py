@@ -272,8 +272,9 @@ def prepare(
       `master_dtype`); those given are held, the rest searched at the first compile (with `n_persist` given,
       the chunks are placed here). The compile's options need not repeat them.
     - `init(module)`: for a model built under `torch.device("meta")`: called on each module after its own
-      parameters and buffers are allocated on the CPU (the parameter objects stay the same) to fill them,
-      just before they are copied into the chunks; so the host never holds the whole model besides the chunks.
+      parameters and buffers are allocated on `device` (the parameter objects stay the same) to fill them,
+      just before they are copied into the chunks; so neither the host nor the device holds the whole model
+      besides the chunks, and random initialisation runs at the device's speed.
     - `weights`: a Hugging Face checkpoint in safetensors (a `save_pretrained` folder, sharded or not, or one
       `.safetensors` file) whose values fill each module the same way, after `init` (runtime/weights.py); one
       tensor at a time, so a meta model's host memory peaks at the chunks plus one tensor. A tied parameter is
@@ -292,7 +293,7 @@ def prepare(
     ordered = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not ordered:
         raise ValueError("the model has no trainable parameters; nothing to put in chunks")
-    fill = ModuleFiller(model, init, weights)  # (checks that every tensor gets a value before anything is built)
+    fill = ModuleFiller(model, init, weights, device)  # (checks that every tensor gets a value before anything is built)
     families = find_block_families(model)
 
     def block_of(name: str) -> int | None:
