@@ -3,8 +3,9 @@ over the eager model with torch's fused AdamW: `accelerator.prepare` wraps the o
 which loads its own state dict back into it) and the scheduler (`AcceleratedScheduler`); `accumulate` skips the
 optimizer's step and zero_grad on the first of two micro-batches, `backward` divides the loss by two, and
 `clip_grad_norm_` clips `.grad` through torch's clip_grad_norm_, at every micro-batch or only where gradients are
-complete (`sync_gradients`). With several processes the model stays out of `prepare` (which would wrap it in
-DistributedDataParallel: an error that says so), and the chunks reduce its gradients across ranks.
+complete (`sync_gradients`). With several processes `prepare` wraps the model in DistributedDataParallel, which
+passes it through (`accumulate`'s `no_sync` is protrain's), or the model stays out of `prepare`; either way the
+chunks reduce its gradients across ranks.
 
 Tolerance: bitwise, as the Trainer's (tests/test_trainer.py): fp32 on the CPU, protrain's eager executor. Two
 ranks see the same batches, so their averaged gradient is each one's, exactly.

@@ -1,11 +1,13 @@
 """Hugging Face `Trainer` with a model compiled in place by protrain and `protrain_fx.optim.AdamW`, against the same
 Trainer training the eager model with torch's fused AdamW: the Trainer's defaults (gradient clipping at 1.0, its
-norm logged), a linear warmup schedule, two micro-batches per step (accumulated without `no_sync`), a checkpoint
-saved mid-run (safetensors weights, `optimizer.pt`) and resumed, and `evaluate()`.
+norm logged), a linear warmup schedule, two micro-batches per step (accumulated without `no_sync`; with two
+processes, under DDP's), a checkpoint saved mid-run (safetensors weights, `optimizer.pt`) and resumed, and
+`evaluate()`; in one process, and in two (gloo), where both runs are under the Trainer's DistributedDataParallel.
 
 Tolerance: bitwise. On the CPU in fp32, protrain's eager executor reads the same values as eager PyTorch and its
 update is the same fused kernel on views of the chunks, so logged losses and gradient norms, the eval loss, the
-saved checkpoint and the final weights are equal, and so are those of the run resumed from the checkpoint.
+saved checkpoint and the final weights are equal, and so are those of the run resumed from the checkpoint. Two
+ranks see the same batches, so their averaged gradient, (g + g) / 2, is each one's exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup
 
 import protrain_fx
+from protrain_fx.runtime.adopt import model_manager
 
 STEPS, SAVE_AT = 4, 2
 PLANS = {"persistent": {}, "offloaded": {"n_persist": 0, "n_buffer": 2}}
@@ -100,6 +103,7 @@ def _train(kind: str, out: str, options: dict | None = None, resume: str | None 
         "saved_optimizer": torch.load(f"{checkpoint}/optimizer.pt"),
         "eval_loss": trainer.evaluate()["eval_loss"] if resume is None else None,
         "in_ddp": isinstance(trainer.model_wrapped, DistributedDataParallel),
+        "manager": model_manager(model),
     }
 
 
@@ -157,6 +161,8 @@ def _two_ranks(out: str, rank: int, world: int) -> None:
     options = {"executor": "eager", "plan": PLANS["offloaded"]}
     ours = _train("llama", f"{out}/ours", options, world=world)
     assert eager["in_ddp"] and ours["in_ddp"]
+    manager = ours["manager"]  # (offloaded chunks whole on each rank, gradients averaged over both)
+    assert manager.n_persist == 0 and manager.world_size == 1 and manager.reduce_world == world
     _assert_like(ours, eager)
     resumed = _train("llama", f"{out}/ours", options, resume=f"{out}/ours/checkpoint-{SAVE_AT}", world=world)
     assert resumed["logs"] == eager["logs"]
