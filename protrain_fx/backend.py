@@ -71,10 +71,10 @@ from protrain_fx.profiler.selective import mark_selective, selective_marks
 from protrain_fx.real_tensors import real_tensors
 from protrain_fx.runtime.adopt import (
     build_manager,
-    check_not_in_ddp,
     check_params_managed,
     model_layout,
     model_manager,
+    pass_through_ddp,
     place_chunks,
     plan_fields_of,
     updates_wait,
@@ -136,7 +136,7 @@ class ProTrainBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         check_torch_version()
         check_inputs(gm, example_inputs)
-        check_not_in_ddp([x for x in example_inputs if isinstance(x, nn.Parameter)])
+        pass_through_ddp([x for x in example_inputs if isinstance(x, nn.Parameter)])
         record = GraphRecord(index=len(self.graphs))
         self.graphs.append(record)
         if self.explain:

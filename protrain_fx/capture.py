@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +89,17 @@ def _parameter_names() -> dict[int, list[tuple[nn.Module, str]]]:
     one entry per name (a tied weight has several).
 
     The outermost modules are those no other module holds in its `_modules`, found in one pass over the objects
-    the garbage collector tracks. torch.compile's wrapper, which holds the model, is left out: names are the
-    model's own, as in its state_dict.
+    the garbage collector tracks. torch.compile's wrapper and `DistributedDataParallel`, which hold the model,
+    are left out: names are the model's own, as in its state_dict.
     """
     # (type(), not isinstance: isinstance reads `__class__`, which a weak proxy to a dead object raises on; a
     # module whose __init__ has not run yet has no `_modules`)
     modules = [
         o
         for o in gc.get_objects()
-        if issubclass(type(o), nn.Module) and not issubclass(type(o), OptimizedModule) and "_modules" in o.__dict__
+        if issubclass(type(o), nn.Module)
+        and not issubclass(type(o), (OptimizedModule, DistributedDataParallel))
+        and "_modules" in o.__dict__
     ]
     held = {id(child) for m in modules for child in m._modules.values() if child is not None}
     names: dict[int, list[tuple[nn.Module, str]]] = {}

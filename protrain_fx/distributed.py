@@ -49,11 +49,13 @@ def across_ranks(what: str) -> Iterator[None]:
 
 def check_ranks_agree(layout: ChunkLayout, n_persist: int, n_buffer: int) -> None:
     """Every rank must lay out the same parameters the same way and plan alike; raise on all ranks if not
-    (a disagreement would otherwise hang in the first collective of unequal size)."""
-    if layout.world_size == 1:
+    (a disagreement would otherwise hang in the first collective of unequal size). Chunks whole on every rank
+    (a layout for one) reduce their gradients across all ranks too."""
+    _, world_size = rank_and_world_size()
+    if world_size == 1:
         return
     mine = (layout.chunk_elems, layout.n_chunk, n_persist, n_buffer, [(s.name, s.numel) for s in layout.slots])
-    everyone: list = [None] * layout.world_size
+    everyone: list = [None] * world_size
     dist.all_gather_object(everyone, mine)
     differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:

@@ -3,8 +3,9 @@ over the eager model with torch's fused AdamW: `accelerator.prepare` wraps the o
 which loads its own state dict back into it) and the scheduler (`AcceleratedScheduler`); `accumulate` skips the
 optimizer's step and zero_grad on the first of two micro-batches, `backward` divides the loss by two, and
 `clip_grad_norm_` clips `.grad` through torch's clip_grad_norm_, at every micro-batch or only where gradients are
-complete (`sync_gradients`). With several processes the model stays out of `prepare` (which would wrap it in
-DistributedDataParallel: an error that says so), and the chunks reduce its gradients across ranks.
+complete (`sync_gradients`). With several processes `prepare` wraps the model in DistributedDataParallel, which
+passes it through (`accumulate`'s `no_sync` is protrain's), or the model stays out of `prepare`; either way the
+chunks reduce its gradients across ranks.
 
 Tolerance: bitwise, as the Trainer's (tests/test_trainer.py): fp32 on the CPU, protrain's eager executor. Two
 ranks see the same batches, so their averaged gradient is each one's, exactly.
@@ -20,6 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from test_chunk_distributed import spawn_gloo
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from transformers import get_linear_schedule_with_warmup
 
@@ -92,30 +94,37 @@ def _two_ranks(rank: int, world: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     # each pair of samples twice: the prepared loader gives both ranks the same batches
     samples = [s for i in range(0, len(SAMPLES), 2) for s in SAMPLES[i : i + 2] * world]
-    runs = []
-    for options in (None, {"executor": "eager", "plan": PLANS["offloaded"]}):
+
+    def run(options: dict | None, model_in_prepare: bool) -> tuple:
         accelerator = _accelerator()
         model, opt, sched = _build(options)
         loader = DataLoader(samples, batch_size=2)
-        if options is None:  # (eager: in DistributedDataParallel)
+        if model_in_prepare:  # (DistributedDataParallel around the model)
             model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+            assert isinstance(model, DistributedDataParallel)
         else:
             opt, loader, sched = accelerator.prepare(opt, loader, sched)
-        runs.append(_loop(accelerator, model, opt, sched, loader, False))
-    eager, ours = runs
-    _assert_same(ours, eager)
+        return _loop(accelerator, model, opt, sched, loader, False)
 
-    accelerator = _accelerator()
-    model = accelerator.prepare(_build({"executor": "eager", "plan": PLANS["offloaded"]})[0])
-    with pytest.raises(Exception, match="leave the model out of accelerator.prepare"):
-        model(**models.batch(KIND))
+    eager = run(None, True)
+    for model_in_prepare in (True, False):
+        _assert_same(run({"executor": "eager", "plan": PLANS["offloaded"]}, model_in_prepare), eager)
+
+    model = models.build(KIND)
+    outside = list(model.parameters())[-1]  # (trained by another optimizer)
+    _opt = protrain_fx.optim.AdamW([p for p in model.parameters() if p is not outside])  # (kept: it marks them)
+    model.compile(backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=False)
+    with pytest.raises(Exception, match="no protrain_fx.optim.AdamW steps"):
+        DistributedDataParallel(model)(**models.batch(KIND))
     prepared = protrain_fx.prepare(models.build(KIND), plan=PLANS["offloaded"], device="cpu")
     with pytest.raises(RuntimeError, match="DistributedDataParallel is not needed"):  # (not a crash)
-        torch.nn.parallel.DistributedDataParallel(prepared)
+        DistributedDataParallel(prepared)
 
 
 def test_several_processes():
-    """Two gloo ranks: the accelerate loop with the model left out of `prepare` trains as eager DDP does; the model
-    given to `prepare` (DistributedDataParallel) is an error that says what to do, and DDP over a model whose chunks
-    are built ignores the chunked parameters (reading an offloaded one would crash the process)."""
+    """Two gloo ranks: the accelerate loop over the model given to `prepare` (DistributedDataParallel, which
+    passes it through) and over the model left out of `prepare`, its chunks offloaded (sharded across the ranks),
+    trains as eager DDP does. DDP around a model with a trainable parameter outside the chunks is
+    an error that says what to do, and DDP over a model whose chunks are built ignores the chunked parameters
+    (reading an offloaded one would crash the process)."""
     spawn_gloo(_two_ranks, 2)

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
 from protrain_fx.planner.plan import Plan, make_plan, with_default_master
 from protrain_fx.real_tensors import real_tensors
 from protrain_fx.runtime.chunks import (
+    DDP_ATTR,
     MANAGER_ATTR,
     NO_SYNC_ATTR,
     ChunkManager,
@@ -83,24 +85,34 @@ def wants_chunks(params: Sequence[nn.Parameter]) -> bool:
     return any(OPTIMIZER_ATTR in p.__dict__ for p in params)
 
 
-def check_not_in_ddp(params: Sequence[nn.Parameter]) -> None:
-    """A graph compiled inside `DistributedDataParallel`'s forward that reads parameters in chunks, or stepped by a
-    protrain_fx.optim.AdamW (chunked by this compile): an error that says what to do. The chunks reduce their gradients across ranks themselves, and DDP would see none
-    of them; its wrapper, not the model, would hold the chunks (so `model.state_dict()` of the unwrapped model,
-    and `save_pretrained`, would read parameters that hold no values), and Dynamo would split the graph at DDP's
-    buckets. accelerate's `prepare` and Hugging Face's Trainer wrap the model in DDP with several processes."""
-    if DistributedDataParallel._get_active_ddp_module() is None:
+def _trained_in_chunks(p: nn.Parameter) -> bool:
+    return OPTIMIZER_ATTR in p.__dict__ or MANAGER_ATTR in p.__dict__
+
+
+def pass_through_ddp(params: Sequence[nn.Parameter]) -> None:
+    """A graph compiled inside `DistributedDataParallel`'s forward (accelerate's `prepare` and the Hugging Face
+    Trainer wrap the model with several processes) that reads parameters trained in chunks: the chunks reduce
+    their gradients across ranks themselves, so from here on DDP passes the model through. Its forward calls the
+    model with nothing before or after (no reducer, which would wait for gradients that never reach `.grad`; no
+    buffer broadcast), and its `no_sync` acts as `protrain_fx.no_sync` (`ChunkManager.sync_grads`).
+
+    The model DDP wraps must be compiled itself (not the wrapper: the compiled frame is then the model's), and
+    every trainable parameter of it trained in chunks; otherwise an error that says what to do."""
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is None or not any(_trained_in_chunks(p) for p in params):
         return
-    if not any(OPTIMIZER_ATTR in p.__dict__ or MANAGER_ATTR in p.__dict__ for p in params):
-        return
-    raise ValueError(
-        "this model is wrapped in torch.nn.parallel.DistributedDataParallel (accelerate's prepare() and the Hugging "
-        "Face Trainer do so when there are several processes), but its parameters are trained in protrain chunks, "
-        "which reduce their gradients across ranks themselves. Do not wrap it: with accelerate, leave the model out "
-        "of accelerator.prepare() (prepare the optimizer, data loaders and scheduler, and move the model to "
-        "accelerator.device yourself). The Trainer wraps the model whenever there are several processes: train "
-        "several processes with such an accelerate loop, or a plain loop under torchrun"
-    )
+    plain = [n for n, p in ddp.module.named_parameters() if p.requires_grad and not _trained_in_chunks(p)]
+    if plain:
+        raise ValueError(
+            "this model is wrapped in torch.nn.parallel.DistributedDataParallel and trained in protrain chunks, "
+            "which reduce their gradients across ranks themselves, but DDP would have to reduce those of trainable "
+            f"parameters no protrain_fx.optim.AdamW steps ({', '.join(plain[:3])}{', ...' if len(plain) > 3 else ''})"
+            ": give every trainable parameter to protrain_fx.optim.AdamW (or freeze it), or leave the model out of "
+            "DDP (with accelerate, out of accelerator.prepare())"
+        )
+    # (read by DDP's forward only: the C++ reducer built in its constructor is never asked to reduce)
+    ddp._use_python_reducer = True
+    ddp.module.__dict__[DDP_ATTR] = weakref.ref(ddp)
 
 
 def updates_wait(params: Sequence[nn.Parameter]) -> bool:
@@ -144,7 +156,8 @@ def model_layout(
     protrain_fx.optim.AdamW stepped every trainable parameter (protrain_fx.explain)."""
     alone = {e.name for e in record.param_map.values() if e.read_again_at}  # read again after blocks ran: tied
     ordered = _ordered_params(roots, record, example_inputs, every_trainable)
-    return _layout(ordered, record.block_map.block_of, forced, alone)
+    whole = roots.model is not None and DDP_ATTR in roots.model.__dict__  # (DDP passes it through: not sharded)
+    return _layout(ordered, record.block_map.block_of, forced, alone, world_size=1 if whole else None)
 
 
 def _layout(
@@ -152,9 +165,10 @@ def _layout(
     block_of: Callable[[str], int | None],
     forced: Mapping[str, Any],
     alone: set[str],
+    world_size: int | None = None,
 ) -> ChunkLayout:
     """Lay out `ordered` (name, parameter) pairs, in that order, in chunks; the parameters named in `alone` each
-    in a chunk of its own (planner/chunking.py)."""
+    in a chunk of its own (planner/chunking.py); sharded across `world_size` ranks (default: all)."""
     dtypes = {p.dtype for _, p in ordered}
     if len(dtypes) > 1:
         raise ValueError(
@@ -172,7 +186,7 @@ def _layout(
         )
         for n, p in ordered
     ]
-    _, world_size = rank_and_world_size()
+    world_size = rank_and_world_size()[1] if world_size is None else world_size
     layout = search_layout(infos, ordered[0][1].element_size(), world_size, chunk_bytes=forced.get("chunk_bytes"))
     log.info(
         "chunk layout: %d chunks of %.2f MiB, %.2f MiB padding",

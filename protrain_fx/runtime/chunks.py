@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 MANAGER_ATTR = "_protrain_chunk_manager"  # set on each managed nn.Parameter: the manager that owns it
 OPTIMIZER_ATTR = "_protrain_optimizer"  # set on each parameter of a protrain_fx.optim.AdamW: a weak reference to it
 NO_SYNC_ATTR = "_protrain_no_sync"  # on the model: how many `protrain_fx.no_sync` contexts are open
+DDP_ATTR = "_protrain_ddp"  # on the model: weak reference to the DistributedDataParallel passing it through
 # on a parameter loaded before its chunks were built: its fp32 values (the master; the parameter may be bf16)
 LOADED_MASTER_ATTR = "_protrain_loaded_master"
 
@@ -137,8 +138,13 @@ class ChunkManager:
             raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
         if n_persist < layout.n_chunk and n_buffer < 1:
             raise ValueError(f"plan n_buffer={n_buffer}: non-persistent chunks need at least 1 buffer")
-        self.rank, self.world_size = rank_and_world_size()
-        assert layout.world_size == self.world_size, "chunk layout was made for another world size"
+        rank, world = rank_and_world_size()
+        assert layout.world_size in (1, world), "chunk layout was made for another world size"
+        # gradients are averaged over all `reduce_world` ranks; chunks are sharded across `world_size` of them
+        # (`rank`: this one's shard): all, or none where the layout is for one (a model DistributedDataParallel
+        # passes through is whole on every rank, as DDP keeps it: runtime/adopt.py, `pass_through_ddp`)
+        self.reduce_world = world
+        self.rank, self.world_size = (rank, world) if layout.world_size == world else (0, 1)
         self.layout = layout
         self.params = list(params)
         self.slots: list[Slot] = list(layout.slots)
@@ -265,7 +271,7 @@ class ChunkManager:
     def _reduce_buffer_count(self) -> int:
         """As many as chunks reduce their gradients in one (every offloaded chunk, persistent ones across ranks)."""
         n, k = self.layout.n_chunk, self.n_persist
-        return max(1, min(REDUCE_BUFFERS, n - k + (k if self.world_size > 1 else 0)))
+        return max(1, min(REDUCE_BUFFERS, n - k + (k if self.reduce_world > 1 else 0)))
 
     def _persistent_versions(self) -> dict[int, int]:
         """The parameters of persistent chunks that are not their own master -> their version as the runtime left
@@ -686,9 +692,13 @@ class ChunkManager:
 
     @property
     def sync_grads(self) -> bool:
-        """False inside `protrain_fx.no_sync(model)`: backward passes only add their gradients up."""
+        """False inside `protrain_fx.no_sync(model)`, or the `no_sync` of the DistributedDataParallel passing the
+        model through (runtime/adopt.py, `pass_through_ddp`): backward passes only add their gradients up."""
         model = self._model() if self._model is not None else None
-        return model is None or not model.__dict__.get(NO_SYNC_ATTR, 0)
+        if model is None:
+            return True
+        ddp = model.__dict__[DDP_ATTR]() if DDP_ATTR in model.__dict__ else None
+        return not model.__dict__.get(NO_SYNC_ATTR, 0) and (ddp is None or ddp.require_backward_grad_sync)
 
     def reduce_grads(
         self, chunk: int, source: int, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]
@@ -724,7 +734,7 @@ class ChunkManager:
         sync = self.sync_grads
         if sync:  # (the arrivals of the step's last backward decide when a chunk is complete)
             self._arrivals.setdefault(chunk, collections.Counter())[source] += 1
-        if persistent and self.world_size == 1:
+        if persistent and self.reduce_world == 1:
             # straight into the fp32 gradient; where a parameter has no gradient yet this step its slot holds a
             # stale value, which is overwritten here or never read (the optimizer skips that parameter)
             grad = self._take_device_grad(chunk, accumulate)
@@ -758,6 +768,9 @@ class ChunkManager:
         if self.world_size > 1:
             with across_ranks(f"the reduce-scatter of chunk {chunk}'s gradients"):
                 shard = self._reduce_scatter(flat, self._reduce_shards[slot]).div_(self.world_size)
+        elif self.reduce_world > 1:  # (whole on every rank)
+            shard = self.all_reduce(flat, dist.ReduceOp.SUM, f"the all-reduce of chunk {chunk}'s gradients")
+            shard /= self.reduce_world
         else:
             shard = flat
         self._check_finite([shard])  # (a rank's shard holds every rank's contribution to its elements)
@@ -1071,7 +1084,7 @@ class ChunkManager:
                 work.wait()
             if discard:
                 continue
-            flat /= self.world_size
+            flat /= self.reduce_world
             self._check_finite([flat])
             grad = self._take_device_grad(chunk, accumulate)
             grad.add_(flat) if accumulate else grad.copy_(flat)
@@ -1085,7 +1098,7 @@ class ChunkManager:
         for chunk in sorted(self._unreduced):
             with across_ranks(f"the all-reduce of chunk {chunk}'s accumulated gradients"):
                 dist.all_reduce(self.grad[chunk])
-            self.grad[chunk] /= self.world_size
+            self.grad[chunk] /= self.reduce_world
             self._check_finite([self.grad[chunk]])
         self._unreduced.clear()
 
@@ -1334,9 +1347,9 @@ class ChunkManager:
                 )
                 self.eager_chunks.add(chunk)
             plain = self.param_grads.take_plain(i).to(self.master_dtype)
-            if self.world_size > 1:
+            if self.reduce_world > 1:
                 plain = self.all_reduce(plain.to(self.device), dist.ReduceOp.SUM, "the all-reduce of a gradient")
-                plain /= self.world_size
+                plain /= self.reduce_world
             self._check_not_started([chunk], f"the gradient of {self.slots[i].name!r} from outside the graphs")
             if i not in self.params_with_grad:
                 self._new_grad(i)

@@ -20,9 +20,10 @@ are chunked:
   dtype or device, an error saying what to do; where it changes nothing for them (`model.to(its device)`), it
   runs as usual.
 - **`DistributedDataParallel`**: the chunked parameters are on the model's list of those DDP ignores, so DDP
-  built over it later neither broadcasts them (an offloaded one holds no storage: reading it would crash the
-  process) nor waits for their gradients, which the chunks reduce across ranks themselves. A graph compiled
-  inside its forward that reads them is an error (runtime/adopt.py, `check_not_in_ddp`).
+  built over it later does not broadcast them (an offloaded one holds no storage: reading it would crash the
+  process); with nothing left to reduce, torch refuses it ("DistributedDataParallel is not needed"). DDP built
+  before the chunks passes the model through from its first compiled graph on (runtime/adopt.py,
+  `pass_through_ddp`).
 """
 
 from __future__ import annotations

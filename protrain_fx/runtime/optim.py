@@ -93,6 +93,9 @@ class AdamW(torch.optim.Optimizer):
                         "already; give each parameter to one optimizer"
                     )
                 p.__dict__[OPTIMIZER_ATTR] = me
+                # Dynamo's DDPOptimizer does not split a graph inside DDP's forward at buckets of it: its chunks
+                # reduce its gradient (runtime/adopt.py, `pass_through_ddp`)
+                p._ddp_ignored = True
         for manager in self._managers():  # chunks built before the optimizer (protrain_fx.prepare)
             manager.forget_owners()
             manager.check_owners()  # (a chunk stepped by two optimizers is an error now, not at the step)
