@@ -174,7 +174,9 @@ def _git_commit() -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None  # None before the first commit
 
 
-def _parser() -> argparse.ArgumentParser:
+def _sizes() -> argparse.ArgumentParser:
+    """The model size and run flags, a new parser for each command: commands given one parent share its flags'
+    objects, and one command's `set_defaults` (maxsize's 3 steps) then changed every command's defaults."""
     sizes = argparse.ArgumentParser(add_help=False)
     sizes.add_argument("--preset", choices=list(PRESETS), default="1b", help="model sizes (default 1b)")
     for name in dataclasses.asdict(ModelSpec()):
@@ -236,14 +238,17 @@ def _parser() -> argparse.ArgumentParser:
         help="JSON plan fields forced on protrain-chunks, e.g. '{\"n_persist\": 4}'; '{\"n_selective\": 0}' searches "
         "without selective blocks",
     )
+    return sizes
 
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(required=True)
-    p = sub.add_parser("compare", parents=[sizes], help="train with each system in its own process; print a table")
+    p = sub.add_parser("compare", parents=[_sizes()], help="train with each system in its own process; print a table")
     p.add_argument("--systems", default="protrain,compile,eager", help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--out", default="out/compare.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=compare)
-    p = sub.add_parser("predict", parents=[sizes], help="predicted vs measured step time and peak memory of plans")
+    p = sub.add_parser("predict", parents=[_sizes()], help="predicted vs measured step time and peak memory of plans")
     p.add_argument("--plans", default="[{}]", help="JSON list of plans forced on protrain-chunks ({} searches)")
     p.add_argument("--out", default="out/predict.json", help="where the JSON report goes ('' for none)")
     p.add_argument("--keep-dumps", default="", help="keep each plan's dump directory here, as plan<i>")
@@ -257,12 +262,12 @@ def _parser() -> argparse.ArgumentParser:
         help="time the dumped plan with the host AdamW as fast as training measured it (where it did)",
     )
     p.set_defaults(func=from_dump)
-    p = sub.add_parser("sweep", parents=[sizes], help="tokens/s of each system across batch sizes")
+    p = sub.add_parser("sweep", parents=[_sizes()], help="tokens/s of each system across batch sizes")
     p.add_argument("--systems", default="protrain,compile,eager", help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--batches", default="4,8,16,32", help="comma-separated batch sizes (default 4,8,16,32)")
     p.add_argument("--out", default="out/sweep.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=sweep)
-    p = sub.add_parser("maxsize", parents=[sizes], help="the largest model each system trains (bisection)")
+    p = sub.add_parser("maxsize", parents=[_sizes()], help="the largest model each system trains (bisection)")
     p.add_argument("--systems", default="protrain-chunks,fsdp2-offload", help=f"from {list(SYSTEMS)}")
     p.add_argument(
         "--ladder",
@@ -272,7 +277,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="out/maxsize.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=maxsize, steps=3, warmup=0)
-    p = sub.add_parser("scaling", parents=[sizes], help="tokens/s on 1, 2, 4 GPUs (torchrun) and the efficiency")
+    p = sub.add_parser("scaling", parents=[_sizes()], help="tokens/s on 1, 2, 4 GPUs (torchrun) and the efficiency")
     p.add_argument("--systems", default="protrain-chunks", help=f"data-parallel ones, from {list(SYSTEMS)}")
     p.add_argument("--gpus", default="1,2,4", help="comma-separated rank counts (default 1,2,4)")
     p.add_argument("--out", default="out/scaling.json", help="where the JSON report goes ('' for none)")
@@ -281,12 +286,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("reports", nargs="+", help="JSON reports of `compare`, one model size each")
     p.add_argument("--out", default="out/throughput.png", help="the PNG to write")
     p.set_defaults(func=plot)
-    p = sub.add_parser("trainer", parents=[sizes], help="tokens/s of transformers' Trainer, protrain vs compile")
+    p = sub.add_parser("trainer", parents=[_sizes()], help="tokens/s of transformers' Trainer, protrain vs compile")
     p.add_argument("--systems", default="protrain,compile", help=f"comma-separated, from {list(TRAINER_SYSTEMS)}")
     p.add_argument("--system", default="", help=argparse.SUPPRESS)  # (one system's run, in its own process)
     p.add_argument("--output-dir", default="out/trainer", help="the Trainer's output_dir (nothing is saved)")
     p.set_defaults(func=trainer)
-    p = sub.add_parser("worker", parents=[sizes], help="one system's run (started by compare)")
+    p = sub.add_parser("worker", parents=[_sizes()], help="one system's run (started by compare)")
     p.add_argument("--system", choices=list(SYSTEMS), required=True)
     p.set_defaults(func=worker)
     return parser
