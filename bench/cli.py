@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.model import DTYPES, FAMILIES, PRESETS, ModelSpec
+from bench.model import DTYPES, FAMILIES, PRESET_PARAMS, PRESETS, ModelSpec, preset
 from bench.plot import plot
 from bench.predict import from_dump, predict
 from bench.sweep import maxsize, scaling, sweep
@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not hasattr(args, "preset"):  # (plot: no run)
         return args.func(args)
-    for name, size in dataclasses.asdict(PRESETS[args.preset]).items():  # the preset fills the sizes not given
+    # the family's preset fills the sizes not given
+    for name, size in dataclasses.asdict(preset(args.preset, args.family or "llama")).items():
         if getattr(args, name) is None:
             setattr(args, name, size)
     if args.steps < 1 or args.warmup < 0:
@@ -147,19 +148,33 @@ def _row(r: dict) -> tuple[str, ...]:
 
 def _run_worker(system: str, args: argparse.Namespace, nproc: int = 1) -> dict:
     """One system's run in a worker process; with `nproc` > 1, that many ranks under torchrun."""
-    flags = [*dataclasses.asdict(ModelSpec()), *RUN_FLAGS]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
     cmd = [*(launch if nproc > 1 else [sys.executable, "-m"]), "bench", "worker", "--system", system]
-    cmd += ["--dtype", args.dtype, "--plan", args.plan, "--data", args.data, "--executor", args.executor]
+    return run_for_result([*cmd, *worker_flags(args)], system)
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that pass `args`' model sizes and run settings on to a worker process."""
+    flags = [*dataclasses.asdict(ModelSpec()), *RUN_FLAGS]
+    cmd = ["--dtype", args.dtype, "--plan", args.plan, "--data", args.data, "--executor", args.executor]
     cmd += ["--dump-dir", args.dump_dir, "--clip", str(args.clip), "--gpu-memory-gib", str(args.gpu_memory_gib)]
     cmd += ["--memory-budget", str(args.memory_budget), "--init", args.init]
-    cmd += [arg for name in flags for arg in (f"--{name}", str(getattr(args, name)))]
+    return cmd + [arg for name in flags for arg in (_flag(name), str(getattr(args, name)))]
+
+
+def run_for_result(cmd: list[str], system: str) -> dict:
+    """Run a worker's command line; its result line (RESULT_PREFIX) as a dict, or the error where it gave none."""
     log.info("running %s", shlex.join(cmd))
     proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)  # stderr (tqdm, logs) passes through
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if not lines:
         return {"system": system, "error": f"worker exited with code {proc.returncode} and no result; see its stderr"}
     return json.loads(lines[-1][len(RESULT_PREFIX) :])
+
+
+def _flag(name: str) -> str:
+    """The command-line flag of a ModelSpec field or run setting: `kv_heads` is `--kv-heads`."""
+    return "--" + name.replace("_", "-")
 
 
 def _ratio(results: list[dict]) -> float | None:
@@ -174,17 +189,31 @@ def _git_commit() -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None  # None before the first commit
 
 
+def _preset_help() -> str:
+    counts = "; ".join(
+        f"{name}: " + ", ".join(f"{family} {params[name] / 1e9:.2f}B" for family, params in PRESET_PARAMS.items())
+        for name in PRESETS
+    )
+    return f"model sizes in the family's proportions (default 1b), parameters: {counts}"
+
+
 def _sizes() -> argparse.ArgumentParser:
     """The model size and run flags, a new parser for each command: commands given one parent share its flags'
     objects, and one command's `set_defaults` (maxsize's 3 steps) then changed every command's defaults."""
     sizes = argparse.ArgumentParser(add_help=False)
-    sizes.add_argument("--preset", choices=list(PRESETS), default="1b", help="model sizes (default 1b)")
+    sizes.add_argument("--preset", choices=list(PRESETS), default="1b", help=_preset_help())
     for name in dataclasses.asdict(ModelSpec()):
         if name == "family":
-            sizes.add_argument("--family", choices=FAMILIES, help="architecture (default llama)")
+            sizes.add_argument(
+                "--family",
+                choices=FAMILIES,
+                help="architecture (default llama; bench/model.py): qwen2 has grouped-query attention, gpt_neox "
+                "parallel attention and MLP with a GELU MLP and LayerNorms",
+            )
             continue
-        presets = ", ".join(f"{getattr(spec, name)} with {preset}" for preset, spec in PRESETS.items())
-        sizes.add_argument(f"--{name}", type=int, help=f"overrides the preset's ({presets})")
+        presets = ", ".join(f"{getattr(spec, name)} with {name_}" for name_, spec in PRESETS.items())
+        what = "key/value heads of grouped-query attention, 0: one per head; " if name == "kv_heads" else ""
+        sizes.add_argument(_flag(name), type=int, help=f"{what}overrides the preset's (llama: {presets})")
     for name, default in RUN_FLAGS.items():
         sizes.add_argument(f"--{name}", type=int, default=default, help=f"(default {default})")
     sizes.add_argument(
