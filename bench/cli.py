@@ -1,6 +1,6 @@
-"""`python -m bench compare` (the table), `predict`, `from-dump`, `sweep`, `maxsize`, `scaling`, `plot`
-(bench/predict.py, bench/sweep.py, bench/plot.py) and `python -m bench worker` (one system's run, in its own
-process, started by the others)."""
+"""`python -m bench compare` (the table), `predict`, `from-dump`, `stability`, `sweep`, `maxsize`, `scaling`, `plot`
+(bench/predict.py, bench/stability.py, bench/sweep.py, bench/plot.py) and `python -m bench worker` (one system's
+run, in its own process, started by the others) and `profile` (one profile and plan, started by `stability`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from bench.model import DTYPES, FAMILIES, PRESET_PARAMS, PRESETS, ModelSpec, preset
 from bench.plot import plot
 from bench.predict import from_dump, predict
+from bench.stability import profile_worker, stability
 from bench.sweep import maxsize, scaling, sweep
 from bench.table import table
 from bench.trainer import TRAINER_SYSTEMS, trainer
@@ -291,6 +292,25 @@ def _parser() -> argparse.ArgumentParser:
         help="time the dumped plan with the host AdamW as fast as training measured it (where it did)",
     )
     p.set_defaults(func=from_dump)
+    p = sub.add_parser(
+        "stability", parents=[_sizes()], help="how far a model's plan and predicted step move between its profiles"
+    )
+    p.add_argument("--profiles", type=int, default=2, help="profiles to take, each in a process of its own (default 2)")
+    p.add_argument("--dumps", nargs="*", default=[], help="dump directories of one model to compare, not profiling it")
+    p.add_argument("--plans", default="[]", help="JSON list of plans to time in every profile, besides the searched")
+    p.add_argument(
+        "--capacities",
+        default="",
+        help="comma-separated shares of the way from the least memory a plan needs to all chunks persistent, to plan "
+        "every profile under too, e.g. 1,0.7,0.4 ('' for none)",
+    )
+    p.add_argument("--remeasure-hardware", action="store_true", help="each profile measures the hardware again")
+    p.add_argument("--keep-dumps", default="", help="keep each profile's dump directory here, as profile<i>")
+    p.add_argument("--out", default="out/stability.json", help="where the JSON report goes ('' for none)")
+    p.set_defaults(func=stability)
+    p = sub.add_parser("profile", parents=[_sizes()], help="one profile and plan of the model (started by stability)")
+    p.add_argument("--remeasure-hardware", action="store_true", help="measure the hardware profile again first")
+    p.set_defaults(func=profile_worker)
     p = sub.add_parser("sweep", parents=[_sizes()], help="tokens/s of each system across batch sizes")
     p.add_argument("--systems", default="protrain,compile,eager", help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--batches", default="4,8,16,32", help="comma-separated batch sizes (default 4,8,16,32)")
