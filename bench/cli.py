@@ -1,6 +1,6 @@
-"""`python -m bench compare` (the table), `predict`, `from-dump`, `sweep`, `maxsize`, `scaling`, `plot`
-(bench/predict.py, bench/sweep.py, bench/plot.py) and `python -m bench worker` (one system's run, in its own
-process, started by the others)."""
+"""`python -m bench compare` (the table), `predict`, `from-dump`, `stability`, `sweep`, `maxsize`, `scaling`, `plot`
+(bench/predict.py, bench/stability.py, bench/sweep.py, bench/plot.py) and `python -m bench worker` (one system's
+run, in its own process, started by the others) and `profile` (one profile and plan, started by `stability`)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.model import DTYPES, FAMILIES, PRESETS, ModelSpec
+from bench.model import DTYPES, FAMILIES, PRESET_PARAMS, PRESETS, ModelSpec, preset
 from bench.plot import plot
 from bench.predict import from_dump, predict
+from bench.stability import profile_worker, stability
 from bench.sweep import maxsize, scaling, sweep
 from bench.table import table
 from bench.trainer import TRAINER_SYSTEMS, trainer
@@ -35,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not hasattr(args, "preset"):  # (plot: no run)
         return args.func(args)
-    for name, size in dataclasses.asdict(PRESETS[args.preset]).items():  # the preset fills the sizes not given
+    # the family's preset fills the sizes not given
+    for name, size in dataclasses.asdict(preset(args.preset, args.family or "llama")).items():
         if getattr(args, name) is None:
             setattr(args, name, size)
     if args.steps < 1 or args.warmup < 0:
@@ -147,19 +149,33 @@ def _row(r: dict) -> tuple[str, ...]:
 
 def _run_worker(system: str, args: argparse.Namespace, nproc: int = 1) -> dict:
     """One system's run in a worker process; with `nproc` > 1, that many ranks under torchrun."""
-    flags = [*dataclasses.asdict(ModelSpec()), *RUN_FLAGS]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
     cmd = [*(launch if nproc > 1 else [sys.executable, "-m"]), "bench", "worker", "--system", system]
-    cmd += ["--dtype", args.dtype, "--plan", args.plan, "--data", args.data, "--executor", args.executor]
+    return run_for_result([*cmd, *worker_flags(args)], system)
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that pass `args`' model sizes and run settings on to a worker process."""
+    flags = [*dataclasses.asdict(ModelSpec()), *RUN_FLAGS]
+    cmd = ["--dtype", args.dtype, "--plan", args.plan, "--data", args.data, "--executor", args.executor]
     cmd += ["--dump-dir", args.dump_dir, "--clip", str(args.clip), "--gpu-memory-gib", str(args.gpu_memory_gib)]
     cmd += ["--memory-budget", str(args.memory_budget), "--init", args.init]
-    cmd += [arg for name in flags for arg in (f"--{name}", str(getattr(args, name)))]
+    return cmd + [arg for name in flags for arg in (_flag(name), str(getattr(args, name)))]
+
+
+def run_for_result(cmd: list[str], system: str) -> dict:
+    """Run a worker's command line; its result line (RESULT_PREFIX) as a dict, or the error where it gave none."""
     log.info("running %s", shlex.join(cmd))
     proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)  # stderr (tqdm, logs) passes through
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if not lines:
         return {"system": system, "error": f"worker exited with code {proc.returncode} and no result; see its stderr"}
     return json.loads(lines[-1][len(RESULT_PREFIX) :])
+
+
+def _flag(name: str) -> str:
+    """The command-line flag of a ModelSpec field or run setting: `kv_heads` is `--kv-heads`."""
+    return "--" + name.replace("_", "-")
 
 
 def _ratio(results: list[dict]) -> float | None:
@@ -174,15 +190,31 @@ def _git_commit() -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None  # None before the first commit
 
 
-def _parser() -> argparse.ArgumentParser:
+def _preset_help() -> str:
+    counts = "; ".join(
+        f"{name}: " + ", ".join(f"{family} {params[name] / 1e9:.2f}B" for family, params in PRESET_PARAMS.items())
+        for name in PRESETS
+    )
+    return f"model sizes in the family's proportions (default 1b), parameters: {counts}"
+
+
+def _sizes() -> argparse.ArgumentParser:
+    """The model size and run flags, a new parser for each command: commands given one parent share its flags'
+    objects, and one command's `set_defaults` (maxsize's 3 steps) then changed every command's defaults."""
     sizes = argparse.ArgumentParser(add_help=False)
-    sizes.add_argument("--preset", choices=list(PRESETS), default="1b", help="model sizes (default 1b)")
+    sizes.add_argument("--preset", choices=list(PRESETS), default="1b", help=_preset_help())
     for name in dataclasses.asdict(ModelSpec()):
         if name == "family":
-            sizes.add_argument("--family", choices=FAMILIES, help="architecture (default llama)")
+            sizes.add_argument(
+                "--family",
+                choices=FAMILIES,
+                help="architecture (default llama; bench/model.py): qwen2 has grouped-query attention, gpt_neox "
+                "parallel attention and MLP with a GELU MLP and LayerNorms",
+            )
             continue
-        presets = ", ".join(f"{getattr(spec, name)} with {preset}" for preset, spec in PRESETS.items())
-        sizes.add_argument(f"--{name}", type=int, help=f"overrides the preset's ({presets})")
+        presets = ", ".join(f"{getattr(spec, name)} with {name_}" for name_, spec in PRESETS.items())
+        what = "key/value heads of grouped-query attention, 0: one per head; " if name == "kv_heads" else ""
+        sizes.add_argument(_flag(name), type=int, help=f"{what}overrides the preset's (llama: {presets})")
     for name, default in RUN_FLAGS.items():
         sizes.add_argument(f"--{name}", type=int, default=default, help=f"(default {default})")
     sizes.add_argument(
@@ -236,14 +268,17 @@ def _parser() -> argparse.ArgumentParser:
         help="JSON plan fields forced on protrain-chunks, e.g. '{\"n_persist\": 4}'; '{\"n_selective\": 0}' searches "
         "without selective blocks",
     )
+    return sizes
 
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(required=True)
-    p = sub.add_parser("compare", parents=[sizes], help="train with each system in its own process; print a table")
+    p = sub.add_parser("compare", parents=[_sizes()], help="train with each system in its own process; print a table")
     p.add_argument("--systems", default="protrain,compile,eager", help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--out", default="out/compare.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=compare)
-    p = sub.add_parser("predict", parents=[sizes], help="predicted vs measured step time and peak memory of plans")
+    p = sub.add_parser("predict", parents=[_sizes()], help="predicted vs measured step time and peak memory of plans")
     p.add_argument("--plans", default="[{}]", help="JSON list of plans forced on protrain-chunks ({} searches)")
     p.add_argument("--out", default="out/predict.json", help="where the JSON report goes ('' for none)")
     p.add_argument("--keep-dumps", default="", help="keep each plan's dump directory here, as plan<i>")
@@ -257,12 +292,31 @@ def _parser() -> argparse.ArgumentParser:
         help="time the dumped plan with the host AdamW as fast as training measured it (where it did)",
     )
     p.set_defaults(func=from_dump)
-    p = sub.add_parser("sweep", parents=[sizes], help="tokens/s of each system across batch sizes")
+    p = sub.add_parser(
+        "stability", parents=[_sizes()], help="how far a model's plan and predicted step move between its profiles"
+    )
+    p.add_argument("--profiles", type=int, default=2, help="profiles to take, each in a process of its own (default 2)")
+    p.add_argument("--dumps", nargs="*", default=[], help="dump directories of one model to compare, not profiling it")
+    p.add_argument("--plans", default="[]", help="JSON list of plans to time in every profile, besides the searched")
+    p.add_argument(
+        "--capacities",
+        default="",
+        help="comma-separated shares of the way from the least memory a plan needs to all chunks persistent, to plan "
+        "every profile under too, e.g. 1,0.7,0.4 ('' for none)",
+    )
+    p.add_argument("--remeasure-hardware", action="store_true", help="each profile measures the hardware again")
+    p.add_argument("--keep-dumps", default="", help="keep each profile's dump directory here, as profile<i>")
+    p.add_argument("--out", default="out/stability.json", help="where the JSON report goes ('' for none)")
+    p.set_defaults(func=stability)
+    p = sub.add_parser("profile", parents=[_sizes()], help="one profile and plan of the model (started by stability)")
+    p.add_argument("--remeasure-hardware", action="store_true", help="measure the hardware profile again first")
+    p.set_defaults(func=profile_worker)
+    p = sub.add_parser("sweep", parents=[_sizes()], help="tokens/s of each system across batch sizes")
     p.add_argument("--systems", default="protrain,compile,eager", help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--batches", default="4,8,16,32", help="comma-separated batch sizes (default 4,8,16,32)")
     p.add_argument("--out", default="out/sweep.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=sweep)
-    p = sub.add_parser("maxsize", parents=[sizes], help="the largest model each system trains (bisection)")
+    p = sub.add_parser("maxsize", parents=[_sizes()], help="the largest model each system trains (bisection)")
     p.add_argument("--systems", default="protrain-chunks,fsdp2-offload", help=f"from {list(SYSTEMS)}")
     p.add_argument(
         "--ladder",
@@ -272,7 +326,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="out/maxsize.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=maxsize, steps=3, warmup=0)
-    p = sub.add_parser("scaling", parents=[sizes], help="tokens/s on 1, 2, 4 GPUs (torchrun) and the efficiency")
+    p = sub.add_parser("scaling", parents=[_sizes()], help="tokens/s on 1, 2, 4 GPUs (torchrun) and the efficiency")
     p.add_argument("--systems", default="protrain-chunks", help=f"data-parallel ones, from {list(SYSTEMS)}")
     p.add_argument("--gpus", default="1,2,4", help="comma-separated rank counts (default 1,2,4)")
     p.add_argument("--out", default="out/scaling.json", help="where the JSON report goes ('' for none)")
@@ -281,12 +335,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("reports", nargs="+", help="JSON reports of `compare`, one model size each")
     p.add_argument("--out", default="out/throughput.png", help="the PNG to write")
     p.set_defaults(func=plot)
-    p = sub.add_parser("trainer", parents=[sizes], help="tokens/s of transformers' Trainer, protrain vs compile")
+    p = sub.add_parser("trainer", parents=[_sizes()], help="tokens/s of transformers' Trainer, protrain vs compile")
     p.add_argument("--systems", default="protrain,compile", help=f"comma-separated, from {list(TRAINER_SYSTEMS)}")
     p.add_argument("--system", default="", help=argparse.SUPPRESS)  # (one system's run, in its own process)
     p.add_argument("--output-dir", default="out/trainer", help="the Trainer's output_dir (nothing is saved)")
     p.set_defaults(func=trainer)
-    p = sub.add_parser("worker", parents=[sizes], help="one system's run (started by compare)")
+    p = sub.add_parser("worker", parents=[_sizes()], help="one system's run (started by compare)")
     p.add_argument("--system", choices=list(SYSTEMS), required=True)
     p.set_defaults(func=worker)
     return parser

@@ -16,8 +16,8 @@ MATMUL_SIZE = {"cuda": 8192, "cpu": 1024}
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The repeated decoder blocks of a Hugging Face causal LM (LLaMA, Mistral, OPT, GPT-2)."""
-    inner = getattr(model, "model", None) or getattr(model, "transformer", None)
+    """The repeated decoder blocks of a Hugging Face causal LM (bench/model.py's families)."""
+    inner = getattr(model, "base_model", None)
     for path in ("layers", "decoder.layers", "h"):
         found = inner
         for part in path.split("."):

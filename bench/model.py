@@ -1,5 +1,11 @@
-"""The benchmarked models: decoders built from transformers configs (LLaMA, Mistral, OPT or GPT-2 style), random
-weights, no download."""
+"""The benchmarked models: decoders built from transformers configs, random weights, no download.
+
+Families (`--family`): llama (the default), mistral, opt and gpt2 build LLaMA's sizes in their architecture; qwen2
+(grouped-query attention: a quarter as many key/value heads as query heads, biases on q, k and v) and gpt_neox
+(attention and MLP in parallel from one input, a GELU MLP of two matrices, LayerNorms with biases, one fused qkv
+projection with biases, rotary embeddings on a quarter of each head) have sizes of their own, in their
+proportions, at LLaMA's parameter counts (`FAMILY_PRESETS`).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
-
-from bench.flops import parameter_count
 
 log = logging.getLogger(__name__)
 
@@ -25,19 +29,66 @@ class ModelSpec:
     layers: int = 16
     intermediate: int = 5632
     heads: int = 16
+    kv_heads: int = 0  # key/value heads of grouped-query attention (llama, mistral, qwen2); 0: as many as `heads`
     vocab: int = 32000
     seq: int = 1024
-    family: str = "llama"  # llama | mistral | opt | gpt2: the same sizes in that architecture
+    family: str = "llama"  # one of FAMILIES
+
+    @property
+    def key_value_heads(self) -> int:
+        return self.kv_heads or self.heads
 
 
-FAMILIES = ("llama", "mistral", "opt", "gpt2")  # (_CONFIGS below: how each names the sizes)
+FAMILIES = ("llama", "mistral", "opt", "gpt2", "qwen2", "gpt_neox")  # (_CONFIGS below: how each names the sizes)
+GQA_FAMILIES = ("llama", "mistral", "qwen2")  # those whose attention may have fewer key/value heads (`kv_heads`)
 
 
-# `--preset`: 1b is the defaults; 5.5b is 26 blocks of 202M, untied 131M embedding and head (5.52B parameters)
+# `--preset`: 1b is the defaults; 5.5b is 26 blocks of 202M, untied 131M embedding and head. Each family builds these
+# sizes in its architecture unless FAMILY_PRESETS has its own
 PRESETS = {
     "1b": ModelSpec(),
     "5.5b": ModelSpec(hidden=4096, layers=26, intermediate=11008, heads=32, vocab=32000, seq=1024),
 }
+# sizes in a family's own proportions, as many blocks as LLaMA's and about as many parameters: qwen2 has 16 query
+# heads to 4 key/value heads (32 to 8 at 5.5b) and a wider MLP where its attention is smaller; gpt_neox's MLP is 4
+# times the hidden size
+FAMILY_PRESETS = {
+    "qwen2": {
+        "1b": ModelSpec(intermediate=6656, kv_heads=4, family="qwen2"),
+        "5.5b": ModelSpec(hidden=4096, layers=26, intermediate=13056, heads=32, kv_heads=8, family="qwen2"),
+    },
+    "gpt_neox": {
+        "1b": ModelSpec(intermediate=8192, family="gpt_neox"),
+        "5.5b": ModelSpec(hidden=4096, layers=26, intermediate=16384, heads=32, family="gpt_neox"),
+    },
+}
+# the parameters each preset builds in each family (`parameter_count`; tests/test_bench_worker.py checks them)
+PRESET_PARAMS = {
+    "llama": {"1b": 953_223_168, "5.5b": 5_524_115_456},
+    "mistral": {"1b": 953_223_168, "5.5b": 5_524_115_456},
+    "opt": {"1b": 705_560_576, "5.5b": 4_225_973_760},
+    "gpt2": {"1b": 705_556_480, "5.5b": 4_225_965_568},
+    "qwen2": {"1b": 953_272_320, "5.5b": 5_524_275_200},
+    "gpt_neox": {"1b": 936_808_448, "5.5b": 5_498_028_032},
+}
+
+
+def preset(name: str, family: str = "llama") -> ModelSpec:
+    """The sizes `--preset name` gives `family`: its own (FAMILY_PRESETS), else LLaMA's in its architecture."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose from {FAMILIES}")
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {list(PRESETS)}")
+    own = FAMILY_PRESETS.get(family, {})
+    return own[name] if name in own else dataclasses.replace(PRESETS[name], family=family)
+
+
+def parameter_count(spec: ModelSpec) -> int:
+    """The parameters the model of `spec` has, counted on a model built on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(_config(spec)).num_parameters()
 
 
 def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int) -> nn.Module:
@@ -77,7 +128,7 @@ def resolve_init(
     if not chunked or device.type != "cuda":
         return "gpu"
     capacity = limit or torch.cuda.get_device_properties(device).total_memory
-    weights = parameter_count(build_model(spec, torch.device("meta"), dtype, 0)) * dtype.itemsize
+    weights = parameter_count(spec) * dtype.itemsize
     return "gpu" if weights <= capacity / 2 else "meta"
 
 
@@ -162,7 +213,7 @@ def build_fsdp2_model(
     fully_shard(model, **fsdp)
     model.to_empty(device="cpu")  # FSDP2 pins the offloaded shards here
     _init_weights(model, seed)
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    rotary = getattr(model.base_model, "rotary_emb", None)
     # inv_freq (a non-persistent buffer) was computed on the meta device, so to_empty left garbage: recompute it
     for name, buffer in type(rotary)(config=model.config).named_buffers() if rotary is not None else ():
         setattr(rotary, name, buffer.to(device))
@@ -183,7 +234,7 @@ _LLAMA_FIELDS = dict(
     num_hidden_layers="layers",
     intermediate_size="intermediate",
     num_attention_heads="heads",
-    num_key_value_heads="heads",
+    num_key_value_heads="key_value_heads",
     max_position_embeddings="seq",
 )
 # per family: the transformers config class, and which of its fields holds which ModelSpec size
@@ -205,6 +256,17 @@ _CONFIGS = {
         "GPT2Config",
         dict(n_embd="hidden", n_layer="layers", n_inner="intermediate", n_head="heads", n_positions="seq"),
     ),
+    "qwen2": ("Qwen2Config", _LLAMA_FIELDS),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        dict(
+            hidden_size="hidden",
+            num_hidden_layers="layers",
+            intermediate_size="intermediate",
+            num_attention_heads="heads",
+            max_position_embeddings="seq",
+        ),
+    ),
 }
 
 
@@ -213,6 +275,10 @@ def _config(spec: ModelSpec):
 
     if spec.family not in _CONFIGS:
         raise ValueError(f"unknown model family {spec.family!r}; choose from {FAMILIES}")
+    if spec.kv_heads and spec.family not in GQA_FAMILIES:
+        raise ValueError(f"--kv-heads applies to {GQA_FAMILIES}; {spec.family} has one key/value head per head")
+    if spec.heads % spec.key_value_heads:
+        raise ValueError(f"--kv-heads {spec.kv_heads} must divide --heads {spec.heads}")
     name, fields = _CONFIGS[spec.family]
     sizes = {field: getattr(spec, size) for field, size in fields.items()}
     return getattr(transformers, name)(vocab_size=spec.vocab, use_cache=False, attn_implementation="sdpa", **sizes)

@@ -30,7 +30,7 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import protrain_fx
-from bench.model import PRESETS, build_model
+from bench.model import FAMILIES, PRESETS, build_model, preset
 from bench.trace import format_phases, format_report, load_events, overlap_report, phase_report, step_lead_in
 
 PHASES = ("bench.forward", "bench.backward", "bench.opt_step", "bench.zero_grad")  # annotated for --trace
@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--preset", choices=list(PRESETS), default="1b", help="model sizes (default 1b)")
+    parser.add_argument("--family", choices=FAMILIES, default="llama", help="architecture (default llama)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--trace", metavar="PATH", help="chrome trace of two more steps, written here and analysed")
     parser.add_argument("--loop", action="store_true", help="synchronize once per step, not between phases")
@@ -74,7 +75,7 @@ def _ranks() -> Iterator[None]:
 
 def _run(args: argparse.Namespace) -> None:
     lead = not dist.is_initialized() or dist.get_rank() == 0  # (the rank that prints and traces)
-    spec = PRESETS[args.preset]
+    spec = preset(args.preset, args.family)
     model = build_model(spec, torch.device("cuda"), torch.bfloat16, 0)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-4)
     compiled = torch.compile(model, backend="protrain", options={"plan": json.loads(args.plan)})

@@ -22,12 +22,12 @@ import logging
 import math
 from pathlib import Path
 
-from bench.model import ModelSpec
+from bench.model import PRESETS, ModelSpec, parameter_count, preset
 from bench.table import table
 
 log = logging.getLogger(__name__)
 
-# (hidden, intermediate, heads, blocks): LLaMA-style proportions, growing parameter counts
+# (hidden, intermediate, heads, blocks): LLaMA-style proportions, growing parameter counts (another family's: `_spec`)
 LADDER = [
     *((4096, 11008, 32, blocks) for blocks in (8, 16, 26, 32, 40, 48, 64, 80, 96, 128)),
     *((8192, 22016, 64, blocks) for blocks in (40, 48, 64, 80, 96)),
@@ -153,11 +153,15 @@ def _trains(system: str, spec: ModelSpec, args: argparse.Namespace, results: dic
 
 
 def _spec(args: argparse.Namespace, hidden: int, intermediate: int, heads: int, blocks: int) -> ModelSpec:
+    """A ladder entry (LLaMA's proportions) in the proportions of `args.family`'s 5.5b preset: its MLP width over
+    LLaMA's and its share of key/value heads."""
+    own, llama = preset("5.5b", args.family), PRESETS["5.5b"]
     return ModelSpec(
         hidden=hidden,
         layers=blocks,
-        intermediate=intermediate,
+        intermediate=intermediate * own.intermediate // llama.intermediate,
         heads=heads,
+        kv_heads=heads * own.kv_heads // own.heads,
         vocab=args.vocab,
         seq=args.seq,
         family=args.family,
@@ -165,8 +169,7 @@ def _spec(args: argparse.Namespace, hidden: int, intermediate: int, heads: int, 
 
 
 def _params(spec: ModelSpec) -> int:
-    """LLaMA-style parameter count: per block 4 h^2 attention + 3 h i MLP, untied embedding and head."""
-    return spec.layers * (4 * spec.hidden**2 + 3 * spec.hidden * spec.intermediate) + 2 * spec.vocab * spec.hidden
+    return parameter_count(spec)
 
 
 def _describe(spec: ModelSpec | None) -> str:

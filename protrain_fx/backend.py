@@ -809,7 +809,10 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
 
 def _dump_plan(dumper: Dumper, record: GraphRecord, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
     """What the plan was searched from and what it decided, and the graphs as profiled (every block saving all it
-    saves, before any pass or re-cut for the plan: what profiler/fusion.py classified, for debug/from_dump.py)."""
+    saves, before any pass or re-cut for the plan: what profiler/fusion.py classified, for debug/from_dump.py), with
+    the profile: an explain run's dump is planned again from these files alone."""
+    dumper.write_text("profile.csv", record.profile.to_csv())
+    dumper.write_json("profile.json", record.profile.to_json())
     dumper.write_json("plan.json", record.plan.to_json())
     dumper.write_json("seconds.json", record.seconds)
     if record.costs is not None:
@@ -822,7 +825,5 @@ def _dump_plan(dumper: Dumper, record: GraphRecord, fw: fx.GraphModule, bw: fx.G
 def _dump(dumper: Dumper, record: GraphRecord) -> None:
     dumper.write_text("forward.py", record.forward.print_readable(print_output=False))
     dumper.write_text("backward.py", record.backward.print_readable(print_output=False))
-    dumper.write_text("profile.csv", record.profile.to_csv())
-    dumper.write_json("profile.json", record.profile.to_json())
     dumper.write_json("params.json", {k: v.to_json() for k, v in record.param_map.items()})
     dumper.write_json("blocks.json", record.block_map.to_json())

@@ -133,3 +133,16 @@ def test_a_dump_is_timed_again_at_the_host_rate_training_measured(tmp_path, caps
     del report["predicted_host_adam_s_per_param"]  # (as an older protrain_fx wrote it)
     (folder / "predicted_vs_measured.json").write_text(json.dumps(report))
     assert host_scale_of(folder) == pytest.approx(scale)
+
+
+def test_each_command_keeps_its_own_run_defaults():
+    """maxsize runs 3 steps and no warm-up by default; predict and compare keep theirs (20 and 3: enough for the
+    step monitor)."""
+    from bench.cli import RUN_FLAGS, _parser
+
+    parser = _parser()
+    runs = {cmd: parser.parse_args([cmd]) for cmd in ("maxsize", "predict", "compare")}
+    assert (runs["maxsize"].steps, runs["maxsize"].warmup) == (3, 0)
+    assert all(
+        (runs[c].steps, runs[c].warmup) == (RUN_FLAGS["steps"], RUN_FLAGS["warmup"]) for c in ("predict", "compare")
+    )

@@ -1,12 +1,14 @@
 """The bench worker on CPU at tiny sizes: every model family trains, and the result carries TFLOP/s (with
-recomputed blocks counted for a checkpointed protrain plan), MFU and the step's split."""
+recomputed blocks counted for a checkpointed protrain plan), MFU and the step's split; each family's presets build
+the parameter counts the bench reports for them."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from bench.model import FAMILIES, ModelSpec, resolve_init
+from bench.model import FAMILIES, PRESET_PARAMS, PRESETS, ModelSpec, parameter_count, preset, resolve_init
 from bench.worker import train
 
 TINY = dict(hidden=32, layers=2, intermediate=64, heads=4, vocab=96, seq=16)
@@ -19,6 +21,48 @@ def test_every_family_trains_eagerly(family):
     assert math.isfinite(result.loss_last) and len(result.losses) == 3
     assert result.tflops > 0 and result.tflops_recompute == result.tflops and 0 < result.mfu
     assert set(result.breakdown_s) == {"forward", "backward", "optimizer"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_presets_build_the_parameter_counts_reported(family):
+    """`--preset` in each family (built on the meta device): the counts `--help` gives (PRESET_PARAMS), LLaMA's
+    sizes within 2% for the families with presets of their own."""
+    for name in PRESETS:
+        spec = preset(name, family)
+        assert spec.family == family and parameter_count(spec) == PRESET_PARAMS[family][name], name
+        if family in ("qwen2", "gpt_neox"):
+            assert parameter_count(spec) == pytest.approx(PRESET_PARAMS["llama"][name], rel=0.02)
+    assert preset("5.5b", "qwen2").key_value_heads * 4 == preset("5.5b", "qwen2").heads  # (grouped-query)
+
+
+def test_a_family_without_grouped_query_attention_refuses_kv_heads():
+    from bench.model import _config
+
+    with pytest.raises(ValueError, match="--kv-heads applies to"):
+        _config(ModelSpec(**TINY, kv_heads=2, family="gpt_neox"))
+    with pytest.raises(ValueError, match="must divide --heads"):
+        _config(ModelSpec(**TINY, kv_heads=3, family="qwen2"))
+    assert _config(dataclasses.replace(ModelSpec(**TINY), kv_heads=2, family="qwen2")).num_key_value_heads == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox"])
+def test_families_train_under_protrain_and_report_predictions(family, tmp_path):
+    """`bench predict`'s path for the three families it compares: protrain-chunks with one block recomputed (so
+    capture found the blocks) and a dump directory, long enough for the step monitor; its graph files make a row of
+    the predict table with a prediction and a measurement."""
+    from bench.predict import MONITOR_STEPS, _graph_files, format_table
+
+    spec = ModelSpec(**TINY, kv_heads=2 if family == "qwen2" else 0, family=family)
+    run = {**RUN, "steps": MONITOR_STEPS - RUN["warmup"]}
+    plan = {"n_checkpoint": 1}
+    result = train("protrain-chunks", spec, plan=plan, executor="eager", dump_dir=str(tmp_path), **run)
+    assert all(math.isfinite(x) for x in result.losses)
+    assert result.plan["n_checkpoint"] == 1 and len(result.plan["block_modes"]) == TINY["layers"]
+    graphs = _graph_files(tmp_path)
+    assert len(graphs) == 1 and graphs[0]["predicted_vs_measured"]["measured_step_s"] > 0
+    row = format_table([{"forced": plan, "result": dataclasses.asdict(result), "graphs": graphs}]).splitlines()[-1]
+    fields = "/".join(str(result.plan[k]) for k in ("n_persist", "n_buffer", "n_swap", "n_checkpoint"))
+    assert "FAILED" not in row and fields in row
 
 
 def test_recomputed_blocks_count_in_tflops():

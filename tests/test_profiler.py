@@ -187,6 +187,37 @@ def test_each_node_keeps_its_least_time_over_the_timed_runs(monkeypatch):
         assert all((n.latency_s >= 1.0) == slowed for n in profile.nodes), (runs, slow_run)
 
 
+def test_cpu_timed_runs_use_one_thread_and_give_the_others_back(monkeypatch):
+    """On the CPU the timed iterations run with one intra-op thread (an op split over threads waits for the last
+    of them, which on a loaded machine waits for a core), the memory run and everything after with as many as
+    before; the profile keeps how far its timed runs spread (`timing_noise`)."""
+    from helpers import CapturingBackend
+
+    from protrain_fx.profiler import interpreter
+
+    model = models.build("llama", layers=2)
+    backend = CapturingBackend({"executor": "eager"})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    models.loss_of("llama", compiled(**models.batch("llama"))).backward()
+    record = backend.graphs[0]
+    iteration, threads = interpreter._iteration, []
+
+    def counting(*args):
+        threads.append(("timed" if args[5] is None else "memory", torch.get_num_threads()))
+        return iteration(*args)
+
+    monkeypatch.setattr(interpreter, "_iteration", counting)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        profile = interpreter.profile_iteration(record.forward, record.backward, backend.inputs, record.block_map)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert threads == [("memory", 2)] + [("timed", 1)] * interpreter.TIMED_RUNS and after == 2
+    assert profile.timing_noise >= 0 and all(n.latency_s >= 0 for n in profile.nodes)
+
+
 def test_clock_probes_run_between_timed_nodes_and_stay_out_of_their_times(monkeypatch):
     """On CUDA a probe matmul runs every PROBE_EVERY timed nodes, between marks of its own (here a CPU stand-in
     that sleeps 50 ms); each node's probe time is interpolated between the probes around it."""
@@ -214,7 +245,7 @@ def test_clock_probes_run_between_timed_nodes_and_stay_out_of_their_times(monkey
 def test_matmuls_keep_their_least_time_at_burst_clocks():
     """A matmul's time in each timed run is taken at the clocks of the fastest probe of all runs (times that
     probe's time over the probe time where it ran), then the least over the runs; other nodes, bound by memory,
-    keep their least time as run."""
+    keep their least time as run. The timing noise is how far the runs' median times sum above the least."""
     from protrain_fx.profiler.interpreter import _least_at_burst_clocks
     from protrain_fx.profiler.profile import NodeProfile
 
@@ -225,8 +256,10 @@ def test_matmuls_keep_their_least_time_at_burst_clocks():
     latencies = [[1.2, 0.5], [1.1, 0.6]]
     timed = nodes()
     # the first run's probes ran 1.2 times as long as the second's: its clocks were lower
-    assert _least_at_burst_clocks(timed, latencies, [[1.2, 1.2], [1.0, 1.0]]) == pytest.approx(1.1)
+    stretch, noise = _least_at_burst_clocks(timed, latencies, [[1.2, 1.2], [1.0, 1.0]])
+    assert stretch == pytest.approx(1.1) and noise == pytest.approx((1.05 + 0.55) / (1.0 + 0.5) - 1)
     assert [n.latency_s for n in timed] == pytest.approx([1.0, 0.5])
     plain = nodes()  # no probes (the CPU): each node's least time as run
-    assert _least_at_burst_clocks(plain, latencies, []) == 1.0
+    stretch, noise = _least_at_burst_clocks(plain, latencies, [])
+    assert stretch == 1.0 and noise == pytest.approx((1.15 + 0.55) / (1.1 + 0.5) - 1)
     assert [n.latency_s for n in plain] == [1.1, 0.5]

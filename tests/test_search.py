@@ -16,7 +16,9 @@ from protrain_fx.planner.cost import Candidate, CostModel, _HostRates, _Segment
 from protrain_fx.planner.plan import HOST_STATES, MIN_GRAD_SLOTS
 from protrain_fx.planner.search import (
     CLIP_WEIGHT,
+    CPU_TIE_REL,
     HOST_SLOWDOWN,
+    MAX_TIE_REL,
     SAFE_HEADROOM,
     TIE_REL,
     NoPlanFits,
@@ -25,6 +27,7 @@ from protrain_fx.planner.search import (
     rank,
     search,
     slow_host,
+    tie_rel,
 )
 from protrain_fx.profiler.hardware import HardwareProfile
 
@@ -147,6 +150,26 @@ def test_ties_go_to_the_least_rewritten_plan_with_headroom_to_spare():
     assert rank(fits, 42)[0] == swapped  # (neither leaves SAFE_HEADROOM: the lower peak)
     assert rank(fits, 100)[1] == [swapped, slower]
     assert rank(fits, 100, alpha=2.0)[0] == swapped  # (headroom is of the reserved bytes: peak times alpha)
+
+
+def test_ties_are_within_the_profiles_timing_noise():
+    """Step times tie within the profile's timing noise, at least TIE_REL (CPU_TIE_REL on the CPU, whose speed
+    against its hardware profile moves between profiles by more than one profile's runs show) and at most
+    MAX_TIE_REL; a plan that rewrites less wins where it is within that noise of the fastest, and the search
+    agrees with brute force ranked alike."""
+    model = synthetic()
+    assert tie_rel(model) == TIE_REL
+    assert tie_rel(dataclasses.replace(model, timing_noise=0.02)) == 0.02
+    assert tie_rel(dataclasses.replace(model, timing_noise=0.5)) == MAX_TIE_REL
+    assert tie_rel(dataclasses.replace(model, overlap=False)) == CPU_TIE_REL
+    plain, checkpointed = (Candidate(4, 0, 0, 0), 1.015, 50), (Candidate(4, 0, 0, 1), 1.0, 40)
+    assert rank([plain, checkpointed], 100, tie=TIE_REL)[0] == checkpointed
+    assert rank([plain, checkpointed], 100, tie=0.02)[0] == plain
+    noisy = dataclasses.replace(model, timing_noise=0.03)
+    for capacity in _capacities(noisy):
+        best, runners_up = search(noisy, capacity)
+        assert (best, runners_up) == rank(brute_force(noisy, capacity), capacity, alpha=noisy.alpha, tie=0.03)
+        assert all(best[1] <= r[1] * 1.03 for r in runners_up)
 
 
 def test_plans_are_ranked_also_with_a_slower_host():

@@ -44,7 +44,7 @@ def plan_from_dump(
     `host_scale`: the dumped hardware profile's host work taken as that many times as long
     (`HardwareProfile.host_slower`), e.g. as training measured it (`host_scale_of`), to tell the host's part of
     an error from the rest."""
-    profile, inputs = _read(Path(graph_dir))
+    profile, inputs = read_dump(graph_dir)
     fields = inputs.forced if forced is None else forced
     if host_scale is not None:
         inputs = dataclasses.replace(inputs, hardware=inputs.hardware.host_slower(host_scale))
@@ -62,7 +62,7 @@ def host_scale_of(graph_dir: str | Path) -> float | None:
     report = json.loads(measured.read_text()) if measured.is_file() else {}
     if report.get("measured_host_adam_s_per_param") and not report.get("predicted_host_adam_s_per_param"):
         dumped = decisions(json.loads((folder / "plan.json").read_text()))
-        profile, inputs = _read(folder)
+        profile, inputs = read_dump(folder)
         costs = cost_model(profile, inputs, dumped)
         config = Candidate(
             *(dumped.get(f.name, 0) for f in dataclasses.fields(Candidate))
@@ -71,9 +71,10 @@ def host_scale_of(graph_dir: str | Path) -> float | None:
     return monitor.host_scale(report)
 
 
-def _read(folder: Path) -> tuple[GraphProfile, PlanningInputs]:
+def read_dump(folder: str | Path) -> tuple[GraphProfile, PlanningInputs]:
     """A graph folder's profile (its nodes classified again by the current code where graphs.json is there) and
     planning inputs (planning.json)."""
+    folder = Path(folder)
     missing = [f for f in ("profile.json", PLANNING_FILE) if not (folder / f).is_file()]
     if missing:
         raise ValueError(

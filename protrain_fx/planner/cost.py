@@ -281,6 +281,7 @@ class CostModel:
     device_grad_slots_held: int | None = None  # the user's device_grad_slots (at most one per persistent chunk)
     # the persistent chunks share MIN_GRAD_SLOTS gradient buffers (the search's last resort, planner/search.py)
     share_device_grads: bool = False
+    timing_noise: float = 0.0  # the profile's (GraphProfile.timing_noise): the search ties step times within it
     master_bytes: int = 4  # bytes per element of masters, gradients and AdamW states (the plan's master_dtype)
     backward_matmul_share: float = 0.0  # of the backward's compute time, the share in matmuls (fusion.is_matmul)
     # the matmuls' time in training over their time at burst clocks, as profiled (`build`; 1: not measured)
@@ -417,6 +418,7 @@ class CostModel:
             segments=tuple(segments),
             hardware=hardware,
             alpha=profile.fragmentation,
+            timing_noise=profile.timing_noise,
             overlap=not profile.device.startswith("cpu"),
             other_bytes=other_bytes,
             backward_matmul_share=matmul_s / backward_s if backward_s > 0 else 0.0,

@@ -30,11 +30,14 @@ forward needs them is fastest at the profiled rate and loses the most where the 
 slow time alone: where the host bounds every plan, their slow times are all alike. Where a clip applies, every
 update waits for `optimizer.step()` (`CostModel.step_s(config, clipped=0)`), and most training loops clip (Hugging
 Face's Trainer by default, accelerate, torchtitan): a plan a hair faster unclipped can be far slower there.
-Among those that fit, the lowest so ranked wins. Ties (within TIE_REL) go to the one that rewrites the
-model least (fewest blocks checkpointed, selective or swapped, then most chunks persistent) among those leaving at least
-SAFE_HEADROOM of the capacity free, else to the one with the most headroom. (A swap hidden behind compute is
-priced at nothing, but its copies, events and settle points take some time: with memory to spare it buys
-nothing.) A field the user forces is held at its value and the rest searched.
+Among those that fit, the lowest so ranked wins. Ties (within `tie_rel`: the profile's timing noise, at least
+TIE_REL, CPU_TIE_REL on the CPU) go to the one that rewrites the model least (fewest blocks checkpointed, selective
+or swapped, then most chunks persistent) among those leaving at least SAFE_HEADROOM of the capacity free, else to
+the one with the most headroom. (A swap hidden behind compute is priced at nothing, but its copies, events and
+settle points take some time: with memory to spare it buys nothing.) Two profiles of one model differ by their
+noise, and plans whose copies hide behind the compute are predicted within a fraction of a percent of each other:
+a margin under the noise would let the noise choose between them, so it counts as a tie. A field the user forces
+is held at its value and the rest searched.
 
 Last resort (`plan_graph`): where nothing fits, the search runs again with the persistent chunks sharing
 MIN_GRAD_SLOTS gradient buffers on the device instead of one each (`CostModel.share_device_grads`): the GPU
@@ -63,7 +66,11 @@ log = logging.getLogger(__name__)
 
 HOST_SLOWDOWN = 1.3  # configurations are ranked also by their step time with the host's work this many times as long
 CLIP_WEIGHT = 0.1  # loops clip, so a plan a hair faster unclipped but far slower when the clip applies must lose
-TIE_REL = 0.005  # step times within 0.5% count as equal
+TIE_REL = 0.005  # step times within 0.5% count as equal, or within the profile's timing noise where it is more
+MAX_TIE_REL = 0.05  # ... up to 5%: a noisier profile does not make slower plans equal
+# on the CPU (copies share the compute's cores), 5%: its speed against the hardware profile's cached rates moves
+# between profiles by more than one profile's own timed runs show, and with ties of 2% a small model's plans changed
+CPU_TIE_REL = 0.05
 SAFE_HEADROOM = 0.1  # a plan predicted to leave this share of the capacity free needs no more headroom
 MAX_BUFFER = 4  # buffers searched: one in use, one loading, one recomputed from, one spare (more is forced only)
 N_RUNNERS_UP = 3
@@ -179,7 +186,14 @@ def search(
         raise NoPlanFits(smallest[0], smallest[1], capacity_bytes, n_chunk=model.n_chunk, batch=batch)
     fits = _timed(model, fitting, by_modes)
     log.info("timed %d of the %d configurations that fit", len(fits), len(fitting))
-    return rank(fits, capacity_bytes, alpha=model.alpha)
+    return rank(fits, capacity_bytes, alpha=model.alpha, tie=tie_rel(model))
+
+
+def tie_rel(model: CostModel) -> float:
+    """The share within which step times count as equal: the profile's timing noise, at least TIE_REL (CPU_TIE_REL
+    on the CPU, where copies share the compute's cores: `CostModel.overlap` False), at most MAX_TIE_REL."""
+    least = TIE_REL if model.overlap else CPU_TIE_REL
+    return max(least, min(MAX_TIE_REL, model.timing_noise))
 
 
 def slow_host(model: CostModel) -> CostModel:
@@ -208,12 +222,13 @@ def _timed(
     model: CostModel, fitting: list[tuple[Candidate, int]], by_modes: _ByModes
 ) -> list[tuple[Candidate, float, int]]:
     """(config, step seconds as ranked, peak) of those of `fitting` ((config, peak) pairs) whose step time `rank`
-    can use: the ties of the fastest (within TIE_REL) and the N_RUNNERS_UP + 1 fastest (the best and its
+    can use: the ties of the fastest (within `tie_rel`) and the N_RUNNERS_UP + 1 fastest (the best and its
     runners-up). They are timed in the order of a lower bound of their step time, until the bound passes both:
     every one left is slower. Each bound weighs the bounds of the three step times `ranked_step_s` weighs alike:
     first `step_floor_s`, refined to `step_bound_s` when the configuration comes first with it. In the order of
     `fitting`."""
-    ranked, weighed = ranked_step_s(model), {"host_scales": (1.0, HOST_SLOWDOWN), "clip_weight": CLIP_WEIGHT}
+    ranked, tie = ranked_step_s(model), tie_rel(model)
+    weighed = {"host_scales": (1.0, HOST_SLOWDOWN), "clip_weight": CLIP_WEIGHT}
     below = 1 - BOUND_ROUNDING  # (a bound that adds up to the step time may round above it)
     # (lower bound, refined, index); a floor that comes first is refined, a refined bound is timed
     heap = [(model.step_floor_s(c, by_modes(c), **weighed) * below, False, i) for i, (c, _) in enumerate(fitting)]
@@ -222,7 +237,7 @@ def _timed(
     steps: dict[int, float] = {}
     while heap:
         bound, refined, i = heapq.heappop(heap)
-        if len(times) > N_RUNNERS_UP and bound > max(times[0] * (1 + TIE_REL), times[N_RUNNERS_UP]):
+        if len(times) > N_RUNNERS_UP and bound > max(times[0] * (1 + tie), times[N_RUNNERS_UP]):
             break
         config = fitting[i][0]
         if not refined:
@@ -233,12 +248,14 @@ def _timed(
     return [(fitting[i][0], steps[i], fitting[i][1]) for i in sorted(steps)]
 
 
-def rank(fits: list[tuple[Candidate, float, int]], capacity_bytes: int | None, *, alpha: float = 1.0):
-    """(best, runners-up): the fastest; among ties within TIE_REL the least rewritten plan whose predicted
-    reserved bytes (peak times `alpha`, as `CostModel.reserved_bytes`) leave SAFE_HEADROOM of `capacity_bytes`
-    free (any, with no capacity), else the lowest peak; then by step time."""
+def rank(
+    fits: list[tuple[Candidate, float, int]], capacity_bytes: int | None, *, alpha: float = 1.0, tie: float = TIE_REL
+):
+    """(best, runners-up): the fastest; among ties within `tie` (a share of the fastest) the least rewritten plan
+    whose predicted reserved bytes (peak times `alpha`, as `CostModel.reserved_bytes`) leave SAFE_HEADROOM of
+    `capacity_bytes` free (any, with no capacity), else the lowest peak; then by step time."""
     fastest = min(step for _, step, _ in fits)
-    ties = [f for f in fits if f[1] <= fastest * (1 + TIE_REL)]
+    ties = [f for f in fits if f[1] <= fastest * (1 + tie)]
     safe = [f for f in ties if capacity_bytes is None or f[2] * alpha <= (1 - SAFE_HEADROOM) * capacity_bytes]
     if safe:
         best = min(safe, key=lambda f: (_rewritten(f[0]), -f[0].n_persist, f[1], f[2]))

@@ -11,12 +11,13 @@ small kernel takes:
 - time: `TimedGraph`, a copy of the graph with a clock mark after every node, run as compiled Python (an
   interpreter adds tens of microseconds per node, more than many kernels take). On CUDA the marks are
   events and a short GPU sleep first lets the CPU queue kernels ahead, so consecutive marks measure the
-  GPU time of each node's kernels; on CPU they are `time.perf_counter` readings. Each node keeps its least
-  time over TIMED_RUNS timed iterations: whatever else runs on the machine only adds to a node's time, so a
-  slow stretch of one iteration does not reach the profile. On CUDA a probe matmul runs every PROBE_EVERY nodes
-  between two marks of its own: a device near its power limit lowers its clocks as a run goes on, so each matmul's
-  time is taken as at the clocks of the fastest probe (`_least_at_burst_clocks`), and the cost model prices
-  training's clocks from the hardware profile.
+  GPU time of each node's kernels; on CPU they are `time.perf_counter` readings, taken with one intra-op
+  thread (`_one_thread_on_cpu`). Each node keeps its least time over TIMED_RUNS timed iterations: whatever else
+  runs on the machine only adds to a node's time, so a slow stretch of one iteration does not reach the profile.
+  How far the runs spread above that least is kept as the profile's `timing_noise`, within which the search counts
+  step times as equal. On CUDA a probe matmul runs every PROBE_EVERY nodes between two marks of its own: a device
+  near its power limit lowers its clocks as a run goes on, so each matmul's time is taken as at the clocks of the
+  fastest probe (`_least_at_burst_clocks`), and the cost model prices training's clocks from the hardware profile.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -298,15 +300,16 @@ def profile_iteration(
     if device.type == "cuda":  # (inductor's compile workers start as the compile begins: profiler/quiet.py)
         wait_until_children_quiet()
     latencies, probes = [], []
-    for _ in range(TIMED_RUNS):
-        timed, *_ = _iteration(fw, bw, primals, block_map, device, None, on_demand, timed_graphs)
-        bar.update()
-        assert [r.name for r in timed] == [r.name for r in nodes], "timing and memory runs saw different nodes"
-        latencies.append([t.latency_s for t in timed])
-        if device.type == "cuda":
-            probes.append([t for kind in ("forward", "backward") for t in timed_graphs[kind].probe_at_records()])
+    with _one_thread_on_cpu(device):
+        for _ in range(TIMED_RUNS):
+            timed, *_ = _iteration(fw, bw, primals, block_map, device, None, on_demand, timed_graphs)
+            bar.update()
+            assert [r.name for r in timed] == [r.name for r in nodes], "timing and memory runs saw different nodes"
+            latencies.append([t.latency_s for t in timed])
+            if device.type == "cuda":
+                probes.append([t for kind in ("forward", "backward") for t in timed_graphs[kind].probe_at_records()])
     bar.close()
-    clock_stretch = _least_at_burst_clocks(nodes, latencies, probes)
+    clock_stretch, noise = _least_at_burst_clocks(nodes, latencies, probes)
     by_graph = {"forward": fw, "backward": bw}
     for kind, gm in by_graph.items():
         named = {r.name: r for r in nodes if r.graph == kind}
@@ -326,35 +329,61 @@ def profile_iteration(
         reserved_bytes=reserved,
         measured_peak_bytes=tracker.measured_peak if on_demand is not None else peak,
         matmul_clock_stretch=clock_stretch,
+        timing_noise=noise,
     )
     log.info(
-        "profiled %d nodes on %s: forward %.2f ms, backward %.2f ms, peak %.1f MiB, saved activations %.1f MiB",
+        "profiled %d nodes on %s: forward %.2f ms, backward %.2f ms (timing noise %.1f%%), peak %.1f MiB, saved "
+        "activations %.1f MiB",
         len(nodes),
         device,
         profile.forward_s * 1e3,
         profile.backward_s * 1e3,
+        noise * 100,
         peak / 2**20,
         saved_bytes / 2**20,
     )
     return profile
 
 
-def _least_at_burst_clocks(nodes: list[NodeProfile], latencies: list[list[float]], probes: list[list[float]]) -> float:
+def _least_at_burst_clocks(
+    nodes: list[NodeProfile], latencies: list[list[float]], probes: list[list[float]]
+) -> tuple[float, float]:
     """Set each node's latency_s to its least over the timed runs (`latencies`, per run and node), matmuls'
     (`is_matmul`) each as at the clocks of a short burst: times the least probe time over the runs, over the
     probe time where it ran (`probes`, per run and node; none on the CPU). A device near its power limit lowers
     its clocks as a run goes on, and how far differs from run to run and machine to machine; the cost model
     prices the clocks of training from the hardware profile (`HardwareProfile.sustained_matmul_stretch`). Returns
-    the matmuls' least time as run over their time at burst clocks (1 on the CPU)."""
+    the matmuls' least time as run over their time at burst clocks (1 on the CPU), and the timing noise: the nodes'
+    median time over the runs (as at burst clocks), summed, over their least, summed, less one."""
     burst = min((t for run in probes for t in run if t > 0), default=0.0)
-    as_run, at_burst = 0.0, 0.0
+    as_run, at_burst, median = 0.0, 0.0, 0.0
     for i, record in enumerate(nodes):
         matmul = bool(probes) and is_matmul(record.target)
-        record.latency_s = min(run[i] * (burst / probes[r][i] if matmul else 1.0) for r, run in enumerate(latencies))
+        times = [run[i] * (burst / probes[r][i] if matmul else 1.0) for r, run in enumerate(latencies)]
+        record.latency_s = min(times)
+        median += statistics.median(times)
         if matmul:
             as_run += min(run[i] for run in latencies)
             at_burst += record.latency_s
-    return as_run / at_burst if at_burst > 0 else 1.0
+    least = sum(record.latency_s for record in nodes)
+    noise = median / least - 1 if least > 0 else 0.0
+    return (as_run / at_burst if at_burst > 0 else 1.0), noise
+
+
+@contextlib.contextmanager
+def _one_thread_on_cpu(device: torch.device):
+    """On the CPU, time with one intra-op thread: an op split over several threads ends when the last of them
+    does, and where other processes use the cores, one of them waits a scheduler slice to run, which can take
+    many times the op's own time (docs/design.md, "The cost models and the search")."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _iteration(
@@ -522,12 +551,13 @@ def _agreed(profile: GraphProfile | None, failure, world_size: int, device: torc
             profile.reserved_bytes,
             profile.measured_peak_bytes,
             profile.matmul_clock_stretch,
+            profile.timing_noise,
         ],
         dtype=torch.float64,
         device=device,
     )
     dist.all_reduce(scalars, op=dist.ReduceOp.MAX)
-    *sizes, clock_stretch = scalars.tolist()
+    *sizes, clock_stretch, noise = scalars.tolist()
     peak, baseline, saved, reserved, measured = (int(v) for v in sizes)
     return dataclasses.replace(
         profile,
@@ -539,5 +569,6 @@ def _agreed(profile: GraphProfile | None, failure, world_size: int, device: torc
         reserved_bytes=reserved,
         measured_peak_bytes=measured,
         matmul_clock_stretch=clock_stretch,
+        timing_noise=noise,
         blocks=aggregate_blocks(profile.nodes),
     )
