@@ -307,9 +307,8 @@ def prepare(
     ordered = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not ordered:
         raise ValueError("the model has no trainable parameters; nothing to put in chunks")
-    fill = ModuleFiller(
-        model, init, weights, device
-    )  # (checks that every tensor gets a value before anything is built)
+    # (checks that every tensor gets a value before anything is built)
+    fill = ModuleFiller(model, init, weights, device)
     families = find_block_families(model)
 
     def block_of(name: str) -> int | None:
