@@ -23,11 +23,11 @@ Layout (planner/chunking.py) decides which parameter is where; the plan decides 
   to the device, casts it into one of `n_buffer` compute-dtype buffers and all-gathers the rest. (Casting on
   the device costs PCIe bytes, which overlap compute, instead of a host cast after every update, which would
   lengthen the host optimizer, the usual bottleneck of offloading.) `release` makes the buffer reusable; a
-  chunk still in a buffer when gathered again (backward right after forward) is not copied again, and `prefetch` loads the next
-  chunk on a copy stream. Gradients are reduce-scattered in fp32 and copied straight into the shard's fp32
-  gradient without blocking (into a staging shard and added, when a chunk gets a second gradient in one
-  step), and a worker thread runs the CPU AdamW step of that shard (torch's fused CPU kernel) as soon as
-  the copy lands, overlapping the rest of the backward.
+  chunk still in a buffer when gathered again (backward right after forward) is not copied again, and
+  `prefetch` loads the next chunk on a copy stream. Gradients are reduce-scattered in fp32 and copied
+  straight into the shard's fp32 gradient without blocking (into a staging shard and added, when a chunk gets
+  a second gradient in one step), and a worker thread runs the CPU AdamW step of that shard (torch's fused
+  CPU kernel) as soon as the copy lands, overlapping the rest of the backward.
 - gradient shards on the host: one per offloaded chunk where the host has room, else the plan's
   `host_grad_slots` (at least MIN_GRAD_SLOTS), which the offloaded chunks share: a chunk takes one when its
   first gradient of the step arrives and gives it back once its host update has run, and the backward waits
