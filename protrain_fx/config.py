@@ -1,6 +1,6 @@
 """ProTrainConfig: every option of the backend, validated once, and the package's own environment variables
 ($PROTRAIN_DUMP_DIR, $PROTRAIN_CACHE_DIR). Variables set by others are read where they are used: LOCAL_WORLD_SIZE
-(host_queue.py, profiler/hardware.py) and OMP_WAIT_POLICY (runtime/chunks.py)."""
+(host_queue.py, profiler/hardware.py) and OMP_WAIT_POLICY (runtime/chunks/updates.py)."""
 
 from __future__ import annotations
 

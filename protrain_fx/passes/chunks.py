@@ -71,7 +71,7 @@ class ParamTag:
     offset: int
     numel: int
     persistent: bool
-    # the parameter is its chunk's master (runtime/chunks.py): a persistent chunk's update during the backward
+    # the parameter is its chunk's master (runtime/chunks/): a persistent chunk's update during the backward
     # changes it, so the chunk's reduce, where that update starts, comes after the backward's reads of it
     own_master: bool = False
 

@@ -37,7 +37,7 @@ each is laid out chunk by chunk on three lanes, the compute and the link's two w
     the swap-in copies beside it (prefetched swap_interval blocks ahead, behind the uploads queued so far); then
     its gradient is reduced, and an offloaded chunk's shard copied to the host: these copies run one at a time
     on their own stream beside the compute, and the host's AdamW of a chunk starts when its copy ends; an
-    offloaded chunk reduces in one of REDUCE_BUFFERS buffers (runtime/chunks.py), so its reduce waits for the
+    offloaded chunk reduces in one of REDUCE_BUFFERS buffers (runtime/chunks/reduce.py), so its reduce waits for the
     copy of the chunk that used that buffer before;
   a chunk gathered again at the forward's end is in fact one of the backward's buffered ones, and the one it
     displaced is uploaded: as many uploads;
@@ -287,7 +287,7 @@ class CostModel:
     # the matmuls' time in training over their time at burst clocks, as profiled (`build`; 1: not measured)
     matmul_stretch: float = 1.0
     # every update waits for `AdamW.step()`, as where non-finite gradients skip the step (loss scaling, by default
-    # with float16; runtime/chunks.py `defer_updates`): every step is timed as a clipped one none of whose
+    # with float16; runtime/chunks/updates.py `defer_updates`): every step is timed as a clipped one none of whose
     # offloaded chunks update during the backward
     updates_wait: bool = False
     # a selective block (planner/selective.py): the bytes it keeps for the backward, the seconds of its recompute
@@ -499,7 +499,7 @@ class CostModel:
         return self.master_bytes == self.element_size
 
     def state_bytes(self, config: Candidate) -> int:
-        """Device bytes of the model states a chunk configuration keeps (runtime/chunks.py allocates these)."""
+        """Device bytes of the model states a chunk configuration keeps (runtime/chunks/storage.py allocates these)."""
         if self.n_chunk == 0:
             return 0
         master = 0 if self.own_master else self.master_bytes
@@ -517,7 +517,7 @@ class CostModel:
         return persistent + buffers + landing + reduce
 
     def host_bytes(self, config: Candidate, grad_slots: int | None = None, terms: ModeTerms | None = None) -> int:
-        """Host bytes of this rank the configuration needs (runtime/chunks.py: what its host check asks for): per
+        """Host bytes of this rank the configuration needs (runtime/chunks/: what its host check asks for): per
         offloaded chunk its shard's master and host AdamW states, `grad_slots` gradient shards (default
         `grad_slots(config)`), and the swap space of the swapped blocks' activations (runtime/swap.py)."""
         offloaded = self.n_chunk - config.n_persist
@@ -528,7 +528,7 @@ class CostModel:
     def grad_slots(self, config: Candidate) -> int:
         """The host gradient shards the offloaded chunks of `config` get (the user's, if held): one each where
         `host_budget` has room (or is not set), else as many as it has, and no fewer than MIN_GRAD_SLOTS
-        (`least_host_bytes`), which they share (runtime/chunks.py)."""
+        (`least_host_bytes`), which they share (runtime/chunks/slots.py)."""
         offloaded = self.n_chunk - config.n_persist
         if self.grad_slots_held is not None:
             return min(offloaded, self.grad_slots_held)
@@ -539,7 +539,7 @@ class CostModel:
 
     def device_grad_slots(self, config: Candidate) -> int:
         """The gradient buffers the persistent chunks of `config` get on the device (the user's, if held):
-        one each, or MIN_GRAD_SLOTS, which they share (runtime/chunks.py), with `share_device_grads`."""
+        one each, or MIN_GRAD_SLOTS, which they share (runtime/chunks/slots.py), with `share_device_grads`."""
         if self.device_grad_slots_held is not None:
             return min(config.n_persist, self.device_grad_slots_held)
         if self.share_device_grads:
@@ -729,7 +729,7 @@ class CostModel:
     ) -> float:
         """What the persistent chunks' AdamW on the device adds to the step. Each starts on the optimizer stream
         once its chunk's gradient is reduced (`reduced`, per chunk: `_backward_timeline`'s copy_end), the last
-        chunk first, one at a time (runtime/chunks.py `_step_persistent_early`). Until the backward's compute ends
+        chunk first, one at a time (runtime/chunks/ `_step_persistent_early`). Until the backward's compute ends
         (`end`) it runs beside it, `stretch` times as long as alone, and lengthens the backward by its time alone
         times 1 - hidden × matmul share: `hidden`, the share of it that matmuls hide (hardware profile), and the
         matmul share, the backward's time in kernels bound by arithmetic (`is_matmul`; the rest, bound by memory
@@ -806,7 +806,7 @@ class CostModel:
         """The forward, chunk by chunk, on three lanes: the compute, the copies to the device and those to the
         host. A non-persistent chunk's upload (its shard up, then the all-gather, on one stream) starts once the
         link is free, a buffer is (the chunk loaded n_buffer before it has been computed: the graph reaches its
-        gather ahead of the device, so runtime/chunks.py loads as soon as a buffer frees) and, given `ready`
+        gather ahead of the device, so runtime/chunks/gather.py loads as soon as a buffer frees) and, given `ready`
         (per chunk, seconds from the forward's start), once the host has stepped it. A chunk computes once it is
         loaded and the chunk before it is done, and is done no sooner than the swap-out copies beside it (their
         settle waits for them), nor than the chunks gathered again beside it (`regathers`: uploaded as it
@@ -892,7 +892,7 @@ class CostModel:
                 if shared and len(reduced) >= slots:  # a gradient shard on the host must have been given back
                     t = max(t, freed[len(reduced) - slots])
                 reduced.append(c)
-            if c >= persist:  # a reduce-scatter: the compute stream waits for it (runtime/chunks.py)
+            if c >= persist:  # a reduce-scatter: the compute stream waits for it (runtime/chunks/reduce.py)
                 t += reduce_scatter
                 begin = max(t, link_free) if self.overlap else t
             elif self.overlap:  # an all-reduce beside the next chunk's backward
@@ -948,7 +948,7 @@ class CostModel:
         on the device and on the host, and how long the next forward waits for the host's (no optimizer without
         chunks: it is the user's then). The offloaded chunks' host updates start as their gradient lands; with
         `clipped` (a step with gradient clipping, whose last clip did not apply), only the last `clipped` chunks'
-        do, each also copying aside what it changes (to undo it if the clip applies: runtime/chunks.py), and the
+        do, each also copying aside what it changes (to undo it if the clip applies: runtime/chunks/updates.py), and the
         others' wait for the end of the backward.
 
         The timelines are laid out twice: first with every copy at the link's idle rate, then with each at the

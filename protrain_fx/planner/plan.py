@@ -19,7 +19,7 @@ from protrain_fx.planner.chunking import ChunkLayout
 # library kernels: passes/activations.py), or swap its activations to the host
 BLOCK_MODES = ("none", "checkpoint", "selective", "swap")
 MASTER_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}  # the master dtypes a plan may name, and their size
-# What the chunk runtime (runtime/chunks.py) holds, which the cost model (planner/cost.py) counts:
+# What the chunk runtime (runtime/chunks/) holds, which the cost model (planner/cost.py) counts:
 REDUCE_BUFFERS = 2  # master-dtype chunk buffers gradients are reduced in: one copied to the host while the next fills
 # what an offloaded shard always holds of the host, in elements of the master dtype: its master (the parameters'
 # only host copy) and the host AdamW's two states. Its gradient shard is one more (one per offloaded chunk, or
@@ -42,17 +42,17 @@ class Plan:
     chunk_bytes: int = 0
     block_modes: tuple[str, ...] = ()
     # with gradient clipping: the offloaded chunks (the last ones, whose gradients arrive first) that still
-    # update during the backward, keeping what they change to undo it where the clip applies (runtime/chunks.py:
+    # update during the backward, keeping what they change to undo it where the clip applies (runtime/chunks/updates.py:
     # ChunkManager.speculates); the others update in optimizer.step(). Searched with the cost model (the copy
     # costs host memory bandwidth)
     n_clip_overlap: int = 0
     # the fp32 gradient shards the host holds for the offloaded chunks: one each (n_chunk - n_persist) where it
     # has room, else fewer, which they share, each chunk from its gradient's arrival to its update's end
-    # (runtime/chunks.py). Forced: at most that many, at least 1
+    # (runtime/chunks/slots.py). Forced: at most that many, at least 1
     host_grad_slots: int = 0
     # the fp32 gradient buffers the GPU holds for the persistent chunks: one each (n_persist), or, where no plan
     # with one each fits the machine, fewer, which they share, each chunk from its gradient's arrival to its
-    # update (runtime/chunks.py). Forced: at most that many, at least 1
+    # update (runtime/chunks/slots.py). Forced: at most that many, at least 1
     device_grad_slots: int = 0
     # what the master weights, gradients and AdamW states are kept in: "float32" (the default), or "bfloat16" for
     # a bfloat16 model, whose parameters are then their own master (what torch.optim.AdamW over a bfloat16 model

@@ -1,4 +1,4 @@
-"""clip_grad_norm_: global gradient-norm clipping of a model whose gradients live in chunks (runtime/chunks.py).
+"""clip_grad_norm_: global gradient-norm clipping of a model whose gradients live in chunks (runtime/chunks/).
 
 Called between `backward()` and `optimizer.step()`, like `torch.nn.utils.clip_grad_norm_`. The norm covers
 every gradient of the step: persistent chunks' fp32 gradients on the device (whole and equal on every rank

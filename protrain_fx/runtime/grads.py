@@ -1,6 +1,6 @@
 """`param.grad` of chunked parameters: the gradient the optimizer will use, where torch's loops look for it.
 
-A chunked parameter's gradient lives in its chunk (runtime/chunks.py): a slice of the chunk's gradient in the
+A chunked parameter's gradient lives in its chunk (runtime/chunks/): a slice of the chunk's gradient in the
 master dtype, on the device or in this rank's host shard. After a backward, `param.grad` of every parameter
 that got a gradient is a `ChunkGrad`: a tensor with the parameter's shape, dtype and device (what `.grad`
 must have) whose ops run on that slice, so `torch.nn.utils.clip_grad_norm_`, `clip_grad_value_`,
@@ -20,7 +20,7 @@ plain tensor put in `param.grad` (by autograd, for a use outside the compiled gr
 parameter's gradient: `ParamGrads.reconcile` and `fold_strays` take both into the chunk before its gradient is
 next added to, read or stepped.
 
-A chunk's update may start during the backward (runtime/chunks.py). Its gradient is then spoken for: a write
+A chunk's update may start during the backward (runtime/chunks/updates.py). Its gradient is then spoken for: a write
 to it, or dropping it, undoes the update where a copy of what it changed was kept (`speculates`) and raises
 otherwise. From the first step that writes to gradients between `backward()` and `optimizer.step()`, updates
 wait for the step, as with clipping (`ChunkManager.edits_grads`).

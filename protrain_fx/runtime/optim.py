@@ -1,4 +1,4 @@
-"""protrain_fx.optim.AdamW: the optimizer of a model whose states live in chunks (runtime/chunks.py).
+"""protrain_fx.optim.AdamW: the optimizer of a model whose states live in chunks (runtime/chunks/).
 
 A `torch.optim.Optimizer` over the model's parameters, with the usual param groups, hyperparameters and
 LR schedulers. The update itself is torch's fused AdamW (`torch.optim.AdamW(fused=True)`), run on views
@@ -157,7 +157,7 @@ class AdamW(torch.optim.Optimizer):
             {id(v): (begin, begin + v.numel()) for v, (_, _, _, begin) in zip(views_in_order, pieces)},
         )
         # where in the chunk's gradient each tensor's is; the views of it, made for the gradient tensor the chunk
-        # holds (a shared host gradient shard changes from step to step: runtime/chunks.py)
+        # holds (a shared host gradient shard changes from step to step: runtime/chunks/slots.py)
         inner.grad_range = {id(v): (start, end) for v, (_, start, end, _) in zip(views_in_order, pieces)}
         inner.grad_of, inner.grads_from = {}, None
         return inner

@@ -1,0 +1,230 @@
+"""ChunkManager: owns the parameters, gradients and optimizer states of one model, in chunks (paper §3.1).
+
+Layout (planner/chunking.py) decides which parameter is where; the plan decides `n_persist` and
+`n_buffer`. Then:
+
+- the master dtype (the plan's `master_dtype`): what the master weights, gradients and AdamW states are kept in.
+  float32 by default, below; with "bfloat16" on a bfloat16 model the parameters are their own master and
+  gradients and states are bfloat16 (what `torch.optim.AdamW` over a bfloat16 model keeps), as a float32
+  model's parameters are. "fp32" below is the master dtype.
+- persistent chunks (the first `n_persist`): the chunk's parameters are views of one flat device tensor
+  (compute dtype), with an fp32 master copy, an fp32 gradient and AdamW states on the device, updated by
+  torch's fused AdamW as soon as the chunk's gradient is final, on a stream beside the rest of the backward
+  (the parameters take the new master after the backward; parameters that are their own master change as
+  soon as the backward has read them for the last time). Gradients are all-reduced across ranks. Where the
+  plan's `device_grad_slots` is below `n_persist` (no plan with a gradient each fits the machine), the
+  persistent chunks share that many fp32 gradients: a chunk takes one at its first gradient of the step and
+  gives it back once its update is queued; a step whose updates wait for `AdamW.step()` takes those it lacks
+  from the allocator for the step.
+- non-persistent chunks: each rank holds its shard (fp32 master, fp32 gradient) in one host arena allocated
+  once at its exact size (host.py: pinned with `cudaHostRegister` on CUDA, not the power-of-two host
+  allocator; unregistered when the manager is collected). The parameters' own storage is emptied
+  (`resize_(0)`): the compiled graphs read them through `gather`, which copies this rank's fp32 master shard
+  to the device, casts it into one of `n_buffer` compute-dtype buffers and all-gathers the rest. (Casting on
+  the device costs PCIe bytes, which overlap compute, instead of a host cast after every update, which would
+  lengthen the host optimizer, the usual bottleneck of offloading.) `release` makes the buffer reusable; a
+  chunk still in a buffer when gathered again (backward right after forward) is not copied again, and
+  `prefetch` loads the next chunk on a copy stream. Gradients are reduce-scattered in fp32 and copied
+  straight into the shard's fp32 gradient without blocking (into a staging shard and added, when a chunk gets
+  a second gradient in one step), and a worker thread runs the CPU AdamW step of that shard (torch's fused
+  CPU kernel) as soon as the copy lands, overlapping the rest of the backward.
+- gradient shards on the host: one per offloaded chunk where the host has room, else the plan's
+  `host_grad_slots` (at least MIN_GRAD_SLOTS), which the offloaded chunks share: a chunk takes one when its
+  first gradient of the step arrives and gives it back once its host update has run, and the backward waits
+  for the host where all are taken. A step whose host updates wait for `AdamW.step()` (the first step,
+  clipping, accumulation, float16) holds every offloaded gradient at once: the shards it lacks are plain host
+  memory taken for that step and freed as each update ends. On the first step that memory is there, since
+  the AdamW states, 8 bytes per element, are created by the first update; where it is not, the step stops
+  with an error that says so.
+
+Gradients never reach `param.grad`: the rewritten backward hands them to `reduce_grads` and returns None
+for those parameters, and `protrain_fx.optim.AdamW` steps from the manager.
+
+The manager is one object per model, `ChunkManager`, made of parts, each in its own module with the state it owns:
+
+| module | owns |
+| --- | --- |
+| `common.py` | the attributes set on parameters and models, `skips_nonfinite`, `replaced_param_error` |
+| `storage.py` | the chunks' memory (`flat`, `master`, `grad`, the host arena) and where each parameter sits in it |
+| `slots.py` | `SlotPool`: the gradient buffers (device) or shards (host) a group of chunks shares in turn |
+| `placement.py` | the parameters moved into the chunks; `place` for a manager waiting for its plan |
+| `gather.py` | the offloaded chunks' device buffers: gather, prefetch, release |
+| `reduce.py` | the backward's gradients into the chunks, across ranks: three paths |
+| `updates.py` | when each chunk's AdamW update runs: early, deferred, speculative; the end of a step |
+| `edits.py` | gradients or hyperparameters changed between backward() and step(), which make updates wait |
+| `user_grads.py` | `param.grad` of a chunked parameter (runtime/grads.py), `zero_grad` |
+| `outside.py` | the model used outside the compiled graphs: values read, written, lent |
+
+This module holds `ChunkManager` itself (its construction) and two settings the parts read through the package at
+call time (`UNDO_HOST_RESERVE`, `check_host_memory`), so that setting one here reaches every part.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from protrain_fx.distributed import check_ranks_agree, rank_and_world_size
+from protrain_fx.host import check_host_memory
+from protrain_fx.planner.chunking import ChunkLayout, Slot
+from protrain_fx.planner.plan import MASTER_BYTES
+from protrain_fx.runtime import model_hooks, ops
+from protrain_fx.runtime.chunks.common import (
+    DDP_ATTR,
+    HOST_UPDATES_KEPT,
+    LOADED_MASTER_ATTR,
+    MANAGER_ATTR,
+    NO_SYNC_ATTR,
+    OPTIMIZER_ATTR,
+    replaced_param_error,
+    skips_nonfinite,
+)
+from protrain_fx.runtime.chunks.edits import EditsMixin
+from protrain_fx.runtime.chunks.gather import GatherMixin
+from protrain_fx.runtime.chunks.outside import OutsideMixin
+from protrain_fx.runtime.chunks.placement import PlacementMixin
+from protrain_fx.runtime.chunks.reduce import ReduceMixin
+from protrain_fx.runtime.chunks.storage import StorageMixin
+from protrain_fx.runtime.chunks.updates import UpdatesMixin
+from protrain_fx.runtime.chunks.user_grads import GradAccessMixin
+
+__all__ = [
+    "DDP_ATTR",
+    "HOST_UPDATES_KEPT",
+    "LOADED_MASTER_ATTR",
+    "MANAGER_ATTR",
+    "NO_SYNC_ATTR",
+    "OPTIMIZER_ATTR",
+    "UNDO_HOST_RESERVE",
+    "ChunkManager",
+    "check_host_memory",
+    "replaced_param_error",
+    "skips_nonfinite",
+]
+
+# a clipped model's host updates during the backward keep each shard's master and AdamW states as they were
+# (`ChunkManager.speculates`: HOST_STATES elements each), where that leaves UNDO_HOST_RESERVE of the host's memory
+# available
+UNDO_HOST_RESERVE = 0.1
+
+
+class ChunkManager(
+    StorageMixin,
+    PlacementMixin,
+    GatherMixin,
+    ReduceMixin,
+    UpdatesMixin,
+    EditsMixin,
+    GradAccessMixin,
+    OutsideMixin,
+):
+    """See the module docstring. One per model; shared by all its compiled graphs."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        layout: ChunkLayout,
+        *,
+        n_persist: int,
+        n_buffer: int,
+        device: torch.device | None = None,
+        source: Callable[[nn.Parameter], torch.Tensor] | None = None,
+        model: nn.Module | None = None,
+        grad_slots: int | None = None,
+        device_grad_slots: int | None = None,
+        master_dtype: str = "float32",
+        pending_plan: Mapping[str, Any] | None = None,
+    ):
+        """`device` is where the chunks compute (default: the parameters' device). `source(p)` gives a
+        parameter's values when they are not in `p` itself yet (a meta-device model); it is called in layout
+        order, one parameter at a time. `protrain_fx.prepare` uses both. `model`: the module whose `no_sync`
+        state (runtime/adopt.py) says whether a backward is the last of an accumulated step. `grad_slots`: the
+        plan's `host_grad_slots`, the gradient shards the offloaded chunks share on the host (default: one each);
+        `device_grad_slots`, the plan's fp32 gradient buffers the persistent chunks share (default: one each);
+        `master_dtype`, the plan's ("float32", or the parameters' own dtype where MASTER_BYTES names it).
+        `pending_plan`: the chunks wait for the first compile's search to place them (`place`); until then every
+        chunk is offloaded, each master shard in host memory of its own, and these are the plan fields forced so far
+        (`protrain_fx.prepare` without `n_persist`)."""
+        if not 0 <= n_persist <= layout.n_chunk:
+            raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
+        if n_persist < layout.n_chunk and n_buffer < 1:
+            raise ValueError(f"plan n_buffer={n_buffer}: non-persistent chunks need at least 1 buffer")
+        rank, world = rank_and_world_size()
+        assert layout.world_size in (1, world), "chunk layout was made for another world size"
+        # gradients are averaged over all `reduce_world` ranks; chunks are sharded across `world_size` of them
+        # (`rank`: this one's shard): all, or none where the layout is for one (a model DistributedDataParallel
+        # passes through is whole on every rank, as DDP keeps it: runtime/adopt.py, `pass_through_ddp`)
+        self.reduce_world = world
+        self.rank, self.world_size = (rank, world) if layout.world_size == world else (0, 1)
+        self.layout = layout
+        self.params = list(params)
+        self.slots: list[Slot] = list(layout.slots)
+        self.n_persist = n_persist
+        self.n_buffer = n_buffer if n_persist < layout.n_chunk else 0
+        self.device = torch.device(device) if device is not None else self.params[0].device
+        self.dtype = self.params[0].dtype
+        if master_dtype not in MASTER_BYTES or getattr(torch, master_dtype) not in (torch.float32, self.dtype):
+            raise ValueError(
+                f"plan master_dtype={master_dtype!r} does not suit this model, whose parameters are {self.dtype}: "
+                "use 'float32' (fp32 master weights, the default), or 'bfloat16' for a bfloat16 model trained "
+                "without fp32 masters"
+            )
+        self.master_dtype_name = master_dtype  # (as the plan names it)
+        self.master_dtype = getattr(torch, master_dtype)
+        self.master_bytes = self.master_dtype.itemsize
+        # the parameters are their own master: a persistent chunk's update during the backward changes what the
+        # rest of the backward would read, so its graphs reduce it after those reads (passes/chunks.py)
+        self.own_master = self.dtype == self.master_dtype
+        check_ranks_agree(layout, n_persist, n_buffer)
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        # every name the chunked parameters have in the model (a tied weight has several) -> its index
+        self._by_name = {s.name: i for i, s in enumerate(layout.slots)}
+        for n, p in model.named_parameters(remove_duplicate=False) if model is not None else ():
+            if id(p) in self.index:
+                self._by_name[n] = self.index[id(p)]
+        self.names = set(self._by_name)
+        self._model = weakref.ref(model) if model is not None else None
+        self._chunk_params: dict[int, list[int]] = collections.defaultdict(list)  # chunk -> its parameters
+        for i, slot in enumerate(layout.slots):
+            self._chunk_params[slot.chunk].append(i)
+        self._init_outside()
+        self._init_updates()
+        self._init_reduce()
+        self._init_storage()
+        self._init_gather()
+        self._init_grad_access()
+        self._init_edits()
+        self.pending_plan = dict(pending_plan) if pending_plan is not None else None
+        assert self.pending_plan is None or n_persist == 0, "a pending manager offloads every chunk"
+        self._build(grad_slots, device_grad_slots)
+        self._adopt(source or (lambda p: p.detach()))
+        for p in self.params:
+            p.__dict__[MANAGER_ATTR] = self
+        self._param_versions = self._persistent_versions()
+        if model is not None:
+            model.register_state_dict_post_hook(functools.partial(_full_values_into_state_dict, self))
+            model_hooks.install(self, model)
+        self.handle = ops.register(self)
+
+
+def _full_values_into_state_dict(
+    manager: ChunkManager, module: nn.Module, state_dict: dict, prefix: str, _metadata
+) -> None:
+    """`model.state_dict()` hook: the parameters' current values, not their storage (emptied when offloaded);
+    so `model.state_dict()` and Hugging Face's `save_pretrained` save the trained weights. A collective when
+    sharded. `keep_vars=True` still gives the parameters themselves."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+        if id(p) in manager.index and name in state_dict:
+            if isinstance(state_dict[name], nn.Parameter):
+                return
+            names.setdefault(id(p), []).append(name)
+    for p, values in manager.full_params():
+        for name in names.get(id(p), ()):
+            state_dict[name] = values

@@ -1,0 +1,117 @@
+"""EditsMixin: gradients and hyperparameters looked at or changed outside the compiled graphs, between backward()
+and optimizer.step() (clipping, loss scaling, gradient logging, an lr set there), which updates that start during
+the backward would miss.
+
+From the first step that does so, updates wait for `AdamW.step()` (`edits_grads`), but the last `n_clip_overlap`
+offloaded chunks, which update during the backward while the last step changed nothing (`speculates`,
+runtime/chunks/updates.py), keeping what the update changes to undo it. An update that started with what was changed
+is undone where it kept a copy, and an error otherwise (`_check_not_started`).
+
+State it owns: `edits_grads`, `last_step_edited`, `_edited_this_step`; `loss_scaled` (float16: the overflow check
+must see every gradient of the step before any update) and `torch_scaled` (stepped by torch.amp.GradScaler);
+`n_clip_overlap` (the plan's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class EditsMixin:
+    """Changes between backward() and step() (module docstring). Part of ChunkManager."""
+
+    def _init_edits(self) -> None:
+        # float16 needs loss scaling, whose overflow check must see every gradient of the step before any update:
+        # offloaded updates then start in AdamW.step() instead of during the backward (`skips_nonfinite`)
+        self.loss_scaled = self.dtype == torch.float16
+        self.torch_scaled = False  # stepped by torch.amp.GradScaler (`scale_losses`)
+        # gradients or hyperparameters looked at or changed between backward() and optimizer.step() (`note_edit`):
+        # from the first step that does so, updates wait for `AdamW.step()` but those that `speculates` allows.
+        # The first step always waits
+        self.edits_grads = False
+        self.last_step_edited = True  # (whether the last step changed gradients or hyperparameters after its backward)
+        self._edited_this_step = False
+        self.n_clip_overlap = 0  # the plan's (planner/plan.py): the last chunks that may update before a clip
+
+    def scale_losses(self, what: str) -> None:
+        """`what` scales the loss (torch.amp.GradScaler, seen at a step): from now on every update waits for the
+        step, which divides the scale out and skips a step with an inf or NaN gradient."""
+        if not self.torch_scaled:
+            log.info("%s: chunk updates wait for optimizer.step()", what)
+            self.torch_scaled = True
+        self._check_not_started(sorted(self._stepped), f"{what}, first seen at this step,")
+
+    def _check_not_started(self, chunks: Sequence[int], what: str) -> None:
+        """A change to the chunks' gradients (or hyperparameters) outside the graphs: their update must not have
+        started with them during the backward. Updates that kept a copy of what they changed are undone (and run
+        again in the step); others cannot be, which is an error."""
+        started = sorted(set(chunks) & self._stepped)
+        if not started:
+            return
+        self.note_edit(what)
+        if set(started) <= self._speculative:
+            self.undo_speculative_updates()
+            return
+        raise RuntimeError(
+            f"{what}: the optimizer update of chunk(s) {started} had started during the backward with things as "
+            "they were then (chunks update as soon as their gradient is complete, unless an earlier step changed "
+            "gradients or hyperparameters between backward() and optimizer.step()). From the next step on updates "
+            "wait for optimizer.step(); this step's cannot be redone, so resume from the last checkpoint. To avoid "
+            "it, make such changes in every step, from the first (clip every step, say), or before the forward"
+        )
+
+    def note_read(self) -> None:
+        """A gradient is read outside the graphs between backward() and optimizer.step() (clipping or logging a
+        norm): from now on updates wait for the step, where the gradient may have been changed."""
+        if self.in_window:
+            self.expect_edits("gradients read")
+
+    def expect_edits(self, what: str) -> None:
+        """Gradients or hyperparameters are looked at, and may be changed, between backward() and step() (not by a
+        backward): from now on updates wait for the step (`edits_grads`)."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if not self.edits_grads:
+            log.info("%s between backward() and optimizer.step(): chunk updates wait for the step", what)
+        self.edits_grads = True
+
+    def note_edit(self, what: str) -> None:
+        """Gradients or hyperparameters changed between backward() and optimizer.step() (not by a backward)."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self.expect_edits(what)
+        self._edited_this_step = True
+
+    def edit_grads(self, what: str) -> None:
+        """Every gradient of the step is about to change (clipping): updates that started with them are undone
+        where they kept a copy, and an error otherwise."""
+        self.note_edit(what)
+        self._check_not_started(sorted(self._stepped), what)
+
+    def carried_scale(self) -> float | None:
+        """The loss scale the gradients carry, as announced by `protrain_fx.amp.GradScaler.unscale_`."""
+        return next((o.carried_scale for o in self.optimizers if o.carried_scale is not None), None)
+
+    def note_hyperparameter_set(self, owner, key: str) -> None:
+        """`owner`'s hyperparameter `key` was set: between the backward and `owner`'s step, its updates must see
+        it, from this step on (the value may be the same: what is set after the backward counts)."""
+        if (
+            self.in_window
+            and id(owner) not in self._owners_stepped
+            and any(self.optimizer_of(c) is owner for c in self.has_grad)
+        ):
+            self.note_edit(f"the optimizer's {key!r} set")
+
+    def check_hyperparameters(self, owner, now: list[dict]) -> None:
+        """At `owner`'s step: hyperparameters changed since its chunks' gradients arrived apply to this step, as in
+        torch's AdamW (the updates started with the old ones are undone, where they can be)."""
+        seen = self.hyper_at_backward.get(id(owner))
+        stale = [c for c, used in self._hyper_used.items() if self.optimizer_of(c) is owner and used != now]
+        if (seen is not None and seen != now) or stale:
+            self.note_edit("hyperparameters (lr, betas, eps, weight_decay) set")
+            self._check_not_started(stale, "hyperparameters (lr, betas, eps, weight_decay) set after the backward")

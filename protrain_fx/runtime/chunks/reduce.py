@@ -1,0 +1,360 @@
+"""ReduceMixin: each chunk's gradients, from the compiled backward into the chunk's gradient, across ranks.
+
+`reduce_grads` (the graphs' `reduce_grads` op) takes one of three paths:
+- a persistent chunk on one rank: straight into its fp32 gradient (`_reduce_persistent_alone`);
+- a persistent chunk across ranks: into a reduce buffer, all-reduced without blocking and landed in its gradient
+  later (`_reduce_persistent_across_ranks`, `_land_reductions`), so the backward computes on while the collective
+  runs; inside `no_sync` each rank adds up its own until the step's last backward, which reduces the sum once;
+- an offloaded chunk: into a reduce buffer, reduce-scattered (every time: a rank holds only its shard), and copied
+  to the host without blocking (`_reduce_offloaded`), straight into its gradient shard where it is the step's first,
+  else into `staging` and added; once the chunk's last expected gradient is in, its host update is queued behind the
+  copy (runtime/chunks/updates.py).
+
+State it owns:
+- the reduce buffers (`_reduce_buffers`, their shards `_reduce_shards`), used in turn (`_next_reduce`), and the
+  copy to the host that last read each (`_reduce_read`): gradients waiting for the link hold no more memory;
+- `_d2h_stream`: the CUDA stream of device-to-host gradient copies; `staging`: the host shard a second gradient of
+  one step lands in (made by `_build`, storage.py);
+- `found_inf` (1 once a gradient of this step is not finite) and, as each update during the backward saw it,
+  `_found_host` and `_found_early`;
+- the arrivals that say when a chunk's gradient is complete: `_sources`, `_grad_sources`, `_arrivals`,
+  `_runs_per_step`, `backwards_per_step`; `_unreduced` and `_in_flight` (persistent all-reduces); `_arrival_norms`
+  (clipping's norms, taken as the shards arrive).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from protrain_fx.distributed import across_ranks
+from protrain_fx.planner.plan import REDUCE_BUFFERS
+from protrain_fx.runtime.chunks.common import DDP_ATTR, NO_SYNC_ATTR
+
+
+class ReduceMixin:
+    """Gradient reduction (module docstring). Part of ChunkManager."""
+
+    def _init_reduce(self) -> None:
+        # the fp32 buffers gradients are reduced in, used in turn, and the copy to the host that last read each (of
+        # the buffer, or across ranks of its shard: `_reduce_shards`, this rank's part of the sum, reduce-scattered)
+        self._reduce_buffers: list[torch.Tensor] = []
+        self._reduce_shards: list[torch.Tensor] = []
+        self._n_reduce_buffers = self._reduce_buffer_count()
+        self._reduce_read: list[torch.cuda.Event | None] = []
+        self._next_reduce = 0
+        self._sources: dict[Any, int] = {}  # a compiled frame (for its modules) -> its id in the graphs' ops
+        self._grad_sources: dict[int, set[int]] = {}  # chunk -> the sources whose backward reduces into it
+        self._arrivals: dict[int, collections.Counter] = {}  # chunk -> source -> its reductions this step
+        # source -> its backward passes per optimizer step, as the first step showed: more than one where a step
+        # accumulates without no_sync, or where one frame's compiles for two calls (a shared embedding) both run
+        self._runs_per_step: dict[int, int] = {}
+        # backward passes per optimizer step, as the first step showed (gradient accumulation without no_sync):
+        # a source first seen later is expected that many times a step
+        self.backwards_per_step = 1
+        self._unreduced: set[int] = set()  # persistent chunks whose gradient is this rank's sum only (no_sync)
+        # persistent chunks' all-reduces in flight, landed in their gradient later (`_land_reductions`), so the
+        # backward computes on while the collective runs: (chunk, reduce buffer, work, add into the gradient)
+        self._in_flight: list[tuple[int, torch.Tensor, dist.Work, bool]] = []
+        # offloaded chunk -> the norm (clip_norm_type) of its gradient shard as it arrived, when the arrival is the
+        # whole gradient of the step: clipping reads these instead of waiting for the copies to the host
+        self._arrival_norms: dict[int, tuple[float, torch.Tensor | None]] = {}  # (None: it arrived in parts)
+        self.clip_norm_type: float | None = None  # the norm type of the last clip_grad_norm_ call (arrival norms)
+
+    def _build_reduce(self) -> None:
+        """The copy stream to the host and the non-finite flags, for the chunks as `_build` made them."""
+        cuda = self.device.type == "cuda"
+        self._d2h_stream = torch.cuda.Stream(self.device) if cuda else None  # device-to-host gradient copies
+        self.found_inf = torch.zeros(1, device=self.device)  # 1 once a gradient of this step is not finite
+        # found_inf as each offloaded chunk's update started during the backward saw it: the update skips if set
+        self._found_host = torch.zeros(self.layout.n_chunk, pin_memory=cuda)
+        self._found_early = torch.zeros(self.n_persist, device=self.device)  # the same, of persistent chunks
+
+    def grad_source(self, key: Any) -> int:
+        """The id of a compiled frame (for the modules its locals are) whose backward reduces gradients, for its
+        graphs' `reduce_grads` ops."""
+        return self._sources.setdefault(key, len(self._sources))
+
+    def expect_gradients(self, chunk: int, source: int) -> None:
+        """Compile time: the backward of `source` (`grad_source`) reduces gradients into `chunk`. An offloaded
+        chunk steps once every source has, as many times as in the first step (recompiles of one frame for other
+        input shapes count once: only one of them runs)."""
+        self._grad_sources.setdefault(chunk, set()).add(source)
+
+    @property
+    def sync_grads(self) -> bool:
+        """False inside `protrain_fx.no_sync(model)`, or the `no_sync` of the DistributedDataParallel passing the
+        model through (runtime/adopt.py, `pass_through_ddp`): backward passes only add their gradients up."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return True
+        ddp = model.__dict__[DDP_ATTR]() if DDP_ATTR in model.__dict__ else None
+        return not model.__dict__.get(NO_SYNC_ATTR, 0) and (ddp is None or ddp.require_backward_grad_sync)
+
+    def _check_finite(self, grads: Sequence[torch.Tensor]) -> None:
+        """Set `found_inf` to 1 if a gradient is inf or NaN: the sum of their L2 norms (torch's foreach norm,
+        accumulated in fp32) is not finite. On the device, no sync, and each gradient is only read, once (a norm
+        also overflows past about 1e19, where training has failed anyway). `AdamW.step()` reads it, and the fused
+        AdamW skips an update where it is exactly 1."""
+        norms = torch._foreach_norm(list(grads), 2, dtype=torch.promote_types(grads[0].dtype, torch.float32))
+        nonfinite = torch.isfinite(torch.stack(norms).sum()).logical_not().to(self.found_inf.dtype)
+        torch.maximum(self.found_inf, nonfinite, out=self.found_inf)
+
+    def reduce_grads(
+        self, chunk: int, source: int, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]
+    ) -> None:
+        """Add a chunk's gradients into its fp32 gradient; offloaded chunks then start their CPU AdamW step.
+
+        Offloaded: the fp32 gradient shard is copied to the host without blocking (straight into the shard's
+        gradient when it is the step's first); once the last expected gradient of the chunk is in, the worker
+        thread waits for that copy and steps the chunk while the device goes on with the backward.
+        Inside `no_sync` (gradient accumulation) nothing steps, and persistent chunks are not reduced across
+        ranks: each rank adds up its own until the step's last backward, which reduces the sum once.
+        Offloaded shards are reduce-scattered every time (a rank holds only its shard of their gradient).
+        """
+        if self.step_lost:  # (a later graph's backward after an out-of-memory error lost the step)
+            return
+        indices = [self.index[id(p)] for p in params]
+        accumulate, grads = self._arrive(chunk, source, indices, grads)
+        if chunk < self.n_persist and self.reduce_world == 1:
+            self._reduce_persistent_alone(chunk, params, grads, indices, accumulate)
+            return
+        self.params_with_grad.update(indices)
+        self.param_grads.publish(indices)
+        self._land_reductions()  # (at most one in flight: the reduce buffer it holds is the next to be taken)
+        flat, slot = self._reduce_buffer()
+        self._write_grads(flat, params, grads, [False] * len(params))
+        if chunk < self.n_persist:
+            self._reduce_persistent_across_ranks(chunk, flat, accumulate)
+        else:
+            self._reduce_offloaded(chunk, flat, slot, accumulate)
+
+    def _arrive(
+        self, chunk: int, source: int, indices: Sequence[int], grads: Sequence[torch.Tensor]
+    ) -> tuple[bool, list[torch.Tensor]]:
+        """A gradient of the chunk from `source` arrives: checked against the step, counted, the hyperparameters
+        of this moment noted. Returns whether it adds to one of this step, and the gradients with the plain ones
+        in `.grad` added (`fold_plain_grads`)."""
+        if chunk in self._stepped:
+            raise RuntimeError(
+                f"chunk {chunk} got a gradient after its optimizer step had started in this step (a backward ran "
+                "twice between optimizer steps, or a compiled graph ran twice in one forward); call "
+                "optimizer.step() after each backward, or, to accumulate gradients over several backward passes, "
+                "run all but the last inside `with protrain_fx.no_sync(model):`"
+            )
+        self._reconcile(chunk)
+        grads = self._with_plain_grads(indices, grads)
+        owner = self.optimizer_of(chunk)
+        if owner is not None:
+            self.hyper_at_backward[id(owner)] = owner.hyperparameters()
+        self.in_window = True
+        accumulate = chunk in self.has_grad  # the first gradient of a step overwrites: zero_grad never memsets
+        self.has_grad.add(chunk)
+        if self.sync_grads:  # (the arrivals of the step's last backward decide when a chunk is complete)
+            self._arrivals.setdefault(chunk, collections.Counter())[source] += 1
+        return accumulate, grads
+
+    def _device_grad(self, chunk: int, accumulate: bool) -> torch.Tensor:
+        """The fp32 device gradient a persistent chunk's gradient of this step goes into (`device_grads`).
+        `accumulate`: the gradient adds to one of this step, which must still be there. (The worker thread touches
+        only offloaded chunks' entries of `grad`.)"""
+        if accumulate and chunk not in self.grad:
+            raise self._taken_step_error(chunk)
+        return self.device_grads.take(chunk)
+
+    def _reduce_persistent_alone(
+        self,
+        chunk: int,
+        params: Sequence[nn.Parameter],
+        grads: Sequence[torch.Tensor],
+        indices: Sequence[int],
+        accumulate: bool,
+    ) -> None:
+        """One rank: the gradients straight into the chunk's fp32 gradient; where a parameter has no gradient yet
+        this step its slot holds a stale value, which is overwritten here or never read (the optimizer skips that
+        parameter). Then the chunk's update may start (`_step_persistent_early`)."""
+        grad = self._device_grad(chunk, accumulate)
+        seen = [self.index[id(p)] in self.params_with_grad for p in params]
+        written = self._write_grads(grad, params, grads, seen)
+        # the gradients as they came (compute dtype: fewer bytes read), or as added up (a sum may overflow)
+        self._check_finite(written if any(seen) else grads)
+        self.params_with_grad.update(indices)
+        self.param_grads.publish(indices)
+        self._step_persistent_early(chunk)
+
+    def _reduce_persistent_across_ranks(self, chunk: int, flat: torch.Tensor, accumulate: bool) -> None:
+        """Several ranks: the reduce buffer `flat` is all-reduced without blocking (landed by `_land_reductions`);
+        inside `no_sync` it is added to this rank's sum instead, reduced at the step's last backward."""
+        if self.sync_grads:
+            if chunk in self._unreduced:  # reduce what this rank added up with this gradient, once
+                flat.add_(self.grad[chunk])
+                self._unreduced.discard(chunk)
+                accumulate = False
+            with across_ranks(f"the all-reduce of chunk {chunk}'s gradients"):
+                self._in_flight.append((chunk, flat, dist.all_reduce(flat, async_op=True), accumulate))
+            return
+        self._unreduced.add(chunk)  # this rank's sum, reduced at the step's last backward
+        grad = self._device_grad(chunk, accumulate)
+        grad.add_(flat) if accumulate else grad.copy_(flat)
+
+    def _reduce_offloaded(self, chunk: int, flat: torch.Tensor, slot: int, accumulate: bool) -> None:
+        """This rank's shard of the reduce buffer `flat` (reduce buffer `slot`) to the host, without blocking; the
+        chunk's host update is queued behind the copy once its gradient is complete."""
+        if self.world_size > 1:
+            with across_ranks(f"the reduce-scatter of chunk {chunk}'s gradients"):
+                shard = self._reduce_scatter(flat, self._reduce_shards[slot]).div_(self.world_size)
+        elif self.reduce_world > 1:  # (whole on every rank)
+            shard = self.all_reduce(flat, dist.ReduceOp.SUM, f"the all-reduce of chunk {chunk}'s gradients")
+            shard /= self.reduce_world
+        else:
+            shard = flat
+        self._check_finite([shard])  # (a rank's shard holds every rank's contribution to its elements)
+        if self.clip_norm_type is not None:  # (zeros where a parameter got no gradient: the flat buffer was zeroed)
+            norm = None if accumulate else torch.linalg.vector_norm(shard, self.clip_norm_type)
+            self._arrival_norms[chunk] = (self.clip_norm_type, norm)
+        self.wait_for_update(chunk)  # the previous gradient copy of this chunk is taken in
+        copied, found = self._copy_to_host(chunk, shard, self._host_target(chunk, accumulate))
+        update, speculative = self._update_on_arrival(chunk, found)
+        self._reduce_read[slot] = copied  # the buffer (and its shard) is reused once this copy has ended
+        self._queue_host_update(chunk, copied, accumulate, update, speculative)
+
+    def _host_target(self, chunk: int, accumulate: bool) -> torch.Tensor:
+        """Where an offloaded chunk's gradient shard lands on the host: its gradient shard (`host_grads`) for the
+        step's first gradient, else `staging`, added into it once landed."""
+        if not accumulate:
+            return self.host_grads.take(chunk)
+        if chunk not in self.grad:
+            raise self._taken_step_error(chunk)
+        self.wait_for_update()  # the one staging shard is free once every pending copy is taken in
+        if self.staging is None:
+            self.staging = torch.empty(
+                self.layout.shard_elems, dtype=self.master_dtype, pin_memory=self.device.type == "cuda"
+            )
+        return self.staging
+
+    def _copy_to_host(
+        self, chunk: int, shard: torch.Tensor, target: torch.Tensor
+    ) -> tuple[torch.cuda.Event | None, torch.Tensor]:
+        """`shard` into the host `target`, and `found_inf` into the chunk's flag, without blocking: on CUDA off the
+        compute stream, so the copy overlaps the rest of the backward. Returns the copy's event (None on the CPU)
+        and the flag."""
+        copied = None
+        stream = self._d2h_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            target.copy_(shard, non_blocking=True)
+            found = self._found_host[chunk]
+            found.copy_(self.found_inf[0], non_blocking=True)
+            if stream is not None:
+                copied = stream.record_event()
+        return copied, found
+
+    def _write_grads(
+        self, flat: torch.Tensor, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor], add: Sequence[bool]
+    ) -> list[torch.Tensor]:
+        """Each parameter's gradient into its slot of the chunk-long `flat`, copied or, where `add`, added (one
+        multi-tensor kernel for each: a chunk holds many small parameters); the slots written."""
+        views = [flat[slice(*self._slot_range(self.slot_of(p)))] for p in params]
+        for kind, op in ((False, torch._foreach_copy_), (True, torch._foreach_add_)):
+            pairs = [(v, g.reshape(-1)) for v, g, a in zip(views, grads, add) if a == kind]
+            if pairs:
+                op(*map(list, zip(*pairs)))
+        return views
+
+    def _complete(self, chunk: int) -> bool:
+        """Whether the chunk's gradient is final for this step: this is the step's last backward (not inside
+        `no_sync`) and every compiled frame reducing into the chunk has run its backward, as many times as a step
+        has backward passes, as the first step showed (`_runs_per_step`)."""
+        expected = sum(self._runs_per_step.get(s, self.backwards_per_step) for s in self._grad_sources.get(chunk, ()))
+        return self.sync_grads and sum(self._arrivals.get(chunk, {}).values()) >= expected
+
+    def _reduce_buffer_count(self) -> int:
+        """As many as chunks reduce their gradients in one (every offloaded chunk, persistent ones across ranks)."""
+        n, k = self.layout.n_chunk, self.n_persist
+        return max(1, min(REDUCE_BUFFERS, n - k + (k if self.reduce_world > 1 else 0)))
+
+    def _reduce_buffer(self) -> tuple[torch.Tensor, int]:
+        """The next of REDUCE_BUFFERS fp32 chunk buffers, zeroed, and its index. Before reusing one, the compute
+        stream waits (on the device, the CPU goes on) until the copy to the host that last read it (or, across
+        ranks, its shard) has ended: gradients waiting for the link hold no more memory than these buffers, and
+        the backward slows down instead where the copies are slower than it. (Shards made anew for each chunk
+        would pile up while the copies lag, beyond what the plan counts.)"""
+        i = self._next_reduce
+        self._next_reduce = (i + 1) % self._n_reduce_buffers
+        if i == len(self._reduce_buffers):
+            self._reduce_buffers.append(
+                torch.empty(self.layout.chunk_elems, dtype=self.master_dtype, device=self.device)
+            )
+            if self.world_size > 1 and self.n_persist < self.layout.n_chunk:  # offloaded chunks' shards land here
+                self._reduce_shards.append(
+                    torch.empty(self.layout.shard_elems, dtype=self.master_dtype, device=self.device)
+                )
+            self._reduce_read.append(None)
+        read, self._reduce_read[i] = self._reduce_read[i], None
+        if read is not None:
+            torch.cuda.current_stream(self.device).wait_event(read)
+        return self._reduce_buffers[i].zero_(), i
+
+    def _reduce_scatter(self, flat: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+        """`shard`, made this rank's shard of the sum of `flat` over ranks (gloo has no reduce-scatter:
+        all-reduce, then copy)."""
+        if dist.get_backend() == "gloo":
+            dist.all_reduce(flat)
+            lo, hi = self._shard_bounds()
+            return shard.copy_(flat[lo:hi])
+        dist.reduce_scatter_tensor(shard, flat)
+        return shard
+
+    def _land_reductions(self, *, discard: bool = False) -> None:
+        """Put the persistent chunks' all-reduces in flight into their gradients: the compute stream waits for
+        each (on the device; the CPU goes on). `discard`: wait only (the step's gradients are being dropped)."""
+        for chunk, flat, work, accumulate in self._in_flight:
+            with across_ranks(f"the all-reduce of chunk {chunk}'s gradients"):
+                work.wait()
+            if discard:
+                continue
+            flat /= self.reduce_world
+            self._check_finite([flat])
+            grad = self._device_grad(chunk, accumulate)
+            grad.add_(flat) if accumulate else grad.copy_(flat)
+            self._step_persistent_early(chunk)
+        self._in_flight.clear()
+
+    def finish_reduction(self) -> None:
+        """Before the gradients are read (an optimizer step, clipping): land the all-reduces in flight, and reduce
+        the persistent gradients still holding this rank's sum (the step's last backward ran inside `no_sync`)."""
+        self._land_reductions()
+        for chunk in sorted(self._unreduced):
+            with across_ranks(f"the all-reduce of chunk {chunk}'s accumulated gradients"):
+                dist.all_reduce(self.grad[chunk])
+            self.grad[chunk] /= self.reduce_world
+            self._check_finite([self.grad[chunk]])
+        self._unreduced.clear()
+
+    def _taken_step_error(self, chunk: int) -> RuntimeError:
+        """A backward adds to the gradient of a chunk given back by the step already taken (no zero_grad)."""
+        if chunk < self.n_persist:
+            shared = f"{self.device_grad_slots} gradient buffers among the persistent chunks (the GPU"
+        else:
+            shared = f"{self.grad_slots} gradient shards among the offloaded chunks (the host"
+        return RuntimeError(
+            f"chunk {chunk} got a gradient to add to that of a step already taken: this plan shares {shared} has "
+            "no room for one each), so their gradients do not outlive optimizer.step(); call "
+            "optimizer.zero_grad() after each step"
+        )
+
+    def arrival_norms(self, norm_type: float) -> dict[int, torch.Tensor]:
+        """Offloaded chunk -> the `norm_type` norm of this rank's shard of its gradient (a 0-dim tensor on the
+        device), for the chunks whose gradient of this step arrived whole."""
+        return {
+            chunk: norm
+            for chunk, (kind, norm) in self._arrival_norms.items()
+            if kind == norm_type and norm is not None and chunk in self.has_grad
+        }

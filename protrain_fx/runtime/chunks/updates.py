@@ -1,0 +1,367 @@
+"""UpdatesMixin: when each chunk's AdamW update runs, and the step it belongs to.
+
+A chunk's update runs on one of three paths:
+- early: as soon as its gradient is complete, during the backward: a persistent chunk's on the device, on a stream
+  beside the rest of the backward (`_step_persistent_early`; its compute-dtype parameters take the new master at
+  `end_step`, those that are their own master change at once), an offloaded chunk's on the worker thread behind the
+  copy of its gradient shard (`_update_on_arrival`, `_queue_host_update`), overlapping the rest of the backward;
+- deferred: in `AdamW.step()` (`submit_update`), where something must see every gradient first (`defer_updates`:
+  the first step, float16 loss scaling or nonfinite='skip', gradients or hyperparameters changed between backward()
+  and step(): runtime/chunks/edits.py), or the chunk holds a parameter used outside the graphs (`eager_chunks`);
+- speculative: a clipped model whose last step was not clipped updates its last `n_clip_overlap` offloaded chunks
+  early, keeping what the update changes (`speculates`); where the clip applies after all,
+  `undo_speculative_updates` puts it back and the step updates them again.
+
+State it owns:
+- `_host` (the worker thread of host updates), `_pending` (offloaded chunk -> its queued host task), `host_updates`
+  (timings of the latest host updates, read by runtime/monitor.py), `_optim_stream` (persistent early updates);
+- the step: `_stepped` (updates started), `_early` (persistent chunks updated during the backward), `_speculative`,
+  `_join_queued`, `_first_step`, `_room_for_undo`, `in_window` (between a step's first gradient and the end of its
+  optimizer steps), `step_lost`, `eager_chunks`;
+- the optimizers: `_owners` (chunk -> its AdamW), `_owners_stepped`, `_hyper_used`, `hyper_at_backward`.
+
+`speculates` reads UNDO_HOST_RESERVE from the package at call time.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from protrain_fx.host import available_host_bytes, meminfo_bytes
+from protrain_fx.host_queue import HostQueue
+from protrain_fx.planner.plan import HOST_STATES
+from protrain_fx.runtime import chunks as package
+from protrain_fx.runtime.chunks.common import HOST_UPDATES_KEPT, OPTIMIZER_ATTR, skips_nonfinite
+
+log = logging.getLogger(__name__)
+
+
+def _spinning_openmp() -> bool:
+    """Whether OpenMP's idle threads spin rather than sleep (read once, when the OpenMP runtime starts)."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "ACTIVE"
+
+
+class UpdatesMixin:
+    """When chunk updates run (module docstring). Part of ChunkManager."""
+
+    def _init_updates(self) -> None:
+        self._host = HostQueue(spare_core=self.device.type == "cuda")  # runs the offloaded chunks' CPU steps
+        if self.device.type == "cuda" and self.n_persist < self.layout.n_chunk and _spinning_openmp():
+            log.warning(
+                "OMP_WAIT_POLICY=ACTIVE: idle OpenMP threads keep spinning, beside the offloaded chunks' CPU AdamW, "
+                "which then ran 3x slower in our measurements (a 16-core H100 machine); unset it, or set it to "
+                "PASSIVE, before Python starts"
+            )
+        weakref.finalize(self, self._host.close)
+        self._pending: dict[int, concurrent.futures.Future] = {}  # offloaded chunk -> its CPU AdamW step
+        # (parameters, seconds) of the latest host AdamW updates (not those that also copy aside what they change):
+        # what the host takes in training, set beside the hardware profile's figure (runtime/monitor.py)
+        self.host_updates: collections.deque[tuple[int, float]] = collections.deque(maxlen=HOST_UPDATES_KEPT)
+        self._stepped: set[int] = set()  # chunks whose update has started this step
+        # persistent chunks updated during the backward (`_step_persistent_early`): their fp32 master is new, their
+        # compute-dtype parameters take it at `end_step` (the rest of the backward may still read them; those that
+        # are their own master are new already, the backward's reads of them being done)
+        self._early: set[int] = set()
+        self._join_queued = False  # the end of this backward waits for its persistent updates (`_join_at_end`)
+        self._first_step = True
+        self._speculative: set[int] = set()  # offloaded chunks updated this step with what they changed kept
+        self._room_for_undo: bool | None = None  # whether the host can keep that (decided once)
+        # a backward ran out of memory under on_oom="replan" (runtime/oom.py): the step's gradients are ignored
+        # until the optimizer step, which skips
+        self.step_lost = False
+        self._owners: dict[int, object] = {}  # chunk -> the AdamW stepping it (`optimizer_of`), as last looked up
+        self._owners_stepped: set[int] = set()  # the optimizers (ids) whose step() ran since the step's backward
+        self.in_window = False  # between a step's first gradient and the end of its optimizer steps
+        # chunks holding a parameter used outside the compiled graphs: their gradient gets that use's part at
+        # `AdamW.step()` (`fold_plain_grads`), so they update there
+        self.eager_chunks: set[int] = set()
+        # the hyperparameters each started update used, and those of the last gradient's arrival, per optimizer
+        self._hyper_used: dict[int, list[dict]] = {}
+        self.hyper_at_backward: dict[int, list[dict]] = {}
+
+    def _build_updates(self) -> None:
+        """The stream of persistent chunks' updates during the backward, beside it (memory-bound AdamW next to its
+        matmuls)."""
+        cuda = self.device.type == "cuda"
+        self._optim_stream = torch.cuda.Stream(self.device) if cuda and self.n_persist else None
+
+    def optimizer_of(self, chunk: int):
+        """The protrain_fx.optim.AdamW stepping the chunk's parameters (None: no optimizer steps them). The layout
+        keeps the parameters of different optimizers in different chunks."""
+        ref = self._owners.get(chunk)
+        if ref is not None and ref() is not None:
+            return ref()
+        owners = {}
+        for i in self._chunk_params[chunk]:
+            ref = self.params[i].__dict__.get(OPTIMIZER_ATTR)
+            if ref is not None and ref() is not None:
+                owners[id(ref())] = ref
+        if len(owners) > 1:
+            raise ValueError(
+                f"chunk {chunk} holds parameters of {len(owners)} protrain_fx.optim.AdamW optimizers, and a chunk "
+                "is stepped by one: build every optimizer before the model's chunks are built (its first compiled "
+                "step, or protrain_fx.prepare), so that the layout keeps each optimizer's parameters apart"
+            )
+        ref = next(iter(owners.values()), None)
+        if ref is not None:
+            self._owners[chunk] = ref
+        return ref() if ref is not None else None
+
+    def forget_owners(self) -> None:
+        """A protrain_fx.optim.AdamW was built over some of the parameters: look the chunks' optimizers up again."""
+        self._owners.clear()
+
+    def check_owners(self) -> None:
+        """Raise now where a chunk holds parameters of several optimizers (`optimizer_of`)."""
+        for chunk in range(self.layout.n_chunk):
+            self.optimizer_of(chunk)
+
+    @property
+    def optimizers(self) -> list:
+        """The protrain_fx.optim.AdamW optimizers stepping this model's chunks."""
+        found = {}
+        for chunk in range(self.layout.n_chunk):
+            owner = self.optimizer_of(chunk)
+            if owner is not None:
+                found[id(owner)] = owner
+        return list(found.values())
+
+    @property
+    def skips_nonfinite(self) -> bool:
+        """A step with an inf or NaN gradient is skipped (on every rank), not an error (`skips_nonfinite`)."""
+        return self.torch_scaled or any(skips_nonfinite(o, self.dtype) for o in self.optimizers or [None])
+
+    @property
+    def defer_updates(self) -> bool:
+        """Updates start in `AdamW.step()`, not as each chunk's gradient completes (but `speculates`)."""
+        return self.skips_nonfinite or self._first_step or self.edits_grads
+
+    def _update_now(self, chunk: int) -> bool:
+        """Whether an offloaded chunk whose gradient is complete starts its host update now."""
+        if self.optimizer_of(chunk) is None or self.skips_nonfinite or self._first_step or chunk in self.eager_chunks:
+            return False
+        return not self.edits_grads or (chunk >= self.layout.n_chunk - self.n_clip_overlap and self.speculates)
+
+    @property
+    def speculates(self) -> bool:
+        """A model whose gradients or hyperparameters are looked at between backward() and step() (`edits_grads`:
+        clipping, say), and whose last step changed none of them, updates its offloaded chunks during the backward
+        as if this step will not either, keeping each chunk's master and AdamW states as they were (`snapshot` of
+        `AdamW.chunk_update`); if it does, `undo_speculative_updates` puts them back and `AdamW.step()` updates
+        again from the changed gradients. Only the last `n_clip_overlap` chunks, as the plan chose (the copy costs
+        host memory bandwidth: the cost model weighs it against waiting for the clip), where the host has room."""
+        if not self.edits_grads or self.last_step_edited or not self.n_clip_overlap:
+            return False
+        if self._room_for_undo is None:
+            needed = HOST_STATES * self.master_bytes * self.layout.shard_elems * self.n_clip_overlap
+            available, total = available_host_bytes(), meminfo_bytes("MemTotal")
+            self._room_for_undo = available is None or needed <= available - package.UNDO_HOST_RESERVE * (total or 0)
+            log.info(
+                "clipping: %s (keeping the updated chunks' masters and AdamW states takes %.2f GiB of host memory, "
+                "%s GiB available)",
+                "host updates start during the backward while clipping does not apply"
+                if self._room_for_undo
+                else "host updates wait for optimizer.step()",
+                needed / 2**30,
+                "-" if available is None else f"{available / 2**30:.2f}",
+            )
+        return self._room_for_undo
+
+    def _start_update(self, chunk: int, **kwargs) -> Callable[[], None]:
+        """The chunk's update, to run now (during the backward), with the hyperparameters of this moment."""
+        owner = self.optimizer_of(chunk)
+        self._hyper_used[chunk] = owner.hyperparameters()
+        return owner.chunk_update(self, chunk, **kwargs)
+
+    def _update_on_arrival(self, chunk: int, found: torch.Tensor) -> tuple[Callable[[], None] | None, bool]:
+        """An offloaded chunk's gradient shard is on its way to the host: its update, started now where the chunk's
+        gradient is complete and it updates during the backward (`_update_now`), with the hyperparameters and
+        gradients of this moment, skipped if a gradient of the step so far is not finite (`found`). Returns the
+        update (None: it waits for the step) and whether it keeps what it changes (speculative)."""
+        speculative = self.edits_grads
+        if not (self._complete(chunk) and self._update_now(chunk)):
+            return None, speculative
+        self._stepped.add(chunk)
+        if speculative:
+            self._speculative.add(chunk)
+        return self._start_update(chunk, found_inf=found, snapshot=speculative), speculative
+
+    def _queue_host_update(
+        self,
+        chunk: int,
+        copied: torch.cuda.Event | None,
+        accumulate: bool,
+        update: Callable[[], None] | None,
+        speculative: bool,
+    ) -> None:
+        """Queue on the worker thread, behind the copy `copied`: adding the staged shard into the chunk's gradient
+        (`accumulate`), then `update` if any, timed, and the gradient shard given back (but for a speculative
+        update, whose shard is read again if the clip applies)."""
+
+        def take_in() -> None:
+            """On the worker thread, once the copy has landed."""
+            with torch.profiler.record_function("protrain::cpu_adamw"):
+                if accumulate:
+                    self.grad[chunk].add_(self.staging)
+                if update is not None:
+                    start = time.perf_counter()
+                    update()
+                    if not speculative:  # (one kept for undoing is read again if the clip applies)
+                        self.host_updates.append((self.master[chunk].numel(), time.perf_counter() - start))
+                        self.host_grads.give_back(chunk)
+
+        if update is not None and not speculative and self.shares_grads:
+            self.host_grads.giving.add(chunk)
+        self._pending[chunk] = self._host.submit(chunk, copied, take_in)
+
+    def _wait_for_a_give_back(self) -> bool:
+        """Wait for a queued host update that gives its gradient shard back; False where none is queued."""
+        giving = [c for c in self._pending if c in self.host_grads.giving]
+        if not giving:
+            return False
+        self.wait_for_update(giving[0])
+        return True
+
+    def _step_persistent_early(self, chunk: int) -> None:
+        """Update a persistent chunk as soon as its gradient is final (reduced across ranks), when updates need
+        not wait for `AdamW.step()` (`defer_updates`): on CUDA on the optimizer stream, beside the rest of the
+        backward. Only the fp32 master and states change now; the compute-dtype parameters, which the rest of the
+        backward may still read, take the new master at `end_step`. Parameters that are their own master (an fp32
+        model's, or bf16 masters) change now: their graphs reduce the chunk after the backward's last read of them
+        (passes/chunks.py). Either way the end of the backward waits for the updates on the device
+        (`_join_at_end`), so what runs after it reads the new values. Like an offloaded chunk's update, it skips
+        itself if a gradient of the step so far is inf or NaN."""
+        if (
+            self.optimizer_of(chunk) is None
+            or self.defer_updates  # (clipped: GPU memory is not spent on undoing them, they update in step())
+            or chunk in self.eager_chunks
+            or not self._complete(chunk)
+        ):
+            return
+        self._stepped.add(chunk)
+        self._early.add(chunk)
+        found = self._found_early[chunk]
+        found.copy_(self.found_inf[0])  # as of now: later gradients' flags do not reach this update
+        update = self._start_update(chunk, found_inf=found)
+        stream = self._optim_stream
+        if stream is None:
+            update()
+            self.device_grads.give_back(chunk)
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.profiler.record_function("protrain::gpu_adamw_early"):
+            update()
+        self.device_grads.give_back(chunk, stream)
+        self._join_at_end()
+
+    def _join_early_updates(self) -> None:
+        """The compute stream waits (on the device) for the persistent updates started during the backward."""
+        if self._optim_stream is not None and self._early:
+            torch.cuda.current_stream(self.device).wait_stream(self._optim_stream)
+
+    def _join_at_end(self) -> None:
+        """Once per backward that starts persistent updates: its end joins them (autograd's final callback, as
+        FSDP's post-backward), so a read of the parameters after `backward()` and before `step()` waits for
+        them on the device. (Outside a backward, from `AdamW.step()`, `end_step` joins them.)"""
+        if self._join_queued or torch._C._current_graph_task_id() == -1:
+            return
+        self._join_queued = True
+
+        def join() -> None:
+            self._join_queued = False
+            self._join_early_updates()
+
+        torch.autograd.Variable._execution_engine.queue_callback(join)
+
+    def submit_update(self, chunk: int, update: Callable[[], None]) -> None:
+        """Start a chunk's update now (from `AdamW.step()`): a persistent chunk's on the device, an offloaded
+        chunk's on the worker thread."""
+        if chunk < self.n_persist:
+            self._stepped.add(chunk)
+            update()
+            self.device_grads.give_back(chunk)
+            return
+        self.wait_for_update(chunk)  # its gradient copy is taken in
+        self._stepped.add(chunk)
+
+        def update_and_give_back() -> None:
+            update()
+            self.host_grads.give_back(chunk)
+
+        if self.shares_grads:
+            self.host_grads.giving.add(chunk)
+        self._pending[chunk] = self._host.submit(chunk, None, update_and_give_back)
+
+    def end_step(self, owner=None) -> None:
+        """After `owner`'s step (an AdamW; None: every chunk's step is over): its chunks' next gradient starts a new
+        step (gradients still add up until zero_grad, as in torch). Once every optimizer holding a chunk with a
+        gradient has stepped, the step is over."""
+        chunks = set(range(self.layout.n_chunk))
+        if owner is not None:
+            chunks = {c for c in chunks if self.optimizer_of(c) is owner}
+            self._owners_stepped.add(id(owner))
+            self.hyper_at_backward.pop(id(owner), None)
+        self._join_early_updates()
+        self._join_queued = False  # (a backward that raised ran no final callback)
+        for chunk in sorted(self._early & chunks):  # the parameters take the masters updated during the backward
+            self._early.discard(chunk)
+            self.publish(chunk)
+        if self._first_step:  # (how many backward passes the first step had, per source)
+            counts = [(s, n) for c in chunks & self._arrivals.keys() for s, n in self._arrivals[c].items()]
+            for s, n in counts:
+                self._runs_per_step[s] = max(n, self._runs_per_step.get(s, 0))
+            self.backwards_per_step = max(1, min((n for _, n in counts), default=1))
+        for kept in (self._arrivals, self._arrival_norms, self._hyper_used):
+            for chunk in chunks & kept.keys():
+                del kept[chunk]
+        self._stepped -= chunks
+        self._speculative -= chunks
+        waiting = {id(o) for c in self.has_grad if (o := self.optimizer_of(c)) is not None} - self._owners_stepped
+        if self.in_window and (owner is None or not waiting):
+            if self.has_grad:  # (zero_grad before the first backward does not end the first step)
+                self._first_step = False
+            self.found_inf.zero_()
+            self.take_back(all_of_them=True)  # (parameters lent to a forward outside the graphs: stale now)
+            self.last_step_edited, self._edited_this_step = self._edited_this_step, False
+            self.in_window = False
+            self._owners_stepped.clear()
+            self.hyper_at_backward.clear()
+
+    def wait_for_update(self, chunk: int | None = None) -> None:
+        """Block until the CPU optimizer step of `chunk` (of every chunk if None) is done; a persistent chunk's
+        update during the backward is waited for on the device (the current stream waits for it)."""
+        if chunk is None or chunk < self.n_persist:
+            self._join_early_updates()
+        for c in [chunk] if chunk is not None else list(self._pending):
+            future = self._pending.pop(c, None)
+            if future is not None:
+                future.result()
+
+    def unstepped(self, owner=None) -> list[int]:
+        """Chunks with a gradient this step whose update has not started (updates deferred to the step, a frame
+        reducing into them did not run its backward, or the optimizer was not known yet), of `owner` (an AdamW;
+        None: of any): its `step()` steps them."""
+        return sorted(c for c in self.has_grad - self._stepped if owner is None or self.optimizer_of(c) is owner)
+
+    def updates_started(self, *, undoable: bool = True) -> list[int]:
+        """Chunks whose update has started this step, during the backward (reading this step's gradients).
+        `undoable=False` leaves out those `undo_speculative_updates` can put back."""
+        return sorted(self._stepped if undoable else self._stepped - self._speculative)
+
+    def undo_speculative_updates(self) -> None:
+        """Clipping applies after all: the chunks updated during the backward (`speculates`) take back the
+        master and AdamW states they had, and `AdamW.step()` updates them again from the clipped gradients."""
+        self.wait_for_update()
+        for chunk in sorted(self._speculative):
+            self.optimizer_of(chunk).restore(self, chunk)
+            self.publish(chunk)  # (the master changed again: a buffered copy is stale)
+            self._stepped.discard(chunk)
+        self._speculative.clear()
