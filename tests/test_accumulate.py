@@ -27,7 +27,7 @@ PLANS = {
     "persistent": {},
     "offloaded": {"n_persist": 1, "n_buffer": 3},
     # 9 offloaded chunks sharing 2 host gradient shards, 2 persistent ones sharing 1 device gradient buffer
-    # (runtime/chunks.py): their steps hold every gradient
+    # (runtime/chunks/slots.py): their steps hold every gradient
     "shared-gradients": {"n_persist": 2, "n_buffer": 3, "host_grad_slots": 2, "device_grad_slots": 1},
 }
 

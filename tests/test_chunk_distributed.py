@@ -97,7 +97,7 @@ def spawn_gloo(body, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize(
     "kind, plan",
-    # (the toy's 11 offloaded chunks share 2 host gradient shards: runtime/chunks.py)
+    # (the toy's 11 offloaded chunks share 2 host gradient shards: runtime/chunks/slots.py)
     [("toy", {"n_persist": 0, "n_buffer": 3, "host_grad_slots": 2}), ("llama", {"n_persist": 1, "n_buffer": 1})],
 )
 def test_ranks_train_like_eager(world, kind, plan):

@@ -21,7 +21,7 @@ PLANS = {
     "persistent": {},
     "offloaded": {"n_persist": 1, "n_buffer": 3},
     # 9 offloaded chunks sharing 2 host gradient shards, 2 persistent ones sharing 1 device gradient buffer
-    # (runtime/chunks.py): their steps hold every gradient
+    # (runtime/chunks/slots.py): their steps hold every gradient
     "shared-gradients": {"n_persist": 2, "n_buffer": 3, "host_grad_slots": 2, "device_grad_slots": 1},
 }
 STEPS = 3
@@ -119,7 +119,7 @@ def speculative_clipping_equals_deferred(
     all of them, and 3), kept, and undone where the clip applies: bitwise the weights, AdamW states and norms of
     deferring every update to `step()`, and the norms and losses of eager training. Without host room to keep
     them (`set_undo_reserve(share)` sets the share of the host's memory that must stay available:
-    runtime/chunks.py UNDO_HOST_RESERVE), updates defer. `micro` > 1: each step accumulates that many
+    runtime/chunks UNDO_HOST_RESERVE), updates defer. `micro` > 1: each step accumulates that many
     micro-batches (all but the last inside `protrain_fx.no_sync`), so the chunks' gradients arrive in parts.
     Not `thorough`: only all offloaded chunks overlapped, and no host-room check (CI time)."""
 

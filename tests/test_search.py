@@ -348,7 +348,7 @@ def test_bfloat16_masters_fit_more_chunks_and_update_faster():
 
 
 def test_gradient_copies_slower_than_the_backward_hold_it_up():
-    """Offloaded chunks reduce their gradients in two fp32 buffers in turn (runtime/chunks.py) and copy them to
+    """Offloaded chunks reduce their gradients in two fp32 buffers in turn (runtime/chunks/reduce.py) and copy them to
     the host one at a time: the memory is the two buffers whatever the link, and a link slower than the
     backward makes each reduce wait for the copy out of the buffer it reuses, and the host's AdamW for its
     gradients."""
@@ -545,7 +545,7 @@ def _two_ranks(seconds: float, stretch: float = 1.0, delay: float = 0.0) -> Cost
 
 
 def test_collectives_hold_the_compute_up_as_the_runtime_runs_them():
-    """An offloaded chunk's reduce-scatter holds the compute stream until it ends (runtime/chunks.py). A persistent
+    """An offloaded chunk's reduce-scatter holds the compute stream until it ends (runtime/chunks/reduce.py). A persistent
     chunk's all-reduce runs on its own stream beside the next chunk's backward, which it slows by its time there
     times the delay the profile measured (chunk 0's has no backward left beside it), and once landed costs two
     passes over the fp32 gradient on the compute stream, which one rank does not make. On two H200s the
