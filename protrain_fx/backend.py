@@ -160,12 +160,22 @@ class ProTrainBackend:
         )
         try:
             if config.executor == "inductor":
+                from torch._functorch import config as functorch_config
                 from torch._inductor.compile_fx import compile_fx
 
                 register_inductor_lowering()
-                patches = {"custom_partitioner_fn": partitioner, "force_disable_caches": True}
+                # no cache of whole graphs (AOTAutograd's, inductor's FX graph cache): a cached compile would skip
+                # the profile and the plan. Inductor's kernel caches stay: a kernel is keyed by its source, so a
+                # later compile (or run) reuses it rather than compiling every kernel again in a fresh cache
+                # directory, as force_disable_caches does (leaving that directory behind)
+                patches = {
+                    "custom_partitioner_fn": partitioner,
+                    "fx_graph_cache": False,
+                    "fx_graph_remote_cache": False,
+                }
                 inner = functools.partial(_inductor_inner_compile, inference, guard)
-                return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+                with functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
+                    return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
             eager = make_boxed_compiler(lambda g, _: g)
             more = {"inference_compiler": make_boxed_compiler(lambda g, _: inference(g))} if inference else {}
             if guard is not None:

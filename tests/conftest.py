@@ -27,5 +27,12 @@ def _fresh_dynamo():
 @pytest.fixture(autouse=True, scope="session")
 def _hardware_cache(tmp_path_factory):
     """Hardware profiles measured by the tests go to a directory of this session, not the user's cache (spawned
-    ranks inherit it)."""
-    os.environ.setdefault("PROTRAIN_CACHE_DIR", str(tmp_path_factory.mktemp("protrain_cache")))
+    ranks inherit it). Under pytest-xdist the workers of one run share it (their base directories lie in the
+    run's), so each world size is measured once per run, not once per worker (a profile is written whole under a
+    temporary name, then renamed: a worker reads one whole or none)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    cache = base / "protrain_cache"
+    cache.mkdir(exist_ok=True)
+    os.environ.setdefault("PROTRAIN_CACHE_DIR", str(cache))

@@ -23,38 +23,47 @@ def _join(backend: str, rank: int, world: int, rendezvous: str) -> None:
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
 
-def _worker(rank: int, world: int, rendezvous: str, kind: str, plan: dict, errors, backend: str = "gloo"):
+def _train_like_eager(rank: int, world: int, kind: str, plan: dict, backend: str, device: str) -> None:
+    from test_chunk_parity import chunk_states, device_bytes_held, run
+
+    import protrain_fx
+    from protrain_fx.planner.cost import Candidate
+    from protrain_fx.runtime.adopt import model_manager
+
+    # a power of two averages without rounding; on GPUs the eager reference steps with CUDA's fused AdamW and
+    # the offloaded chunks with the CPU's, whose roundings differ by an ulp
+    exact = world & (world - 1) == 0 and backend == "gloo"
+    dtype = getattr(torch, plan.get("master_dtype", "float32"))  # (bfloat16 masters: a bfloat16 model)
+    optimizers = []
+    ref, model, compiler = run(kind, plan, steps=4, exact=exact, device=device, dtype=dtype, optimizers=optimizers)
+    # the device holds what the planner counts, across ranks each reduce buffer's shard too
+    manager, costs = model_manager(model), compiler.graphs[0].costs
+    held = device_bytes_held(manager, chunk_states(manager, optimizers[1]))
+    assert held == costs.state_bytes(Candidate(manager.n_persist, manager.n_buffer)), f"rank {rank}: {held} bytes"
+    state = protrain_fx.full_state_dict(model)  # a collective: every rank calls it
+    for name, value in ref.state_dict().items():
+        value = value.cpu()
+        if exact:
+            assert torch.equal(state[name], value), f"rank {rank}: {name} differs"
+        else:
+            torch.testing.assert_close(state[name], value, rtol=0, atol=4 * 1e-2)
+
+
+def _worker(rank: int, world: int, rendezvous: str, cases: list, errors, backend: str = "gloo"):
+    """Each (kind, plan) of `cases` in turn on the same ranks (one spawn, one process group: starting the ranks
+    costs more than a case), as a fresh compile (Dynamo reset, as between tests)."""
     device = "cpu"
     if backend == "nccl":
         device = f"cuda:{rank}"
         torch.cuda.set_device(device)
     _join(backend, rank, world, rendezvous)
+    case = None
     try:
-        from test_chunk_parity import chunk_states, device_bytes_held, run
-
-        import protrain_fx
-        from protrain_fx.planner.cost import Candidate
-        from protrain_fx.runtime.adopt import model_manager
-
-        # a power of two averages without rounding; on GPUs the eager reference steps with CUDA's fused AdamW and
-        # the offloaded chunks with the CPU's, whose roundings differ by an ulp
-        exact = world & (world - 1) == 0 and backend == "gloo"
-        dtype = getattr(torch, plan.get("master_dtype", "float32"))  # (bfloat16 masters: a bfloat16 model)
-        optimizers = []
-        ref, model, compiler = run(kind, plan, steps=4, exact=exact, device=device, dtype=dtype, optimizers=optimizers)
-        # the device holds what the planner counts, across ranks each reduce buffer's shard too
-        manager, costs = model_manager(model), compiler.graphs[0].costs
-        held = device_bytes_held(manager, chunk_states(manager, optimizers[1]))
-        assert held == costs.state_bytes(Candidate(manager.n_persist, manager.n_buffer)), f"rank {rank}: {held} bytes"
-        state = protrain_fx.full_state_dict(model)  # a collective: every rank calls it
-        for name, value in ref.state_dict().items():
-            value = value.cpu()
-            if exact:
-                assert torch.equal(state[name], value), f"rank {rank}: {name} differs"
-            else:
-                torch.testing.assert_close(state[name], value, rtol=0, atol=4 * 1e-2)
+        for case in cases:
+            torch._dynamo.reset()
+            _train_like_eager(rank, world, *case, backend, device)
     except BaseException as e:  # report to the parent, which fails the test
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        errors.put(f"rank {rank}, {case}: {type(e).__name__}: {e}")
         raise
     finally:
         dist.destroy_process_group()
@@ -95,19 +104,20 @@ def spawn_gloo(body, world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize(
-    "kind, plan",
-    # (the toy's 11 offloaded chunks share 2 host gradient shards: runtime/chunks/slots.py)
-    [("toy", {"n_persist": 0, "n_buffer": 3, "host_grad_slots": 2}), ("llama", {"n_persist": 1, "n_buffer": 1})],
-)
-def test_ranks_train_like_eager(world, kind, plan):
-    _spawn(_worker, world, kind, plan)
+def test_ranks_train_like_eager(world):
+    """Each case on the same `world` ranks, one after the other (one spawn)."""
+    cases = [
+        # (the toy's 11 offloaded chunks share 2 host gradient shards: runtime/chunks/slots.py)
+        ("toy", {"n_persist": 0, "n_buffer": 3, "host_grad_slots": 2}),
+        ("llama", {"n_persist": 1, "n_buffer": 1}),
+    ]
+    _spawn(_worker, world, cases)
 
 
 def test_ranks_train_bfloat16_masters_like_eager():
     """bfloat16 masters (the plan's master_dtype): gradients reduced in bfloat16, persistent and offloaded chunks
     bitwise as torch's fused AdamW over the bfloat16 model."""
-    _spawn(_worker, 2, "llama", {"n_persist": 1, "n_buffer": 1, "master_dtype": "bfloat16"})
+    _spawn(_worker, 2, [("llama", {"n_persist": 1, "n_buffer": 1, "master_dtype": "bfloat16"})])
 
 
 def _meta_worker(rank, world, rendezvous, errors):
@@ -171,7 +181,7 @@ def test_nccl_ranks_train_like_eager(plan):
 
 
 def _nccl_worker(rank, world, rendezvous, kind, plan, errors):
-    _worker(rank, world, rendezvous, kind, plan, errors, backend="nccl")
+    _worker(rank, world, rendezvous, [(kind, plan)], errors, backend="nccl")
 
 
 def _gloo_rank(rank: int, world: int, rendezvous: str, errors, body) -> None:
