@@ -62,7 +62,7 @@ FAMILY_PRESETS = {
         "5.5b": ModelSpec(hidden=4096, layers=26, intermediate=16384, heads=32, family="gpt_neox"),
     },
 }
-# the parameters each preset builds in each family (`parameter_count`; tests/test_bench_worker.py checks them)
+# the parameters each preset builds in each family (`spec_parameters`; tests/test_bench_worker.py checks them)
 PRESET_PARAMS = {
     "llama": {"1b": 953_223_168, "5.5b": 5_524_115_456},
     "mistral": {"1b": 953_223_168, "5.5b": 5_524_115_456},
@@ -83,7 +83,7 @@ def preset(name: str, family: str = "llama") -> ModelSpec:
     return own[name] if name in own else dataclasses.replace(PRESETS[name], family=family)
 
 
-def parameter_count(spec: ModelSpec) -> int:
+def spec_parameters(spec: ModelSpec) -> int:
     """The parameters the model of `spec` has, counted on a model built on the meta device (nothing allocated)."""
     from transformers import AutoModelForCausalLM
 
@@ -128,7 +128,7 @@ def resolve_init(
     if not chunked or device.type != "cuda":
         return "gpu"
     capacity = limit or torch.cuda.get_device_properties(device).total_memory
-    weights = parameter_count(spec) * dtype.itemsize
+    weights = spec_parameters(spec) * dtype.itemsize
     return "gpu" if weights <= capacity / 2 else "meta"
 
 

@@ -22,7 +22,7 @@ import logging
 import math
 from pathlib import Path
 
-from bench.model import PRESETS, ModelSpec, parameter_count, preset
+from bench.model import PRESETS, ModelSpec, preset, spec_parameters
 from bench.table import table
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ def _spec(args: argparse.Namespace, hidden: int, intermediate: int, heads: int, 
 
 
 def _params(spec: ModelSpec) -> int:
-    return parameter_count(spec)
+    return spec_parameters(spec)
 
 
 def _describe(spec: ModelSpec | None) -> str:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from bench.model import FAMILIES, PRESET_PARAMS, PRESETS, ModelSpec, parameter_count, preset, resolve_init
+from bench.model import FAMILIES, PRESET_PARAMS, PRESETS, ModelSpec, preset, resolve_init, spec_parameters
 from bench.worker import train
 
 TINY = dict(hidden=32, layers=2, intermediate=64, heads=4, vocab=96, seq=16)
@@ -29,9 +29,9 @@ def test_presets_build_the_parameter_counts_reported(family):
     sizes within 2% for the families with presets of their own."""
     for name in PRESETS:
         spec = preset(name, family)
-        assert spec.family == family and parameter_count(spec) == PRESET_PARAMS[family][name], name
+        assert spec.family == family and spec_parameters(spec) == PRESET_PARAMS[family][name], name
         if family in ("qwen2", "gpt_neox"):
-            assert parameter_count(spec) == pytest.approx(PRESET_PARAMS["llama"][name], rel=0.02)
+            assert spec_parameters(spec) == pytest.approx(PRESET_PARAMS["llama"][name], rel=0.02)
     assert preset("5.5b", "qwen2").key_value_heads * 4 == preset("5.5b", "qwen2").heads  # (grouped-query)
 
 

@@ -127,18 +127,22 @@ def test_profiling_leaves_rng_untouched():
     assert torch.equal(after_compiled, torch.get_rng_state())
 
 
+def _captured_llama():
+    """A 2-layer LLaMA trained one step with the eager executor: (its backend, its graph's record)."""
+    from helpers import CapturingBackend
+
+    backend = CapturingBackend({"executor": "eager"})
+    compiled = torch.compile(models.build("llama", layers=2), backend=backend, dynamic=False)
+    models.loss_of("llama", compiled(**models.batch("llama"))).backward()
+    return backend, backend.graphs[0]
+
+
 def test_backward_holds_the_output_gradients_where_the_engine_does(monkeypatch):
     """Where the autograd engine keeps the backward's output gradients until it returns (torch without boxed
     gradients), the profile holds them too: the tiny LLaMA's logits gradient stays counted to the end."""
-    from helpers import CapturingBackend
-
     from protrain_fx.profiler import interpreter
 
-    model = models.build("llama", layers=2)
-    backend = CapturingBackend({"executor": "eager"})
-    compiled = torch.compile(model, backend=backend, dynamic=False)
-    models.loss_of("llama", compiled(**models.batch("llama"))).backward()
-    record = backend.graphs[0]
+    backend, record = _captured_llama()
     tangents = [n for n in record.backward.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
     held_bytes = sum(n.meta["val"].nbytes for n in tangents)
     assert held_bytes >= 2 * 16 * 96 * 4  # the logits' gradient: batch, sequence, vocabulary, fp32
@@ -158,15 +162,9 @@ def test_backward_holds_the_output_gradients_where_the_engine_does(monkeypatch):
 def test_each_node_keeps_its_least_time_over_the_timed_runs(monkeypatch):
     """Something else running during one timed iteration only adds time: each node keeps its least time over
     TIMED_RUNS iterations, so one slowed iteration leaves no trace (and with one timed run, it would)."""
-    from helpers import CapturingBackend
-
     from protrain_fx.profiler import interpreter
 
-    model = models.build("llama", layers=2)
-    backend = CapturingBackend({"executor": "eager"})
-    compiled = torch.compile(model, backend=backend, dynamic=False)
-    models.loss_of("llama", compiled(**models.batch("llama"))).backward()
-    record = backend.graphs[0]
+    backend, record = _captured_llama()
     iteration, timed_calls = interpreter._iteration, []
 
     def one_slow_timed_run(*args):
@@ -191,15 +189,9 @@ def test_cpu_timed_runs_use_one_thread_and_give_the_others_back(monkeypatch):
     """On the CPU the timed iterations run with one intra-op thread (an op split over threads waits for the last
     of them, which on a loaded machine waits for a core), the memory run and everything after with as many as
     before; the profile keeps how far its timed runs spread (`timing_noise`)."""
-    from helpers import CapturingBackend
-
     from protrain_fx.profiler import interpreter
 
-    model = models.build("llama", layers=2)
-    backend = CapturingBackend({"executor": "eager"})
-    compiled = torch.compile(model, backend=backend, dynamic=False)
-    models.loss_of("llama", compiled(**models.batch("llama"))).backward()
-    record = backend.graphs[0]
+    backend, record = _captured_llama()
     iteration, threads = interpreter._iteration, []
 
     def counting(*args):
