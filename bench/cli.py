@@ -91,7 +91,7 @@ def runnable(systems: list[str]) -> list[str]:
 
 
 def worker(args: argparse.Namespace) -> int:
-    spec = ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
+    spec = ModelSpec.from_args(args)
     try:
         names = (
             "batch",

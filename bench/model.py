@@ -38,6 +38,11 @@ class ModelSpec:
     def key_value_heads(self) -> int:
         return self.kv_heads or self.heads
 
+    @classmethod
+    def from_args(cls, args) -> ModelSpec:
+        """The sizes given on the command line (bench/cli.py sets every field's flag, presets applied)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
 
 FAMILIES = ("llama", "mistral", "opt", "gpt2", "qwen2", "gpt_neox")  # (_CONFIGS below: how each names the sizes)
 GQA_FAMILIES = ("llama", "mistral", "qwen2")  # those whose attention may have fewer key/value heads (`kv_heads`)

@@ -94,7 +94,7 @@ def profile_worker(args: argparse.Namespace) -> int:
     from bench.worker import emit, limit_gpu_memory
     from protrain_fx.profiler.hardware import hardware_profile
 
-    spec = ModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelSpec)})
+    spec = ModelSpec.from_args(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     limit = int(args.gpu_memory_gib * 2**30)
     if limit > 0:

@@ -75,7 +75,7 @@ def _run(system: str, args: argparse.Namespace) -> dict:
 
     import protrain_fx
 
-    spec = ModelSpec(args.hidden, args.layers, args.intermediate, args.heads, args.vocab, args.seq, args.family)
+    spec = ModelSpec.from_args(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.gpu_memory_gib:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -87,7 +87,7 @@ def _run(system: str, args: argparse.Namespace) -> dict:
     model = build_prepared_model(spec, device, DTYPES[args.dtype], args.seed, init)
     steps = args.warmup + args.steps
     if system == "protrain":
-        options = {"plan": json.loads(args.plan)}
+        options = {"plan": json.loads(args.plan), "executor": args.executor}
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=LR)
         model.compile(backend=protrain_fx.ProTrainBackend(options), dynamic=False)
     else:

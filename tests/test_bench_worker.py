@@ -3,12 +3,14 @@ recomputed blocks counted for a checkpointed protrain plan), MFU and the step's 
 the parameter counts the bench reports for them."""
 
 import dataclasses
+import json
 import math
 
 import pytest
 import torch
 
 from bench.model import FAMILIES, PRESET_PARAMS, PRESETS, ModelSpec, preset, resolve_init, spec_parameters
+from bench.trainer import RESULT_PREFIX
 from bench.worker import train
 
 TINY = dict(hidden=32, layers=2, intermediate=64, heads=4, vocab=96, seq=16)
@@ -84,6 +86,19 @@ def test_prepared_models_train_as_the_one_built_in_place():
     with pytest.raises(ValueError, match="--init 'cpu'"):
         train("compile", ModelSpec(**TINY), init="cpu", **RUN)
     assert built.init == "gpu"  # ("auto" on the CPU: built where it trains)
+
+
+def test_trainer_runs_each_system_at_the_sizes_given(tmp_path, capsys):
+    """`bench trainer` builds the model its size flags name (a family with grouped-query attention among them)
+    and trains it under the Trainer, protrain with a forced offloaded plan and its executor."""
+    from bench.cli import main
+
+    sizes = [f"--{k}={v}" for k, v in TINY.items()] + ["--kv-heads=2", "--family=qwen2"]
+    flags = ["--batch=2", "--steps=2", "--warmup=1", "--dtype=float32", f"--output-dir={tmp_path}"]
+    plan = '{"n_persist": 1, "n_buffer": 1}'
+    assert main(["trainer", *sizes, *flags, "--executor=eager", f"--plan={plan}", "--system=protrain"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1].removeprefix(RESULT_PREFIX))
+    assert result["plan"]["n_persist"] == 1 and result["tokens_per_s"] > 0 and len(result["step_times_s"]) == 3
 
 
 def test_auto_init_builds_where_a_user_would():
