@@ -228,3 +228,24 @@ def test_clipping_across_ranks():
     """Two gloo ranks, offloaded chunks sharded: each rank's shard norms add up over ranks, persistent chunks
     count once; the norm and the losses equal eager training's."""
     spawn_gloo(_ranks_clip, 2)
+
+
+@pytest.mark.parametrize("plan", ["persistent", "offloaded"])
+def test_torch_clip_reads_its_coefficient_once(plan, monkeypatch):
+    """`torch.nn.utils.clip_grad_norm_` over chunked gradients (what the Trainer and accelerate call) scales each
+    gradient by one coefficient tensor: it is read on the host once per clip, not once per gradient (each read
+    syncs a GPU), and the clip equals eager's."""
+    ref, ref_opt, compiled, opt = _pair(PLANS[plan])
+    batch = models.batch("toy", seed=0)
+    ref(**batch).backward()
+    compiled(**batch).backward()
+    reads = []
+    cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: reads.append(t.shape) or cpu(t, *a, **k))
+    norm = torch.nn.utils.clip_grad_norm_(compiled.parameters(), 1e-3)
+    monkeypatch.undo()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+    assert reads == [torch.Size([])]
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    for (name, p), q in zip(compiled.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.clone(), q.grad, rtol=1e-5, atol=1e-12, msg=name)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,8 +71,10 @@ class ChunkGrad(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        grads = next(t.grads for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, ChunkGrad))
-        return grads.run(func, args, kwargs)
+        first = args[0] if args else None  # (the common case: torch's loops call one op per gradient)
+        if not isinstance(first, ChunkGrad):
+            first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, ChunkGrad))
+        return first.grads.run(func, args, kwargs)
 
 
 def _writes_first(func) -> bool:
@@ -91,6 +93,8 @@ class ParamGrads:
 
     def __init__(self, manager: ChunkManager):
         self._manager = weakref.ref(manager)
+        # the last 0-dim scaling factor read (`_is_one`): a weak reference, its version counter, whether it is 1
+        self._last_factor: tuple[Callable[[], Any], int, bool] = (lambda: None, -1, False)
 
     @property
     def manager(self) -> ChunkManager:
@@ -145,6 +149,8 @@ class ParamGrads:
             return self._sharded_norm(func, args, kwargs)
         if _writes_first(func) and self.mine(args[0]):
             return self.write(func, args, kwargs)
+        if func in _NORMS and self.mine(args[0]):  # (one per gradient in a norm loop: no tree walk)
+            return func(self.dense(args[0].index), *args[1:], **kwargs)
         dense = pytree.tree_map(lambda t: self.dense(t.index) if self.mine(t) else t, (args, kwargs))
         return func(*dense[0], **dense[1])
 
@@ -163,7 +169,7 @@ class ParamGrads:
         """An in-place op on a ChunkGrad: run on the chunk's slice (see the module docstring)."""
         target: ChunkGrad = args[0]
         manager = self.manager
-        if func in _SCALINGS and _is_one(args[1]):
+        if func in _SCALINGS and self._is_one(args[1]):
             return target
         if func is aten.zero_.default:
             manager.drop_grad(target.index, "zero_()")
@@ -183,9 +189,25 @@ class ParamGrads:
                 t = t.reshape(-1)[lo:hi] if sharded else t.reshape(piece.shape)
             return t.to(piece.device)
 
+        if func in _SCALINGS and not kwargs:  # (one per gradient in a clip loop: no tree walk)
+            func(piece, local(args[1]))
+            return target
         rest = pytree.tree_map(local, (args[1:], kwargs))
         func(piece, *rest[0], **rest[1])
         return target
+
+    def _is_one(self, factor: Any) -> bool:
+        """Whether a scaling factor is exactly 1. A 0-dim tensor is read once while it is unchanged: torch's clip
+        scales every gradient by one coefficient tensor, and a read per gradient would sync the device each time."""
+        if not isinstance(factor, torch.Tensor):
+            return isinstance(factor, (int, float)) and factor == 1
+        if factor.numel() != 1:
+            return False
+        known, version, value = self._last_factor
+        if known() is not factor or version != factor._version:
+            value = bool(factor.detach().cpu() == 1)
+            self._last_factor = (weakref.ref(factor), factor._version, value)
+        return value
 
     def _foreach(self, func, args: tuple, kwargs: dict) -> Any:
         """A foreach op over a list holding ChunkGrads: the plain tensors in one foreach call, each ChunkGrad by
@@ -237,10 +259,3 @@ class ParamGrads:
         total = local if math.isinf(ord_) or not ord_ else local.pow(1 / ord_)
         like = func(torch.empty(target.shape, dtype=target.dtype, device="meta"), *args[1:], **kwargs)
         return total.to(target.device, like.dtype)
-
-
-def _is_one(factor: Any) -> bool:
-    """Whether a scaling factor is exactly 1 (a 0-dim tensor is read: one sync)."""
-    if isinstance(factor, torch.Tensor):
-        return factor.numel() == 1 and bool(factor.detach().cpu() == 1)
-    return isinstance(factor, (int, float)) and factor == 1
