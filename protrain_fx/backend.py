@@ -745,7 +745,7 @@ class _Partitioner(CustomPartitionerFn):
         model, a loss after a graph break, has nothing to keep it alive: none there)."""
         record = self.record
         loop = self.guard.loop if self.guard is not None else None
-        if not (dumper or (loop is not None and not loop.done)) or roots.model is None:
+        if not (dumper or (loop is not None and loop.watches(record))) or roots.model is None:
             record.monitor = None
             return None
         hardware = record.costs.hardware if record.costs is not None else None

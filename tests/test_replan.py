@@ -26,7 +26,7 @@ from test_search_recorded import RECORDED
 import protrain_fx
 from protrain_fx import backend as backend_module
 from protrain_fx.debug.from_dump import read_dump
-from protrain_fx.planner.calibrate import Calibration, calibrated, replanned
+from protrain_fx.planner.calibrate import Calibration, Replan, calibrated, replanned
 from protrain_fx.planner.cost import Candidate
 from protrain_fx.planner.inputs import cost_model
 from protrain_fx.planner.search import plan_graph
@@ -62,14 +62,14 @@ def _llama() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def _host_weighing(monkeypatch, backend, params: int, share: float = HOST_SHARE) -> None:
+def _host_weighing(monkeypatch, backend, params: int) -> None:
     """The hardware profile the backend plans with: its host rates such that `params` parameters' update takes
-    `share` of the forward of the graph being planned."""
+    HOST_SHARE of the forward of the graph being planned."""
     real = backend_module.hardware_profile
 
     def hardware_profile(device):
         hardware = real(device)
-        seconds = share * backend.graphs[-1].profile.forward_s
+        seconds = HOST_SHARE * backend.graphs[-1].profile.forward_s
         return hardware.host_slower(seconds / (params * hardware.host_adam_s_per_param))
 
     monkeypatch.setattr(backend_module, "hardware_profile", hardware_profile)
@@ -171,20 +171,44 @@ def test_a_fully_forced_plan_is_never_replanned(monkeypatch):
     full = {"n_persist": 1, "n_buffer": 2, "n_swap": 0, "n_checkpoint": 0, "n_selective": 0}
     (ref_losses, *_), (losses, _, _, backend), plans = _eager_and_protrain({"plan": full}, steps=SWITCH_AT + 1)
     assert losses == ref_losses and all(p is plans[0] for p in plans)
-    assert backend.graphs[0].monitor is not None  # (measured, but nothing to search)
+    assert backend.graphs[0].monitor is None  # (nothing to search: nothing measured without a dump directory)
+
+
+def _switch_to(monkeypatch, fields: dict) -> None:
+    """The closed loop's search replaced by one that forces `fields` and calls the switch worth it: the chunks'
+    moves, whatever the cost model says."""
+    from protrain_fx.runtime import replan as replan_module
+
+    def replanned(costs, inputs, plan, forced):
+        chosen = plan_graph(costs, {**forced, **fields}, inputs.layout, inputs.capacity_bytes, inputs.host_bytes)
+        return Replan(chosen, plan, ranked_s=0.5, before_ranked_s=1.0, margin=0.05)
+
+    monkeypatch.setattr(replan_module, "replanned", replanned)
+
+
+def test_chunks_moved_to_the_host_train_on_like_eager(monkeypatch):
+    """Persistent chunks offloaded by a switch (their masters and AdamW states to the host), and the others kept:
+    bitwise eager's."""
+    _switch_to(monkeypatch, {"n_persist": 2, "n_buffer": 2})
+    (ref_losses, ref, ref_opt), (losses, model, opt, _), plans = _eager_and_protrain({})
+    assert losses == ref_losses
+    _assert_bitwise(ref, ref_opt, model, opt)
+    assert plans[0].n_persist == plans[0].n_chunk and plans[-1].n_persist == 2 == model_manager(model).n_persist
 
 
 PROFILED_ALPHA = 1.25  # as a profile on demand measures it (docs/limitations.md: 1.27 for a 5.5B model)
-# the search offloads under PROFILED_ALPHA; with training's α (about 1) it keeps every chunk persistent
-RANKS_GPU_BYTES = 4_600_000
+# every block keeps its activations: the chunks are the only lever, and memory (exact on the CPU) decides them
+KEEP_ACTIVATIONS = {"n_swap": 0, "n_checkpoint": 0, "n_selective": 0}
+# on two ranks, 3 of the 6 chunks fit under PROFILED_ALPHA, all of them with training's α (about 1): over 20% faster
+RANKS_GPU_BYTES = 6_800_000
 
 
 def _ranks_switch_alike(rank: int, world: int) -> None:
-    """On each rank a prepared model, profiled (on demand) with α PROFILED_ALPHA, and training's α 1.0 on rank 0,
-    1.05 on rank 1: both re-plan with the larger, to the same plan, and train as eager does (two ranks average
-    (g + g) / 2 = g exactly: bitwise)."""
-    import torch.distributed as dist
-
+    """Two cases on the same ranks, each trained as eager does (two ranks average (g + g) / 2 = g exactly: bitwise)
+    and ending with the same plans on both. A prepared model, profiled (on demand) with α PROFILED_ALPHA, and
+    training's α 1.0 on rank 0, 1.05 on rank 1: both re-plan with the larger, keeping more chunks persistent
+    (gathered from both ranks' shards). Then a model whose chunks are all persistent switched to offloading some
+    (each rank keeps its shard)."""
     from protrain_fx.runtime import replan as replan_module
 
     real = backend_module.cost_model
@@ -193,21 +217,36 @@ def _ranks_switch_alike(rank: int, world: int) -> None:
     )
     trained = mock.patch.object(replan_module, "calibration_of", lambda report: Calibration(alpha=1.0 + 0.05 * rank))
     with profiled, trained:
-        ref = _llama()
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-        model = protrain_fx.prepare(copy.deepcopy(ref), device="cpu")
-        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        options = {"executor": "eager", "gpu_memory_bytes": RANKS_GPU_BYTES}
-        backend = protrain_fx.ProTrainBackend(options)
-        plans = []
-        losses = _train(torch.compile(model, backend=backend, dynamic=False), opt, STEPS, plans)
+        options = {"gpu_memory_bytes": RANKS_GPU_BYTES, "plan": KEEP_ACTIVATIONS}
+        first, last = _ranks_train(rank, world, options, prepared=True)
+    assert last.n_persist > first.n_persist, f"rank {rank}: {first} then {last}"
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _switch_to(monkeypatch, {"n_persist": 2, "n_buffer": 2})
+        first, last = _ranks_train(rank, world, {})
+    assert first.n_persist == first.n_chunk and last.n_persist == 2, f"rank {rank}: {first} then {last}"
+
+
+def _ranks_train(rank: int, world: int, options: dict, *, prepared: bool = False):
+    """Train eagerly and through the backend (the model `prepare`d first, where asked); check that both end alike
+    and that the ranks' plans agree; (first plan, last plan)."""
+    import torch.distributed as dist
+
+    ref = _llama()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    model = copy.deepcopy(ref)
+    if prepared:
+        model = protrain_fx.prepare(model, device="cpu")
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", **options})
+    plans = []
+    losses = _train(torch.compile(model, backend=backend, dynamic=False), opt, STEPS, plans)
     assert losses == _train(ref, ref_opt, STEPS), f"rank {rank}"
     _assert_bitwise(ref, ref_opt, model, opt)
-    first, last = plans[0], plans[-1]
-    assert last.n_persist > first.n_persist, f"rank {rank}: {first} then {last}"
     everyone = [None] * world
-    dist.all_gather_object(everyone, (first.to_json(), last.to_json()))
+    dist.all_gather_object(everyone, (plans[0].to_json(), plans[-1].to_json()))
     assert everyone[0] == everyone[1], f"rank {rank}: the ranks planned apart"
+    return plans[0], plans[-1]
 
 
 def test_ranks_replan_alike():

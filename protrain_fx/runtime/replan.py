@@ -61,6 +61,14 @@ class ClosedLoop:
     done: bool = False
     switched: bool = False
 
+    def watches(self, record) -> bool:
+        """Whether the graph needs its steps measured: the loop is not done, and its plan has fields left to search
+        (a plan with every field forced is done at once)."""
+        if self.done or record.costs is None or record.planning is None:
+            return False
+        self.done = not searches(record.costs, record.planning.forced, record.planning.layout)
+        return not self.done
+
     def due(self, monitor) -> bool:
         """Whether the graph's monitor has measured its steps and the loop is not done."""
         return not self.done and monitor is not None and monitor.report is not None
