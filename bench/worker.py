@@ -110,7 +110,8 @@ def wrap(
     if system == "protrain":
         return torch.compile(model, backend="protrain", options=options)  # everything searched
     if system == "protrain-chunks":  # model states in chunks (protrain_fx.optim.AdamW), plan forced by --plan
-        return torch.compile(model, backend="protrain", options={"plan": plan or {}, **options})
+        # (measured as planned: the closed loop's re-plan would switch plans in the timed steps)
+        return torch.compile(model, backend="protrain", options={"plan": plan or {}, "replan": "off", **options})
     if system in ("compile", "compile-amp"):
         return torch.compile(model)
     if system == "eager" or system in FSDP2_SYSTEMS or system in DEEPSPEED_SYSTEMS:

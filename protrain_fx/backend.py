@@ -52,6 +52,7 @@ from protrain_fx.config import ProTrainConfig
 from protrain_fx.debug.dump import GRAPHS_FILE, PLANNING_FILE, Dumper
 from protrain_fx.distributed import least_on_every_rank
 from protrain_fx.passes.pipeline import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, PassContext, run_passes
+from protrain_fx.planner.calibrate import calibrated
 from protrain_fx.planner.cost import Candidate, CostModel, swap_interval
 from protrain_fx.planner.inputs import PlanningInputs, cost_model, retimed, settled
 from protrain_fx.planner.plan import (
@@ -81,9 +82,10 @@ from protrain_fx.runtime.adopt import (
     wants_chunks,
 )
 from protrain_fx.runtime.chunks import MANAGER_ATTR
-from protrain_fx.runtime.monitor import StepMonitor
-from protrain_fx.runtime.oom import Replanning, device_state, first_line
+from protrain_fx.runtime.monitor import REPORT_FILE, StepMonitor
+from protrain_fx.runtime.oom import Replanning, device_state, first_line, plan_summary
 from protrain_fx.runtime.ops import register_inductor_lowering
+from protrain_fx.runtime.replan import REPLAN_FILE, REPLANNED_REPORT, ClosedLoop, moves_chunks
 from protrain_fx.runtime.swap import SwapSpace
 
 log = logging.getLogger(__name__)
@@ -106,13 +108,15 @@ class GraphRecord:
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
     swap: Any = None  # the SwapSpace of its swapped activations (runtime/swap.py), None when no block swaps
-    monitor: Any = None  # its StepMonitor (runtime/monitor.py), with a dump directory only
+    monitor: Any = None  # its StepMonitor (runtime/monitor.py): with a dump directory, or to re-plan it
     capacity: int | None = None  # the GPU bytes its plan was searched under (None: not budgeted, on the CPU)
     model: Any = None  # weak reference to the model whose graph it is
     manager: Any = None  # weak reference to the model's ChunkManager, None when not chunked
     grad_source: int | None = None  # its frame's id for the ChunkManager (ChunkManager.grad_source)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of profile, hardware, search
     planning: PlanningInputs | None = None  # the planner's inputs besides the profile (a dump's planning.json)
+    dumper: Any = None  # its Dumper (debug/dump.py), where dumped: a re-plan's files go beside the first plan's
+    key: object = dataclasses.field(default_factory=object, repr=False)  # the graph's, among those reading chunks
 
 
 def check_torch_version(version: str = torch.__version__) -> None:
@@ -190,12 +194,17 @@ class ProTrainBackend:
 
 class _Guarded:
     """What Dynamo runs for one training graph: the compiled graph, whose out-of-memory errors name the plan
-    or, under on_oom="replan", re-plan it (the table in runtime/oom.py)."""
+    or, under on_oom="replan", re-plan it (the table in runtime/oom.py), and which re-plans it once from what its
+    first steps measured, under replan="on" (runtime/replan.py)."""
 
     def __init__(self, backend: ProTrainBackend, gm: fx.GraphModule, example_inputs: Sequence[Any], record):
         self.backend, self.gm, self.record = backend, gm, record
         self.device = _device_of(example_inputs)
         self.replanning = Replanning(backend.config, self.device)
+        self.loop = ClosedLoop(self.device) if backend.config.replan == "on" else None
+        self.switching: tuple[Plan, CostModel] | None = None  # the plan and cost model the compile puts in force
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        self.graph_break = reason is not None and reason.graph_break
         # where each input comes from (capture.py reads it), which Dynamo deletes once the graph is compiled
         self.graphargs = {n: n.meta["grapharg"] for n in gm.graph.find_nodes(op="placeholder") if "grapharg" in n.meta}
         self.compiled = backend.compile(gm, example_inputs, record, self)
@@ -203,6 +212,8 @@ class _Guarded:
     def __call__(self, *args):
         if self.replanning.due:  # (a backward ran out of memory)
             self._recompile(args, "backward", "", "(in the last step)")
+        if self.loop is not None and self.loop.due(self.record.monitor):
+            self._close_loop(args)
         while True:
             try:
                 return self.compiled(*args)
@@ -276,6 +287,63 @@ class _Guarded:
         model's chunks as built, only the activation fields change. `where`, `state`, `cause`: of the out-of-memory
         error that asked for it, for the error if no plan fits."""
         self.replanning.due = False
+        try:
+            self._compile_again(args)
+        except NoPlanFits as error:
+            why = f"re-planned under {self.replanning.config.gpu_memory_bytes} bytes, where {error}"
+            raise self._error(where, state, cause, why=why) from None
+        log.warning("graph %d re-planned:\n%s", self.record.index, self.record.plan)
+
+    def _close_loop(self, args: Sequence[Any]) -> None:
+        """The closed loop (runtime/replan.py): where the calibrated search's plan is enough faster, the model's
+        chunks placed again for it where its chunk fields differ, and the graph compiled again with it."""
+        record, manager = self.record, self._manager()
+        replan = self.loop.decide(record, manager, self._chunks_may_move(manager))
+        if replan is None:
+            if self.loop.done:
+                self._dump_replan()
+            return
+        before = record.plan
+        if manager is not None and moves_chunks(replan.plan, manager):
+            plan = replan.plan
+            if not manager.place_again(plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots):
+                self.loop.switched = False
+                self._dump_replan()
+                return
+        self.switching = (replan.plan, self.loop.costs)
+        try:
+            self._compile_again(args)
+        finally:
+            self.switching = None
+        self._dump_replan()
+        log.warning(
+            "graph %d re-planned from what training measured (%s): the calibrated search's plan is predicted at "
+            "%.2f ms a step (%.2f ms as ranked), the plan in force at %.2f ms (%.2f ms as ranked): %.1f%% faster, "
+            "over the %.1f%% a switch needs\nbefore: %s\nafter:  %s\n%s",
+            record.index,
+            self.loop.calibration,
+            replan.plan.predicted_step_s * 1e3,
+            replan.ranked_s * 1e3,
+            replan.before.predicted_step_s * 1e3,
+            replan.before_ranked_s * 1e3,
+            replan.gain * 100,
+            replan.margin * 100,
+            plan_summary(before),
+            plan_summary(record.plan),
+            record.plan,
+        )
+
+    def _chunks_may_move(self, manager) -> bool:
+        """Whether a re-plan may place the model's chunks again: this graph is the only compiled graph reading them,
+        and ends in no graph break (the other graphs, and the Python after a break, read them where they are)."""
+        return manager is not None and not self.graph_break and manager.graphs_reading == {self.record.key}
+
+    def _dump_replan(self) -> None:
+        if self.record.dumper is not None:
+            self.record.dumper.write_json(REPLAN_FILE, self.loop.to_json())
+
+    def _compile_again(self, args: Sequence[Any]) -> None:
+        """The graph compiled again from its stored profile (its swap space and monitor made anew)."""
         record = self.record
         model = record.model() if record.model is not None else None
         if model is not None:  # its swap space and monitor go (the ops hold them weakly: the model keeps them)
@@ -287,12 +355,7 @@ class _Guarded:
             torch.cuda.empty_cache()
         for node, grapharg in self.graphargs.items():
             node.meta.setdefault("grapharg", grapharg)
-        try:
-            self.compiled = self.backend.compile(self.gm, args, record, self)
-        except NoPlanFits as error:
-            why = f"re-planned under {self.replanning.config.gpu_memory_bytes} bytes, where {error}"
-            raise self._error(where, state, cause, why=why) from None
-        log.warning("graph %d re-planned:\n%s", record.index, record.plan)
+        self.compiled = self.backend.compile(self.gm, args, record, self)
 
 
 def _pin_to_frame_modules(dynamo_gm: fx.GraphModule, roots: FrameRoots) -> None:
@@ -409,7 +472,7 @@ class _InferencePasses:
         _pin_to_frame_modules(self.dynamo_gm, roots)
         record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, gm, roots)
         check_params_managed(self.manager, record.param_map, self.example_inputs)
-        self.manager.note_read_by_graph(self.example_inputs[e.index] for e in record.param_map.values())
+        self.manager.note_read_by_graph((self.example_inputs[e.index] for e in record.param_map.values()), record.key)
         plans = roots.model.__dict__.get(PLANS_ATTR) if roots.model is not None else None
         record.plan = plans[-1][1] if plans else None  # (the training plan in force, for plan_of and the dump)
         dumper = Dumper(self.config.dump_dir) if self.config.dump_dir else None
@@ -500,7 +563,9 @@ class _Partitioner(CustomPartitionerFn):
         record = self.record
         assert record is not None, f"the partitioner of {joint} ran after its compile was done"
         roots = self._capture(joint)
-        dumper = Dumper(self.config.dump_dir) if self.config.dump_dir else None
+        switching = self.guard is not None and self.guard.switching is not None  # (a re-plan: runtime/replan.py)
+        dumper = Dumper(self.config.dump_dir) if self.config.dump_dir and not switching else record.dumper
+        record.dumper = dumper
         if dumper:
             dumper.write_text("joint.py", joint.print_readable(print_output=False))
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
@@ -512,7 +577,7 @@ class _Partitioner(CustomPartitionerFn):
         if record.profile is None:  # (a re-plan after running out of memory reuses the graph's profile)
             self._profile(joint, fw, bw, params, manager, device)
         manager = self._plan_and_chunks(roots, params, manager, device, bw)
-        if dumper:
+        if dumper and not switching:  # (a re-plan's plan goes to replan.json, beside the first)
             _dump_plan(dumper, record, fw, bw)
         if self.explain and manager is None:
             record.forward, record.backward = fw, bw
@@ -598,7 +663,10 @@ class _Partitioner(CustomPartitionerFn):
             if manager is not None:
                 forced = plan_fields_of(manager, forced)
             layout = manager.layout if manager else None
-            record.plan = self._plan(forced, layout, device, bw, roots.model, manager)
+            if self.guard is not None and self.guard.switching is not None:  # (placed for it: runtime/replan.py)
+                record.plan, record.costs = self.guard.switching
+            else:
+                record.plan = self._plan(forced, layout, device, bw, roots.model, manager)
             if manager is not None and manager.pending_plan is not None and params:
                 place_chunks(manager, record.plan)
         log.info(
@@ -611,7 +679,7 @@ class _Partitioner(CustomPartitionerFn):
         record.manager = weakref.ref(manager) if manager is not None else None
         if manager is not None and params:  # (the latest plan of the model's graphs decides)
             manager.n_clip_overlap = record.plan.n_clip_overlap
-            manager.note_read_by_graph(params)
+            manager.note_read_by_graph(params, record.key)
         if roots.model is not None and params and not self.explain:
             _warn_if_reshaped(roots.model, record, self.example_inputs)
             roots.model.__dict__.setdefault(PLANS_ATTR, []).append((len(params), record.plan))
@@ -673,10 +741,11 @@ class _Partitioner(CustomPartitionerFn):
         return fw, bw
 
     def _monitor(self, roots: FrameRoots, manager, device: torch.device, dumper) -> StepMonitor | None:
-        """The step monitor of a dumped model's graph (a graph of no model, a loss after a graph break, has
-        nothing to keep it alive: none there)."""
+        """The step monitor of a model's graph that is dumped, or that the closed loop will re-plan (a graph of no
+        model, a loss after a graph break, has nothing to keep it alive: none there)."""
         record = self.record
-        if not dumper or roots.model is None:
+        loop = self.guard.loop if self.guard is not None else None
+        if not (dumper or (loop is not None and loop.watches(record))) or roots.model is None:
             record.monitor = None
             return None
         hardware = record.costs.hardware if record.costs is not None else None
@@ -685,7 +754,10 @@ class _Partitioner(CustomPartitionerFn):
             if record.costs is not None and record.planning is not None
             else None
         )
-        record.monitor = StepMonitor(device, record.plan, dumper, manager=manager, hardware=hardware, retime=retime)
+        report = REPLANNED_REPORT if loop is not None and loop.switched else REPORT_FILE
+        record.monitor = StepMonitor(
+            device, record.plan, dumper, manager=manager, hardware=hardware, retime=retime, report_file=report
+        )
         return record.monitor
 
     def _build_chunks(self, model: nn.Module, layout, device: torch.device, bw: fx.GraphModule):
@@ -750,6 +822,9 @@ class _Partitioner(CustomPartitionerFn):
             inputs, swap_interval=interval, other_bytes=max(0, record.profile.baseline_bytes - held), updates_wait=waits
         )
         costs = settled(costs, inputs)
+        loop = self.guard.loop if self.guard is not None else None
+        if loop is not None and loop.calibration is not None:  # (a later re-plan, out of memory, as training measured)
+            costs = calibrated(costs, loop.calibration)
         record.costs = costs
         start = time.perf_counter()
         host = self.config.host_memory_bytes or host_capacity(device)

@@ -16,6 +16,7 @@ from protrain_fx.planner.plan import check_forced_fields
 EXECUTORS = ("inductor", "eager")
 MIN_MEMORY_BYTES = 2**16  # a memory option below this is a mistake (GiB given as bytes, say), not a budget
 ON_OOM = ("raise", "replan")
+REPLAN = ("on", "off")
 DUMP_DIR_ENV = "PROTRAIN_DUMP_DIR"
 CACHE_DIR_ENV = "PROTRAIN_CACHE_DIR"
 
@@ -44,6 +45,10 @@ class ProTrainConfig:
     dump_dir: where graphs, profiles, maps and plans are written (default: $PROTRAIN_DUMP_DIR, else nothing).
     on_oom: what a CUDA out-of-memory error in a step does (runtime/oom.py): "raise" an error that names the plan
         and what to do, or "replan" under a lower capacity and go on.
+    replan: "on" re-plans each training graph once from what its first measured steps show (runtime/replan.py:
+        the cost model calibrated to training's host AdamW rate and memory fragmentation, the search run again,
+        and a plan predicted faster by more than the switch's margin put in force between two steps); "off"
+        keeps the first plan. A plan with every field forced is never re-planned.
     """
 
     executor: str = "inductor"
@@ -52,6 +57,7 @@ class ProTrainConfig:
     host_memory_bytes: int | None = None
     dump_dir: str | None = None
     on_oom: str = "raise"
+    replan: str = "on"
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | ProTrainConfig | None) -> ProTrainConfig:
@@ -76,6 +82,8 @@ class ProTrainConfig:
             raise ValueError(f"option 'executor' must be one of {list(EXECUTORS)}, got {self.executor!r}")
         if self.on_oom not in ON_OOM:
             raise ValueError(f"option 'on_oom' must be one of {list(ON_OOM)}, got {self.on_oom!r}")
+        if self.replan not in REPLAN:
+            raise ValueError(f"option 'replan' must be one of {list(REPLAN)}, got {self.replan!r}")
         for name in ("gpu_memory_bytes", "host_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):

@@ -1,5 +1,6 @@
 """What every stage needs of torch.distributed: this rank and the world size, collectives that name themselves
-when a peer is gone, the check that every rank builds the same chunks, and the least of a value on any rank.
+when a peer is gone, the check that every rank builds the same chunks, and the least or most of a value on any
+rank.
 
 Below the profiler, the planner and the runtime, which all read it; it imports none of them (the chunk
 layout only as a type).
@@ -84,3 +85,16 @@ def least_on_every_rank(values: list[int | None], device: torch.device) -> list[
             dist.all_reduce(mine, op=dist.ReduceOp.MIN)
         least = mine.tolist()  # (a device-to-host copy: out of a fake mode, as planning inside the partitioner is)
     return [None if v == unset else v for v in least]
+
+
+def most_on_every_rank(values: list[float], device: torch.device) -> list[float]:
+    """Each of `values` as the largest any rank has (float64), so that every rank decides from the same numbers."""
+    _, world_size = rank_and_world_size()
+    if world_size == 1:
+        return values
+    with real_tensors():
+        where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        mine = torch.tensor(values, dtype=torch.float64, device=where)
+        with across_ranks("the all-reduce of the scales training measured"):
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return mine.tolist()

@@ -1,8 +1,10 @@
 """StepMonitor: measured step time and peak memory of a compiled graph, set beside the plan's predictions.
 
-With a dump directory, the forward graph starts with `protrain.step_mark(monitor, x)`: each call is one training
-step's start. After `warmup` steps it starts measuring (the peak memory counter is reset then), and after
-`steps` more it writes `predicted_vs_measured.json` next to `plan.json`: the predicted and measured step time
+A training graph's forward starts with `protrain.step_mark(monitor, x)` (with a dump directory, or where the closed
+loop re-plans it: runtime/replan.py): each call is one training step's start. After `warmup` steps it starts
+measuring (CUDA's peak memory counters are reset then), and after `steps` more it keeps its `report` (for the
+closed loop) and, with a dump directory, writes it as `predicted_vs_measured.json` next to `plan.json` (after a
+re-plan `replanned_vs_measured.json`, next to `replan.json`): the predicted and measured step time
 (the median time between forward starts, on CUDA by events on the compute stream), peak allocated bytes and peak
 reserved bytes (CUDA only; the CPU has no allocator to ask), with their relative errors. The step time of a model
 whose gradients are clipped (`protrain_fx.clip_grad_norm_`) is set beside the plan's `predicted_clipped_step_s`,
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 2  # steps before measuring (compile, first-use costs)
 MEASURED_STEPS = 5
+REPORT_FILE = "predicted_vs_measured.json"
 # the host AdamW in training may run this much faster than the hardware profile's figure alone, or slower than
 # its figure beside copies both ways, before the profile is suspect (the host's rate varies between runs on one
 # machine, so a tighter bound would warn of ordinary runs)
@@ -58,14 +61,17 @@ class StepMonitor:
         retime: Callable[[HardwareProfile], Plan] | None = None,
         warmup: int = WARMUP_STEPS,
         steps: int = MEASURED_STEPS,
+        report_file: str = REPORT_FILE,
     ):
-        """`manager`: the model's ChunkManager (held weakly), whose host updates are timed; `hardware`: the
-        profile the plan was timed with; `retime`: the plan timed again on another hardware profile."""
+        """`dumper`: where the report is written (None: kept only); `manager`: the model's ChunkManager (held
+        weakly), whose host updates are timed; `hardware`: the profile the plan was timed with; `retime`: the plan
+        timed again on another hardware profile."""
         self.device = torch.device(device)
         self.plan, self.dumper, self.hardware, self.retime = plan, dumper, hardware, retime
         self.manager = weakref.ref(manager) if manager is not None else lambda: None
-        self.warmup, self.steps = warmup, steps
+        self.warmup, self.steps, self.report_file = warmup, steps, report_file
         self.marks: list = []
+        self.report: dict | None = None  # what the measured steps showed, once they are over
         self.handle = ops.register(self)
 
     def mark(self) -> None:
@@ -129,7 +135,9 @@ class StepMonitor:
             at_host = again.predicted_clipped_step_s if clipped else again.predicted_step_s
             report["predicted_step_s_at_measured_host"] = at_host
             report["step_error_at_measured_host"] = error(at_host, step_s)
-        self.dumper.write_json("predicted_vs_measured.json", report)
+        self.report = report
+        if self.dumper:
+            self.dumper.write_json(self.report_file, report)
         log.info("predicted vs measured: %s", report)
 
     def _host_adam(self) -> dict:

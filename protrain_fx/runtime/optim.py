@@ -486,6 +486,31 @@ class AdamW(torch.optim.Optimizer):
                 }
         return out
 
+    @torch.no_grad()
+    def chunk_states(self, manager, chunk: int) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """The AdamW states of a chunk's parameters that have any, whole (parameter-shaped, on the CPU; a sharded
+        chunk's gathered from every rank's pieces, a collective), for `ChunkManager.place_again`, which moves the
+        chunk: its inner optimizer and kept snapshot are dropped (they view the storage it leaves)."""
+        manager.wait_for_update(chunk)
+        inner = self._inner.pop((id(manager), chunk), None)
+        self._snapshots.pop((id(manager), chunk), None)
+        if manager.is_sharded(chunk):
+            return _gathered_chunk_states(manager, chunk, inner)
+        found = {}
+        for view in (v for group in inner.param_groups for v in group["params"]) if inner is not None else ():
+            st = inner.state.get(view)
+            if st:
+                found[inner.param_of[id(view)]] = _full_state(st, inner.param_of[id(view)])
+        return found
+
+    def adopt_chunk_states(self, manager, chunk: int, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """A moved chunk's states (`chunk_states`) where it steps now: its inner optimizer, over the chunk's new
+        storage, built with them (this rank's pieces)."""
+        self._loaded.update({id(p): st for p, st in states.items()})
+        self._inner_for(manager, chunk)
+        for p in states:  # (a parameter of which this rank holds no piece)
+            self._loaded.pop(id(p), None)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state from `state_dict()` (or from `torch.optim.AdamW.state_dict()` with the same param groups)."""
         groups = state_dict["param_groups"]
@@ -645,6 +670,32 @@ def _check_adamw(optimizer) -> None:
             f"protrain_fx.amp.GradScaler steps a protrain_fx.optim.AdamW, got {type(optimizer).__name__}; "
             "use torch.amp.GradScaler for other optimizers"
         )
+
+
+def _gathered_chunk_states(manager, chunk: int, inner: torch.optim.AdamW | None) -> dict[nn.Parameter, dict]:
+    """`AdamW.chunk_states` of a sharded chunk: every rank's pieces of each parameter's states gathered (a
+    collective), each with its own step; a parameter no rank has a state of gets none."""
+    indices = [i for i, slot in enumerate(manager.slots) if slot.chunk == chunk]
+    flat = {k: torch.zeros(manager.layout.shard_elems, dtype=manager.master_dtype) for k in ("exp_avg", "exp_avg_sq")}
+    steps = torch.full((len(indices),), -1.0)  # (-1: no state on this rank)
+    pieces = {i: (start, end) for i, start, end, _ in manager.param_pieces(chunk)}
+    for view in (v for group in inner.param_groups for v in group["params"]) if inner is not None else ():
+        st = inner.state.get(view)
+        if st:
+            i = manager.index[id(inner.param_of[id(view)])]
+            start, end = pieces[i]
+            for k in flat:
+                flat[k][start:end] = st[k].reshape(-1).cpu()
+            steps[indices.index(i)] = st["step"].cpu()
+    full = {k: manager.gather_shards(v) for k, v in flat.items()}
+    steps = manager.gather_shards(steps).view(manager.world_size, -1).amax(0)
+    out = {}
+    for k, i in enumerate(indices):
+        if steps[k] >= 0:
+            p, slot = manager.params[i], manager.slots[i]
+            whole = {key: v[slot.offset : slot.offset + slot.numel].view(p.shape).clone() for key, v in full.items()}
+            out[p] = {"step": steps[k].clone(), **whole}
+    return out
 
 
 def _full_state(st: dict, p: nn.Parameter) -> dict:

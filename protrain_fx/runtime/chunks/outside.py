@@ -5,7 +5,8 @@ is sharded), writes into them (`load_param`; in-place writes into persistent par
 `_take_outside_writes`), and offloaded parameters lent storage of their own for a forward that Python runs
 (`lend`, `take_back`).
 
-State it owns: `read_by_graphs` (parameters some compiled graph reads), `_lent` (offloaded parameters holding values
+State it owns: `read_by_graphs` (parameters some compiled graph reads), `graphs_reading` (which graphs: where more
+than one does, a re-plan keeps the chunks where they are), `_lent` (offloaded parameters holding values
 for a forward outside the graphs -> whether the backward may still read them), `_param_versions` (the persistent
 parameters' versions as the runtime left them).
 """
@@ -26,6 +27,7 @@ class OutsideMixin:
 
     def _init_outside(self) -> None:
         self.read_by_graphs: set[int] = set()  # parameters some compiled graph reads (`note_read_by_graph`)
+        self.graphs_reading: set[object] = set()  # the keys of the compiled graphs reading them (GraphRecord.key)
         self._lent: dict[int, bool] = {}  # offloaded parameters given their values for a forward outside the graphs
 
     def _persistent_versions(self) -> dict[int, int]:
@@ -57,9 +59,12 @@ class OutsideMixin:
         flat = self.full_values(slot.chunk) if self.world_size > 1 else self.master[slot.chunk]
         return flat[a:b].to(self.device, self.dtype).view(self.params[i].shape)
 
-    def note_read_by_graph(self, params) -> None:
-        """A compiled graph reads these parameters (it gathers the offloaded ones itself)."""
-        self.read_by_graphs.update(self.index[id(p)] for p in params if self.holds(p))
+    def note_read_by_graph(self, params, graph: object = None) -> None:
+        """A compiled graph (its key: `graph`) reads these parameters (it gathers the offloaded ones itself)."""
+        read = {self.index[id(p)] for p in params if self.holds(p)}
+        self.read_by_graphs.update(read)
+        if read and graph is not None:
+            self.graphs_reading.add(graph)
 
     def lend_to_python(self, indices: Sequence[int], *, for_backward: bool) -> None:
         """A compiled forward ends inside these parameters' modules, whose forward Python goes on with: those no

@@ -4,6 +4,8 @@ At construction `_adopt` moves every parameter's values into its chunk (an offlo
 chunks' device, not its storage). A manager built by `protrain_fx.prepare` without `n_persist` is pending
 (`pending_plan`: the plan fields forced so far): every chunk is offloaded, each master shard in host memory of its
 own, until the first compile's plan `place`s the chunks, rebuilding the storage (`_build`) around the same masters.
+A trained manager's chunks are placed again by a re-plan (`place_again`, runtime/replan.py), between two steps:
+those that change side move with their AdamW states; the others keep their storage.
 
 State it owns: `pending_plan` (None once placed).
 """
@@ -16,8 +18,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from protrain_fx.distributed import check_ranks_agree
+from protrain_fx.distributed import check_ranks_agree, most_on_every_rank
+from protrain_fx.planner.plan import HOST_STATES
 from protrain_fx.progress import progress
+from protrain_fx.runtime import chunks as package
 from protrain_fx.runtime.chunks.common import LOADED_MASTER_ATTR
 
 log = logging.getLogger(__name__)
@@ -77,6 +81,102 @@ class PlacementMixin:
                     self.params[i].data = self.flat[c][a:b].view(self.params[i].shape)
         self._param_versions = self._persistent_versions()
         log.info("chunks placed by the plan: %d of %d persistent, %d buffers", n_persist, n, self.n_buffer)
+
+    @property
+    def between_steps(self) -> bool:
+        """No step under way (where `place_again` may move chunks): no gradient held or in flight, no update of
+        this step started (the last step's host updates may still run: `place_again` waits for them), no chunk in
+        use by a graph, no parameter lent."""
+        busy = (self.has_grad, self.in_window, self._stepped, self._speculative, self._in_flight, self._unreduced)
+        return not any(busy) and not self._in_use and not self._lent and not self.step_lost
+
+    def place_again(self, n_persist: int, n_buffer: int, grad_slots: int | None, device_grad_slots: int | None) -> bool:
+        """Put a trained manager's chunks where a new plan says, between two steps (`between_steps`; every rank
+        calls it: collectives). Chunks that become persistent go to the device (a sharded one gathered from every
+        rank's shard), those that become offloaded to the host (this rank's shard), each with its masters and AdamW
+        states bitwise as they were; the others keep their storage, and the host gradient shards are taken again
+        before new ones (what they and the masters of chunks now persistent held of the host stays allocated).
+        Returns False, with nothing changed on any rank, where a rank's host has no room for what it adds."""
+        n = self.layout.n_chunk
+        n_buffer = n_buffer if n_persist < n else 0
+        assert self.pending_plan is None and self.between_steps, "chunks placed again during a step"
+        if not 0 <= n_persist <= n or (n_persist < n and n_buffer < 1):
+            raise ValueError(f"plan n_persist={n_persist}, n_buffer={n_buffer} for {n} chunks")
+        check_ranks_agree(self.layout, n_persist, n_buffer)
+        self.wait_for_update()
+        if self.device.type == "cuda":  # (copies and updates on the side streams are done)
+            torch.cuda.synchronize(self.device)
+        old = self.n_persist
+        up, down = list(range(old, n_persist)), list(range(n_persist, old))
+        slots = n - n_persist if grad_slots is None else grad_slots
+        if max(most_on_every_rank([0.0 if self._host_room(down, slots) else 1.0], self.device)):
+            return False
+        states = {c: self._chunk_states(c) for c in up + down}  # (a collective where sharded)
+        lo, hi = self._shard_bounds()
+        with torch.no_grad():
+            values = {c: self.gather_shards(self.master[c]) if self.is_sharded(c) else self.master[c] for c in up}
+            masters = {c: self.master[c] for c in range(max(old, n_persist), n)}
+            masters.update({c: self.master[c][lo:hi].to("cpu", copy=True) for c in down})
+        kept = {c: (self.flat[c], self.master[c]) for c in range(min(old, n_persist))}
+        reused = list(self.host_grads.owned)
+        self._drop_device_storage()
+        self.n_persist, self.n_buffer = n_persist, n_buffer
+        self._n_reduce_buffers = self._reduce_buffer_count()
+        self._build(grad_slots, device_grad_slots, masters=masters, kept=kept, reused=reused)
+        with torch.no_grad():
+            for c in up:
+                self.master[c].copy_(values.pop(c))
+                if self.flat[c] is not self.master[c]:
+                    self.flat[c].copy_(self.master[c])
+        self._repoint_params(up, down)
+        for c, (owner, moved) in states.items():
+            if owner is not None:
+                owner.adopt_chunk_states(self, c, moved)
+        log.info("chunks placed again: %d of %d persistent (was %d), %d buffers", n_persist, n, old, self.n_buffer)
+        return True
+
+    def _host_room(self, down: list[int], slots: int) -> bool:
+        """Whether the host has room for what `place_again` adds: the masters and AdamW states of the chunks it
+        offloads, and the gradient shards beyond those it takes again."""
+        added = HOST_STATES * len(down) + max(0, slots - len(self.host_grads.owned))
+        try:
+            package.check_host_memory(
+                added * self.layout.shard_elems * self.master_bytes, "re-placed chunks", "masters", "keep the plan"
+            )
+        except ValueError as error:
+            log.warning("the chunks stay where they are: %s", error)
+            return False
+        return True
+
+    def _chunk_states(self, chunk: int):
+        """(its optimizer, its parameters' AdamW states whole) of a chunk about to move; (None, {}) where no
+        protrain AdamW steps it."""
+        owner = self.optimizer_of(chunk)
+        return (owner, owner.chunk_states(self, chunk)) if owner is not None else (None, {})
+
+    def _drop_device_storage(self) -> None:
+        """Let go of what `_build` makes again and holds nothing between steps: the chunk buffers, the landing
+        shard, the reduce buffers and the persistent chunks' gradient buffers (so the device holds both plans'
+        chunks at once, not their buffers too)."""
+        self.buffers, self._landing, self._resident, self._released = [], None, {}, []
+        self._reduce_buffers, self._reduce_shards, self._reduce_read, self._next_reduce = [], [], [], 0
+        self.grad = {}
+        self.device_grads = None
+        self.staging = None
+
+    def _repoint_params(self, up: list[int], down: list[int]) -> None:
+        """The parameters of chunks now persistent view their flat chunk; those of chunks now offloaded hold no
+        storage (their shape stays, on the chunks' device)."""
+        for c in up:
+            for i in self._chunk_params[c]:
+                a, b = self._slot_range(self.slots[i])
+                self.params[i].data = self.flat[c][a:b].view(self.params[i].shape)
+        for c in down:
+            for i in self._chunk_params[c]:
+                p = self.params[i]
+                p.data = torch.empty(p.shape, dtype=self.dtype, device=self.device)
+                p.untyped_storage().resize_(0)
+        self._param_versions = self._persistent_versions()
 
     @property
     def pending_host_bytes(self) -> int:

@@ -1,6 +1,6 @@
 """StorageMixin: the chunks' memory, and where each parameter sits in it.
 
-State it owns (made by `_build`, again by `place`):
+State it owns (made by `_build`, again by `place` and `place_again`):
 - `flat`: persistent chunk -> its parameters, one flat compute-dtype tensor on the device (the parameters view it);
 - `master`: chunk -> its master (persistent: the whole chunk on the device, `flat` itself where the parameters are
   their own master; offloaded: this rank's shard on the host, in `arena` or, for a pending manager, on its own);
@@ -47,16 +47,21 @@ class StorageMixin:
         grad_slots: int | None,
         device_grad_slots: int | None,
         masters: dict[int, torch.Tensor] | None = None,
+        *,
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        reused: Sequence[torch.Tensor] = (),
     ) -> None:
         """The chunks' storage, zero-filled, for `n_persist` and `n_buffer`; `masters`: the offloaded chunks' host
-        master shards, already filled (`place`), pinned here."""
+        master shards, already filled (`place`, `place_again`), pinned here where they are not yet. `kept`:
+        persistent chunk -> its (flat, master) kept as they are; `reused`: host gradient shards taken again before
+        new ones (`place_again`, which checked the host for what it adds)."""
         self.flat: dict[int, torch.Tensor] = {}  # persistent: chunk -> device params
         self.master: dict[int, torch.Tensor] = {}  # chunk -> fp32 master (device: whole chunk; host: shard)
         self.grad: dict[int, torch.Tensor] = {}  # chunk -> fp32 gradient (device: whole chunk; host: shard)
         self.staging: torch.Tensor | None = None  # host fp32 shard a second gradient of one step lands in
-        self._build_persistent()
+        self._build_persistent(kept or {})
         self._build_device_grads(device_grad_slots)
-        self._build_host(grad_slots, masters)
+        self._build_host(grad_slots, masters, reused)
         self._build_buffers()
         self._build_reduce()
         self._build_updates()
@@ -75,10 +80,13 @@ class StorageMixin:
             "; placed by the first compile's plan" if self.pending_plan is not None else "",
         )
 
-    def _build_persistent(self) -> None:
-        """The persistent chunks' parameters and masters on the device."""
+    def _build_persistent(self, kept: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The persistent chunks' parameters and masters on the device (those `kept` as they are)."""
         elems = self.layout.chunk_elems
         for c in range(self.n_persist):
+            if c in kept:
+                self.flat[c], self.master[c] = kept[c]
+                continue
             self.flat[c] = torch.zeros(elems, dtype=self.dtype, device=self.device)
             self.master[c] = (
                 self.flat[c] if self.own_master else torch.zeros(elems, dtype=self.master_dtype, device=self.device)
@@ -99,9 +107,12 @@ class StorageMixin:
             owned, range(self.n_persist), self.grad, device=self.device, for_step=self._device_grad_for_step
         )
 
-    def _build_host(self, grad_slots: int | None, masters: dict[int, torch.Tensor] | None) -> None:
-        """The offloaded chunks' master shards and gradient shards (`host_grads`) on the host, after checking that
-        the host has room for them and for their AdamW states."""
+    def _build_host(
+        self, grad_slots: int | None, masters: dict[int, torch.Tensor] | None, reused: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """The offloaded chunks' master shards and gradient shards (`host_grads`: those `reused` first) on the host,
+        after checking that the host has room for them and for their AdamW states (unless some are reused: the
+        caller checked what it adds)."""
         shard = self.layout.shard_elems
         offloaded = list(range(self.n_persist, self.layout.n_chunk))
         slots = len(offloaded) if grad_slots is None else grad_slots
@@ -109,12 +120,13 @@ class StorageMixin:
         self.grad_slots = slots
         # (a pending manager holds only the masters; `place` checks for the AdamW states of the chunks it offloads)
         states = 1 if self.pending_plan is not None else HOST_STATES - (1 if masters is not None else 0)
-        package.check_host_memory(
-            shard * self.master_bytes * (states * len(offloaded) + slots),
-            "the offloaded chunks",
-            f"{self.master_dtype_name} master shards and AdamW states, and {slots} gradient shards",
-            "keep more chunks on the GPU (options={'plan': {'n_persist': ...}}), use more ranks",
-        )
+        if not reused:
+            package.check_host_memory(
+                shard * self.master_bytes * (states * len(offloaded) + slots),
+                "the offloaded chunks",
+                f"{self.master_dtype_name} master shards and AdamW states, and {slots} gradient shards",
+                "keep more chunks on the GPU (options={'plan': {'n_persist': ...}}), use more ranks",
+            )
         pin = self.device.type == "cuda"
         if masters is None and self.pending_plan is None:  # the masters, then the gradient shards
             self.arena = pinned_arena(shard * self.master_bytes * (len(offloaded) + slots), self, pin=pin)
@@ -124,10 +136,11 @@ class StorageMixin:
         else:  # each master on its own, so that `place` frees those of the chunks it puts on the device
             for c in offloaded:
                 self.master[c] = masters[c] if masters is not None else torch.empty(shard, dtype=self.master_dtype)
-                if masters is not None and pin:
+                if masters is not None and pin and not self.master[c].is_pinned():  # (kept by `place_again`)
                     pin_in_place(self.master[c], self)
-            self.arena = pinned_arena(shard * self.master_bytes * slots, self, pin=pin)
-            parts = self.arena.view(self.master_dtype).split(shard) if slots else ()
+            reused = list(reused[:slots])
+            self.arena = pinned_arena(shard * self.master_bytes * (slots - len(reused)), self, pin=pin)
+            parts = [*reused, *(self.arena.view(self.master_dtype).split(shard) if slots > len(reused) else ())]
             if masters is None:
                 for c in offloaded:
                     self.master[c].zero_()

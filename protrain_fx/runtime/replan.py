@@ -1,0 +1,122 @@
+"""The closed loop: once a training graph's step monitor has measured its steps (runtime/monitor.py), the cost model
+is calibrated to what training measured (planner/calibrate.py: the host AdamW's rate, and on CUDA the reserved over
+allocated bytes) and searched again under the same forced fields and capacities; a plan predicted faster than the
+plan in force by more than the switch's margin goes into force between two steps, once per graph:
+
+    forward of step k          the monitor's report is in (WARMUP_STEPS + MEASURED_STEPS steps after the compile)
+    forward of step k + 1      `ClosedLoop.decide`: the calibration (the largest on any rank, so every rank searches
+                               alike) and the search; where the chunk fields change, wait for a forward that starts
+                               between two steps on every rank
+    then                       `ChunkManager.place_again` where the chunk fields change; the graph compiled again
+                               with the new plan from its stored profile (backend.py `_Guarded`)
+
+The chunk fields change only where the graph is the only one that reads the model's chunks and ends in no graph
+break (the others, or the Python after the break, were built for the chunks where they are); elsewhere they are held
+and the activation fields alone searched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from protrain_fx.distributed import most_on_every_rank
+from protrain_fx.planner.calibrate import Calibration, Replan, calibrated, replanned, searches
+from protrain_fx.planner.cost import CostModel
+from protrain_fx.planner.plan import Plan
+from protrain_fx.planner.search import NoPlanFits
+from protrain_fx.runtime.adopt import plan_fields_of
+from protrain_fx.runtime.monitor import host_scale
+
+log = logging.getLogger(__name__)
+
+REPLAN_FILE = "replan.json"  # in a dump: the calibration, the plan in force and the search's, and the decision
+REPLANNED_REPORT = "replanned_vs_measured.json"  # the step monitor's report of the plan switched to
+
+
+def calibration_of(report: dict) -> Calibration:
+    """What a step monitor's report measured: the host AdamW's rate over the plan's, and on CUDA the peak reserved
+    over the peak allocated bytes."""
+    reserved, peak = report.get("measured_reserved_bytes"), report.get("measured_peak_bytes")
+    return Calibration(host=host_scale(report) or 1.0, alpha=reserved / peak if reserved and peak else None)
+
+
+def moves_chunks(plan: Plan, manager) -> bool:
+    """Whether putting `plan` in force changes where the model's chunks are, or their gradient buffers."""
+    n_buffer = manager.n_buffer if manager.n_persist < manager.layout.n_chunk else 0
+    now = (manager.n_persist, n_buffer, manager.grad_slots, manager.device_grad_slots)
+    return now != (plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots)
+
+
+@dataclasses.dataclass
+class ClosedLoop:
+    """One training graph's closed loop (module docstring): decided once, then done."""
+
+    device: torch.device
+    calibration: Calibration | None = None
+    costs: CostModel | None = None  # the calibrated cost model
+    replan: Replan | None = None  # the search's decision, made once the report is in
+    done: bool = False
+    switched: bool = False
+
+    def watches(self, record) -> bool:
+        """Whether the graph needs its steps measured: the loop is not done, and its plan has fields left to search
+        (a plan with every field forced is done at once)."""
+        if self.done or record.costs is None or record.planning is None:
+            return False
+        self.done = not searches(record.costs, record.planning.forced, record.planning.layout)
+        return not self.done
+
+    def due(self, monitor) -> bool:
+        """Whether the graph's monitor has measured its steps and the loop is not done."""
+        return not self.done and monitor is not None and monitor.report is not None
+
+    def decide(self, record, manager, chunks_may_move: bool) -> Replan | None:
+        """The switch to make now (its `plan` goes into force), else None: none worth making (the loop is done), or
+        one that moves chunks while a step is under way on some rank (asked again at the next forward)."""
+        if self.replan is None:
+            self.replan = self._search(record, manager, chunks_may_move)
+            if self.replan is None or not self.replan.switches:
+                self.done = True
+                return None
+        if manager is not None and moves_chunks(self.replan.plan, manager):
+            if max(most_on_every_rank([0.0 if manager.between_steps else 1.0], self.device)):
+                return None
+        self.done = self.switched = True
+        return self.replan
+
+    def _search(self, record, manager, chunks_may_move: bool) -> Replan | None:
+        """The calibrated search's plan beside the plan in force; None where nothing is searched or fits."""
+        mine = calibration_of(record.monitor.report)
+        host, alpha = most_on_every_rank([mine.host, mine.alpha or 0.0], self.device)
+        self.calibration = Calibration(host=host, alpha=alpha or None)
+        forced = dict(record.planning.forced)
+        if manager is not None and not chunks_may_move:
+            forced = plan_fields_of(manager, forced)
+        self.costs = calibrated(record.costs, self.calibration)
+        if not searches(self.costs, forced, record.planning.layout):
+            return None
+        try:
+            replan = replanned(self.costs, record.planning, record.plan, forced)
+        except NoPlanFits as error:
+            log.info("graph %d: no re-plan, nothing fits the calibrated model (%s)", record.index, error)
+            return None
+        log.info(
+            "graph %d calibrated to training (%s): the search's plan is predicted %.1f%% faster as ranked than "
+            "the plan in force (switches above %.1f%%)",
+            record.index,
+            self.calibration,
+            replan.gain * 100,
+            replan.margin * 100,
+        )
+        return replan
+
+    def to_json(self) -> dict:
+        """replan.json."""
+        return {
+            "calibration": self.calibration.to_json() if self.calibration else None,
+            "switched": self.switched,
+            **(self.replan.to_json() if self.replan else {}),
+        }
