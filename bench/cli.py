@@ -105,6 +105,7 @@ def worker(args: argparse.Namespace) -> int:
             "gpu_memory_gib",
             "memory_budget",
             "init",
+            "replan",
         )
         run = {name: getattr(args, name) for name in names}
         result = train(args.system, spec, plan=json.loads(args.plan), dump_dir=args.dump_dir or None, **run)
@@ -159,7 +160,7 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     flags = [*dataclasses.asdict(ModelSpec()), *RUN_FLAGS]
     cmd = ["--dtype", args.dtype, "--plan", args.plan, "--data", args.data, "--executor", args.executor]
     cmd += ["--dump-dir", args.dump_dir, "--clip", str(args.clip), "--gpu-memory-gib", str(args.gpu_memory_gib)]
-    cmd += ["--memory-budget", str(args.memory_budget), "--init", args.init]
+    cmd += ["--memory-budget", str(args.memory_budget), "--init", args.init, "--replan", args.replan]
     return cmd + [arg for name in flags for arg in (_flag(name), str(getattr(args, name)))]
 
 
@@ -231,6 +232,13 @@ def _sizes() -> argparse.ArgumentParser:
     )
     sizes.add_argument(
         "--executor", choices=["inductor", "eager"], default="inductor", help="protrain's executor (default inductor)"
+    )
+    sizes.add_argument(
+        "--replan",
+        choices=["on", "off"],
+        default="off",
+        help="protrain's closed loop (option 'replan'): 'on' re-plans once from the first measured steps, so "
+        "--warmup must cover them and the switch (10 steps); default off: the first plan is timed",
     )
     sizes.add_argument(
         "--clip",

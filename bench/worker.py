@@ -101,8 +101,10 @@ def wrap(
     dump_dir: str | None = None,
     executor: str = "inductor",
     gpu_memory_bytes: int | None = None,
+    replan: str = "off",
 ) -> nn.Module:
-    options: dict = {"dump_dir": dump_dir} if dump_dir else {}
+    # (the closed loop is off unless asked for: a re-plan would switch plans within the timed steps)
+    options: dict = {"replan": replan, **({"dump_dir": dump_dir} if dump_dir else {})}
     if executor != "inductor":  # (the eager FX executor: CPU smoke runs)
         options["executor"] = executor
     if gpu_memory_bytes:  # (also where torch has no get_per_process_memory_fraction for the planner to read)
@@ -110,8 +112,7 @@ def wrap(
     if system == "protrain":
         return torch.compile(model, backend="protrain", options=options)  # everything searched
     if system == "protrain-chunks":  # model states in chunks (protrain_fx.optim.AdamW), plan forced by --plan
-        # (measured as planned: the closed loop's re-plan would switch plans in the timed steps)
-        return torch.compile(model, backend="protrain", options={"plan": plan or {}, "replan": "off", **options})
+        return torch.compile(model, backend="protrain", options={"plan": plan or {}, **options})
     if system in ("compile", "compile-amp"):
         return torch.compile(model)
     if system == "eager" or system in FSDP2_SYSTEMS or system in DEEPSPEED_SYSTEMS:
@@ -136,6 +137,7 @@ def train(
     gpu_memory_gib: float = 0.0,
     memory_budget: float = 1.0,
     init: str = "auto",
+    replan: str = "off",
 ) -> Result:
     """Train `warmup + steps` AdamW steps of the model under `system` and measure them. `data`: "random"
     tokens or byte tokens of real "text" (bench/text.py). `clip` > 0: clip the gradient norm to it between
@@ -143,7 +145,8 @@ def train(
     `memory_budget` < 1: compile and compile-amp keep at most that share of the activations, recomputing the
     cheapest rest (`torch._functorch.config.activation_memory_budget`, for this run only). `init` "cpu" or "meta":
     protrain-chunks' model is built there and put into chunks by `protrain_fx.prepare` (a model larger than the
-    GPU is built so), "gpu": on the GPU, "auto": as a user would (`resolve_init`)."""
+    GPU is built so), "gpu": on the GPU, "auto": as a user would (`resolve_init`). `replan` "on": protrain's closed
+    loop (its option of that name), which switches plans after its measured steps: `warmup` must cover them."""
     if init not in INITS or (init not in ("gpu", "auto") and system != "protrain-chunks"):
         raise ValueError(f"--init {init!r}: one of {INITS}, and 'cpu' or 'meta' only for protrain-chunks")
     if not 0 < memory_budget <= 1:
@@ -165,7 +168,7 @@ def train(
         model, opt = _model_and_optimizer(system, spec, device, DTYPES[dtype], seed, batch=batch, clip=clip, init=init)
         params = parameter_count(model)
         log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
-        step_model = wrap(model, system, plan, dump_dir, executor, limit)
+        step_model = wrap(model, system, plan, dump_dir, executor, limit, replan)
         forward = _forward(system, step_model, device, DTYPES[dtype])
         backward = _backward(system, model, clip)
         if data == "text":
