@@ -5,8 +5,8 @@ plan in force by more than the switch's margin goes into force between two steps
 
     forward of step k          the monitor's report is in (WARMUP_STEPS + MEASURED_STEPS steps after the compile)
     forward of step k + 1      `ClosedLoop.decide`: the calibration (the largest on any rank, so every rank searches
-                               alike) and the search; where the chunk fields change, wait for a forward that starts
-                               between two steps on every rank
+                               alike) and the search; with chunks, wait for a forward that starts between two steps
+                               on every rank (not between the backward passes of an accumulated step)
     then                       `ChunkManager.place_again` where the chunk fields change; the graph compiled again
                                with the new plan from its stored profile (backend.py `_Guarded`)
 
@@ -75,15 +75,15 @@ class ClosedLoop:
 
     def decide(self, record, manager, chunks_may_move: bool) -> Replan | None:
         """The switch to make now (its `plan` goes into force), else None: none worth making (the loop is done), or
-        one that moves chunks while a step is under way on some rank (asked again at the next forward)."""
+        none yet, a step of the model's chunks being under way on some rank (gradients accumulating: asked again at
+        the next forward)."""
         if self.replan is None:
             self.replan = self._search(record, manager, chunks_may_move)
             if self.replan is None or not self.replan.switches:
                 self.done = True
                 return None
-        if manager is not None and moves_chunks(self.replan.plan, manager):
-            if max(most_on_every_rank([0.0 if manager.between_steps else 1.0], self.device)):
-                return None
+        if manager is not None and max(most_on_every_rank([0.0 if manager.between_steps else 1.0], self.device)):
+            return None
         self.done = self.switched = True
         return self.replan
 
