@@ -310,3 +310,15 @@ def test_a_gain_within_the_margin_does_not_switch(recorded_costs):
 def test_replan_option_is_checked():
     with pytest.raises(ValueError, match=r"option 'replan' must be one of \['on', 'off'\], got 'always'"):
         protrain_fx.ProTrainBackend({"replan": "always"})
+
+
+def test_calibration_of_a_monitor_report():
+    """The host's measured over predicted rate; α as training's reserved over its peak, or over the predicted peak
+    where that is lower (CUDA's figures: none on the CPU)."""
+    from protrain_fx.runtime.replan import calibration_of
+
+    host = {"measured_host_adam_s_per_param": 3e-9, "predicted_host_adam_s_per_param": 2e-9}
+    assert calibration_of({**host, "measured_peak_bytes": None}) == Calibration(host=1.5)
+    cuda = {"measured_reserved_bytes": 110, "measured_peak_bytes": 100, "predicted_peak_bytes": 120}
+    assert calibration_of(cuda) == Calibration(alpha=1.1)
+    assert calibration_of({**cuda, "predicted_peak_bytes": 88}) == Calibration(alpha=1.25)

@@ -38,9 +38,12 @@ REPLANNED_REPORT = "replanned_vs_measured.json"  # the step monitor's report of 
 
 def calibration_of(report: dict) -> Calibration:
     """What a step monitor's report measured: the host AdamW's rate over the plan's, and on CUDA the peak reserved
-    over the peak allocated bytes."""
+    over the peak allocated bytes, or over the predicted peak where that is lower (so that the plan in force is
+    predicted to reserve at least what training reserved: the peak's own error is not α's to hide)."""
     reserved, peak = report.get("measured_reserved_bytes"), report.get("measured_peak_bytes")
-    return Calibration(host=host_scale(report) or 1.0, alpha=reserved / peak if reserved and peak else None)
+    predicted = report.get("predicted_peak_bytes") or peak
+    alpha = reserved / min(peak, predicted) if reserved and peak else None
+    return Calibration(host=host_scale(report) or 1.0, alpha=alpha)
 
 
 def moves_chunks(plan: Plan, manager) -> bool:
