@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 REPLAN_FILE = "replan.json"  # in a dump: the calibration, the plan in force and the search's, and the decision
 REPLANNED_REPORT = "replanned_vs_measured.json"  # the step monitor's report of the plan switched to
+# forwards a switch waits for one that starts between two steps before it is given up: a loop that holds gradients
+# at every forward (zeroing them between forward and backward) never gets there, and each wait is an all-reduce
+MAX_WAITS = 16
 
 
 def calibration_of(report: dict) -> Calibration:
@@ -63,6 +66,7 @@ class ClosedLoop:
     replan: Replan | None = None  # the search's decision, made once the report is in
     done: bool = False
     switched: bool = False
+    waits: int = 0  # forwards the switch waited for the chunks to be between two steps
 
     def watches(self, record) -> bool:
         """Whether the graph needs its steps measured: the loop is not done, and its plan has fields left to search
@@ -79,13 +83,17 @@ class ClosedLoop:
     def decide(self, record, manager, chunks_may_move: bool) -> Replan | None:
         """The switch to make now (its `plan` goes into force), else None: none worth making (the loop is done), or
         none yet, a step of the model's chunks being under way on some rank (gradients accumulating: asked again at
-        the next forward)."""
+        the next forward, MAX_WAITS times at most)."""
         if self.replan is None:
             self.replan = self._search(record, manager, chunks_may_move)
             if self.replan is None or not self.replan.switches:
                 self.done = True
                 return None
         if manager is not None and max(most_on_every_rank([0.0 if manager.between_steps else 1.0], self.device)):
+            self.waits += 1
+            if self.waits >= MAX_WAITS:
+                log.info("graph %d: no re-plan, no forward in %d started between two steps", record.index, MAX_WAITS)
+                self.done = True
             return None
         self.done = self.switched = True
         return self.replan
