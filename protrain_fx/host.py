@@ -45,12 +45,13 @@ def pinned_arena(nbytes: int, owner: object, *, pin: bool) -> torch.Tensor:
     return arena
 
 
-def pin_in_place(t: torch.Tensor, owner: object) -> None:
-    """Pin a contiguous host tensor where it lies (`cudaHostRegister`), unregistered when `owner` is collected."""
+def pin_in_place(t: torch.Tensor, owner: object) -> weakref.finalize:
+    """Pin a contiguous host tensor where it lies (`cudaHostRegister`), unregistered when `owner` is collected, or
+    sooner by calling the finalizer returned (which then lets go of the tensor)."""
     nbytes = t.untyped_storage().nbytes()
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
     assert int(err) == 0, f"cudaHostRegister of a {nbytes}-byte host tensor failed with error {int(err)}"
-    weakref.finalize(owner, _unregister, t)
+    return weakref.finalize(owner, _unregister, t)
 
 
 def _unregister(arena: torch.Tensor) -> None:

@@ -9,9 +9,10 @@ enough faster than the one in force to switch to it (the closed loop: runtime/re
 What is fitted again:
 - `host`: training's host AdamW seconds per parameter over the plan's predicted mean: every host rate of the
   hardware profile that many times as long (`HardwareProfile.host_slower`);
-- `alpha`: training's peak reserved over peak allocated bytes (CUDA), in place of the profiling run's α. A model
-  profiled on demand (`protrain_fx.prepare`) measures a higher one (its fetches fragment the allocator's cache as
-  training does not), with which the search keeps too few chunks persistent.
+- `alpha`: training's peak reserved over peak allocated bytes (CUDA; over the predicted peak where that is lower,
+  runtime/replan.py `calibration_of`), in place of the profiling run's α. A model profiled on demand
+  (`protrain_fx.prepare`) measures a higher one (its fetches fragment the allocator's cache as training does not),
+  with which the search keeps too few chunks persistent.
 Not the compute: the step time measured runs from one forward's start to the next, so it holds the training
 loop's own time (data, logging, the optimizer call) and the host's wait, which no one compute scale tells from the
 device's work (docs/limitations.md).

@@ -5,8 +5,8 @@ plan in force by more than the switch's margin goes into force between two steps
 
     forward of step k          the monitor's report is in (WARMUP_STEPS + MEASURED_STEPS steps after the compile)
     forward of step k + 1      `ClosedLoop.decide`: the calibration (the largest on any rank, so every rank searches
-                               alike) and the search; where the chunk fields change, wait for a forward that starts
-                               between two steps on every rank
+                               alike) and the search; with chunks, wait for a forward that starts between two steps
+                               on every rank (not between the backward passes of an accumulated step)
     then                       `ChunkManager.place_again` where the chunk fields change; the graph compiled again
                                with the new plan from its stored profile (backend.py `_Guarded`)
 
@@ -34,13 +34,19 @@ log = logging.getLogger(__name__)
 
 REPLAN_FILE = "replan.json"  # in a dump: the calibration, the plan in force and the search's, and the decision
 REPLANNED_REPORT = "replanned_vs_measured.json"  # the step monitor's report of the plan switched to
+# forwards a switch waits for one that starts between two steps before it is given up: a loop that holds gradients
+# at every forward (zeroing them between forward and backward) never gets there, and each wait is an all-reduce
+MAX_WAITS = 16
 
 
 def calibration_of(report: dict) -> Calibration:
     """What a step monitor's report measured: the host AdamW's rate over the plan's, and on CUDA the peak reserved
-    over the peak allocated bytes."""
+    over the peak allocated bytes, or over the predicted peak where that is lower (so that the plan in force is
+    predicted to reserve at least what training reserved: the peak's own error is not α's to hide)."""
     reserved, peak = report.get("measured_reserved_bytes"), report.get("measured_peak_bytes")
-    return Calibration(host=host_scale(report) or 1.0, alpha=reserved / peak if reserved and peak else None)
+    predicted = report.get("predicted_peak_bytes") or peak
+    alpha = reserved / min(peak, predicted) if reserved and peak else None
+    return Calibration(host=host_scale(report) or 1.0, alpha=alpha)
 
 
 def moves_chunks(plan: Plan, manager) -> bool:
@@ -60,6 +66,7 @@ class ClosedLoop:
     replan: Replan | None = None  # the search's decision, made once the report is in
     done: bool = False
     switched: bool = False
+    waits: int = 0  # forwards the switch waited for the chunks to be between two steps
 
     def watches(self, record) -> bool:
         """Whether the graph needs its steps measured: the loop is not done, and its plan has fields left to search
@@ -75,15 +82,19 @@ class ClosedLoop:
 
     def decide(self, record, manager, chunks_may_move: bool) -> Replan | None:
         """The switch to make now (its `plan` goes into force), else None: none worth making (the loop is done), or
-        one that moves chunks while a step is under way on some rank (asked again at the next forward)."""
+        none yet, a step of the model's chunks being under way on some rank (gradients accumulating: asked again at
+        the next forward, MAX_WAITS times at most)."""
         if self.replan is None:
             self.replan = self._search(record, manager, chunks_may_move)
             if self.replan is None or not self.replan.switches:
                 self.done = True
                 return None
-        if manager is not None and moves_chunks(self.replan.plan, manager):
-            if max(most_on_every_rank([0.0 if manager.between_steps else 1.0], self.device)):
-                return None
+        if manager is not None and max(most_on_every_rank([0.0 if manager.between_steps else 1.0], self.device)):
+            self.waits += 1
+            if self.waits >= MAX_WAITS:
+                log.info("graph %d: no re-plan, no forward in %d started between two steps", record.index, MAX_WAITS)
+                self.done = True
+            return None
         self.done = self.switched = True
         return self.replan
 

@@ -47,7 +47,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `common.py` | the attributes set on parameters and models, `skips_nonfinite`, `replaced_param_error` |
 | `storage.py` | the chunks' memory (`flat`, `master`, `grad`, the host arena) and where each parameter sits in it |
 | `slots.py` | `SlotPool`: the gradient buffers (device) or shards (host) a group of chunks shares in turn |
-| `placement.py` | the parameters moved into the chunks; `place` for a manager waiting for its plan, `place_again` for a trained one |
+| `placement.py` | the parameters moved into the chunks; `place` for a pending manager, `place_again` (a re-plan) |
 | `gather.py` | the offloaded chunks' device buffers: gather, prefetch, release |
 | `reduce.py` | the backward's gradients into the chunks, across ranks: three paths |
 | `updates.py` | when each chunk's AdamW update runs: early, deferred, speculative; the end of a step |

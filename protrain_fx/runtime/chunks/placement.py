@@ -95,8 +95,9 @@ class PlacementMixin:
         calls it: collectives). Chunks that become persistent go to the device (a sharded one gathered from every
         rank's shard), those that become offloaded to the host (this rank's shard), each with its masters and AdamW
         states bitwise as they were; the others keep their storage, and the host gradient shards are taken again
-        before new ones (what they and the masters of chunks now persistent held of the host stays allocated).
-        Returns False, with nothing changed on any rank, where a rank's host has no room for what it adds."""
+        before new ones (what the arena held for them and for the masters of chunks now persistent stays allocated;
+        masters pinned on their own are let go). Returns False, with nothing changed on any rank, where a rank's
+        host has no room for what it adds."""
         n = self.layout.n_chunk
         n_buffer = n_buffer if n_persist < n else 0
         assert self.pending_plan is None and self.between_steps, "chunks placed again during a step"
@@ -114,6 +115,7 @@ class PlacementMixin:
         states = {c: self._chunk_states(c) for c in up + down}  # (a collective where sharded)
         lo, hi = self._shard_bounds()
         with torch.no_grad():
+            left = {c: self.master[c] for c in up}
             values = {c: self.gather_shards(self.master[c]) if self.is_sharded(c) else self.master[c] for c in up}
             masters = {c: self.master[c] for c in range(max(old, n_persist), n)}
             masters.update({c: self.master[c][lo:hi].to("cpu", copy=True) for c in down})
@@ -128,6 +130,9 @@ class PlacementMixin:
                 self.master[c].copy_(values.pop(c))
                 if self.flat[c] is not self.master[c]:
                     self.flat[c].copy_(self.master[c])
+                unpin = self._pinned.pop(left.pop(c).data_ptr(), None)
+                if unpin is not None:  # (unregistered now, and no longer held)
+                    unpin()
         self._repoint_params(up, down)
         for c, (owner, moved) in states.items():
             if owner is not None:
@@ -141,7 +146,10 @@ class PlacementMixin:
         added = HOST_STATES * len(down) + max(0, slots - len(self.host_grads.owned))
         try:
             package.check_host_memory(
-                added * self.layout.shard_elems * self.master_bytes, "re-placed chunks", "masters", "keep the plan"
+                added * self.layout.shard_elems * self.master_bytes,
+                f"the {len(down)} chunks a re-plan offloads",
+                f"{self.master_dtype_name} master shards, AdamW states and gradient shards",
+                "training goes on under the plan in force",
             )
         except ValueError as error:
             log.warning("the chunks stay where they are: %s", error)

@@ -7,7 +7,8 @@ State it owns (made by `_build`, again by `place` and `place_again`):
 - `grad`: chunk -> its gradient of this step (persistent: the whole chunk on the device; offloaded: this rank's
   shard on the host), lent by the two `SlotPool`s `device_grads` and `host_grads` (runtime/chunks/slots.py);
 - `arena`: the host memory allocated once at its exact size for the offloaded masters and gradient shards (pinned
-  on CUDA, unregistered when the manager is collected);
+  on CUDA, unregistered when the manager is collected); `_pinned`: the master shards pinned on their own (a
+  prepared model's, those `place_again` offloads), which `place_again` lets go when it moves them to the device;
 - `grad_slots`, `device_grad_slots`: how many gradients the offloaded and the persistent chunks share;
 - `_version`: chunk -> the updates published into it (what a gathered copy is checked against).
 
@@ -41,6 +42,8 @@ class StorageMixin:
 
     def _init_storage(self) -> None:
         self._version: dict[int, int] = {}  # chunk -> updates published (written by the worker thread)
+        # the address of a master shard pinned on its own (not in the arena) -> what unpins and lets it go
+        self._pinned: dict[int, object] = {}
 
     def _build(
         self,
@@ -137,7 +140,7 @@ class StorageMixin:
             for c in offloaded:
                 self.master[c] = masters[c] if masters is not None else torch.empty(shard, dtype=self.master_dtype)
                 if masters is not None and pin and not self.master[c].is_pinned():  # (kept by `place_again`)
-                    pin_in_place(self.master[c], self)
+                    self._pinned[self.master[c].data_ptr()] = pin_in_place(self.master[c], self)
             reused = list(reused[:slots])
             self.arena = pinned_arena(shard * self.master_bytes * (slots - len(reused)), self, pin=pin)
             parts = [*reused, *(self.arena.view(self.master_dtype).split(shard) if slots > len(reused) else ())]
