@@ -40,8 +40,8 @@ from torch.utils._pytree import tree_leaves
 from protrain_fx.capture import BlockMap
 from protrain_fx.distributed import rank_and_world_size
 from protrain_fx.profiler.fusion import classify, is_matmul
-from protrain_fx.profiler.hardware import probe_matmul
 from protrain_fx.profiler.memory import CpuMemoryTracker, CudaMemoryTracker
+from protrain_fx.profiler.microbench import probe_matmul
 from protrain_fx.profiler.on_demand import CALL_OPS, AbsentCounting, GraphRun, OnDemand, storage_key
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile, aggregate_blocks
 from protrain_fx.profiler.quiet import wait_until_children_quiet

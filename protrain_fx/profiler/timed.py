@@ -14,7 +14,8 @@ from torch import fx
 from torch.fx.graph import _BoxedCodeGen
 
 from protrain_fx.capture import OUTSIDE, BlockMap
-from protrain_fx.profiler.hardware import IDLE_CYCLES, interpolate
+from protrain_fx.profiler.hardware import interpolate
+from protrain_fx.profiler.microbench import IDLE_CYCLES
 from protrain_fx.profiler.on_demand import CALL_OPS, Replay
 from protrain_fx.profiler.profile import NodeProfile
 
