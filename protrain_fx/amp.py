@@ -1,5 +1,5 @@
-"""protrain_fx.amp.GradScaler: dynamic loss scaling for float16 models in chunks (defined in runtime/optim.py)."""
+"""protrain_fx.amp.GradScaler: dynamic loss scaling for float16 models in chunks (defined in runtime/scaler.py)."""
 
-from protrain_fx.runtime.optim import GradScaler
+from protrain_fx.runtime.scaler import GradScaler
 
 __all__ = ["GradScaler"]

@@ -28,6 +28,8 @@ A parameter outside the blocks that the forward reads again after blocks ran (a 
 head at the end; T5's shared embedding, read by the encoder, the decoder and the head) records where
 (`ParamEntry.read_again_at`): the chunk layout gives it a chunk of its own, and the planner prices the
 gathers again.
+
+One module for the stage: both maps stand on the frame roots and Dynamo's source names read here, as told above.
 """
 
 from __future__ import annotations

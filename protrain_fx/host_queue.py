@@ -6,7 +6,7 @@ tasks whose device-to-host copy has landed, the one of the lowest chunk index fi
 can start on the first updated chunks while the CPU still updates later ones. A task whose copy has not
 landed is taken only when none has, the oldest first (copies land in submission order).
 
-Beside runtime/ rather than in it: the hardware profile (profiler/hardware.py) times the host AdamW on this
+Beside runtime/ rather than in it: the hardware profile (profiler/microbench.py) times the host AdamW on this
 thread, as training runs it.
 """
 

@@ -101,7 +101,7 @@ def test_bfloat16_masters_train_as_torch_adamw_over_the_bfloat16_model(device, p
 
 @pytest.mark.parametrize("master_dtype", ["float32", "bfloat16"])
 def test_the_cost_model_counts_what_the_chunks_hold(master_dtype):
-    """The planner's device and host bytes of a plan's model states (planner/cost.py `state_bytes`,
+    """The planner's device and host bytes of a plan's model states (planner/memory_model.py `state_bytes`,
     `host_bytes`) are what the chunks and their AdamW states take once trained, for either master dtype (one
     offloaded chunk: one reduce buffer)."""
     plan, optimizers = {"n_persist": 1, "n_buffer": 2, "master_dtype": master_dtype}, []

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_chunk_distributed import _gloo_rank, _spawn
 
-from protrain_fx.profiler import hardware
+from protrain_fx.profiler import hardware, microbench
 from protrain_fx.profiler.hardware import HardwareProfile, hardware_profile
 
 SMALL = {
@@ -22,7 +22,7 @@ SMALL = {
 @pytest.fixture
 def small(monkeypatch):
     for name, value in SMALL.items():
-        monkeypatch.setattr(hardware, name, value)
+        monkeypatch.setattr(microbench, name, value)
 
 
 def test_measured_on_cpu_and_cached(small, tmp_path, monkeypatch):
@@ -82,14 +82,14 @@ def test_measured_with_real_tensors_under_a_fake_mode(small, tmp_path, monkeypat
     absurd rates, so the profile switches the fake mode off."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    timed = hardware._timed
+    timed = microbench._timed
     seen = []
 
     def checked(fn, device, repeat=3):
         seen.append(isinstance(torch.empty(1), FakeTensor))
         return timed(fn, device, repeat)
 
-    monkeypatch.setattr(hardware, "_timed", checked)
+    monkeypatch.setattr(microbench, "_timed", checked)
     with FakeTensorMode():
         hardware_profile(torch.device("cpu"), cache_dir=tmp_path)
     assert seen and not any(seen)
@@ -115,7 +115,7 @@ def test_collective_time_interpolates():
 def _two_ranks(rank, world, port, errors):
     def body():
         for name, value in SMALL.items():
-            setattr(hardware, name, value)
+            setattr(microbench, name, value)
         profile = hardware.measure(torch.device("cpu"))
         assert sorted(profile.collectives) == ["all_gather", "all_reduce", "reduce_scatter"]
         for points in profile.collectives.values():
@@ -136,8 +136,8 @@ def _late_rank(rank, world, port, errors):
 
     def body():
         for name, value in SMALL.items():
-            setattr(hardware, name, value)
-        original, begun = hardware._on_host_worker, []
+            setattr(microbench, name, value)
+        original, begun = microbench._on_host_worker, []
 
         def noted(work, device, copies=None):
             if rank == 1:
@@ -152,7 +152,7 @@ def _late_rank(rank, world, port, errors):
             begun.append(started[0])
             return out
 
-        hardware._on_host_worker = noted
+        microbench._on_host_worker = noted
         hardware.measure(torch.device("cpu"))
         everyone = [None, None]
         torch.distributed.all_gather_object(everyone, begun)

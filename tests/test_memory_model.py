@@ -1,4 +1,4 @@
-"""The peak-memory model (planner/cost.py) against measurement on the CPU.
+"""The peak-memory model (planner/memory_model.py) against measurement on the CPU.
 
 Measured: the graphs as rewritten for the plan (recompute, swap ops), run once by the profiler's memory tracker
 on the compile's real inputs; the activation peak is its peak above the inputs. Predicted: the cost model's

@@ -12,9 +12,9 @@ import torch
 
 import protrain_fx
 from protrain_fx import backend as backend_module
-from protrain_fx.profiler.interpreter import TimedGraph
 from protrain_fx.profiler.memory import CpuMemoryTracker
 from protrain_fx.profiler.on_demand import OnDemand, storage_key
+from protrain_fx.profiler.timed import TimedGraph
 
 MEMORY_FIELDS = ("intra_delta_bytes", "inter_delta_bytes", "output_bytes", "saved_bytes", "saved_for_backward")
 

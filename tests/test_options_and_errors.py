@@ -182,10 +182,10 @@ def test_long_phases_show_progress_on_a_terminal(monkeypatch, tmp_path):
     sizes: the bars are the test, not the figures.)"""
     from test_hardware import SMALL
 
-    from protrain_fx.profiler import hardware
+    from protrain_fx.profiler import microbench
 
     for name, value in SMALL.items():
-        monkeypatch.setattr(hardware, name, value)
+        monkeypatch.setattr(microbench, name, value)
     for terminal in (False, True):
         err = _Terminal() if terminal else io.StringIO()
         monkeypatch.setattr(sys, "stderr", err)

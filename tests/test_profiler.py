@@ -9,9 +9,10 @@ from torch import fx
 
 import protrain_fx
 from protrain_fx.capture import FrameRoots, build_block_map
-from protrain_fx.profiler.interpreter import ProfilingInterpreter, TimedGraph
+from protrain_fx.profiler.interpreter import ProfilingInterpreter
 from protrain_fx.profiler.memory import CpuMemoryTracker
 from protrain_fx.profiler.profile import GraphProfile
+from protrain_fx.profiler.timed import TimedGraph
 
 
 def test_cpu_tracker_hand_built_sequence():
@@ -215,13 +216,13 @@ def test_clock_probes_run_between_timed_nodes_and_stay_out_of_their_times(monkey
     that sleeps 50 ms); each node's probe time is interpolated between the probes around it."""
     import time
 
-    from protrain_fx.profiler import interpreter
+    from protrain_fx.profiler import timed
 
     def f(x):
         return ((x * 2 + 1) * 3 - 1).sum()
 
     gm = fx.symbolic_trace(f)
-    monkeypatch.setattr(interpreter, "PROBE_EVERY", 2)
+    monkeypatch.setattr(timed, "PROBE_EVERY", 2)
     timing = TimedGraph(
         gm, graph_kind="forward", block_map=build_block_map(gm, FrameRoots()), device=torch.device("cpu"),
         probe=lambda: time.sleep(0.05),

@@ -12,7 +12,9 @@ import torch
 
 import protrain_fx
 from protrain_fx.planner.chunking import ChunkLayout
-from protrain_fx.planner.cost import Candidate, CostModel, _HostRates, _Segment
+from protrain_fx.planner.cost import Candidate, CostModel
+from protrain_fx.planner.link import HostRates
+from protrain_fx.planner.memory_model import Segment
 from protrain_fx.planner.plan import HOST_STATES, MIN_GRAD_SLOTS
 from protrain_fx.planner.search import (
     CLIP_WEIGHT,
@@ -60,13 +62,13 @@ def synthetic(n_block=8, n_chunk=6, seed=0, block_saved=1 * GiB, chunk_elems=2**
     rng = random.Random(seed)
     fwd = tuple(rng.uniform(0.004, 0.008) for _ in range(n_block))
     saved = tuple(int(block_saved * rng.uniform(0.8, 1.2)) for _ in range(n_block))
-    segments, held = [_Segment("forward", -1, 0)], 0
+    segments, held = [Segment("forward", -1, 0)], 0
     for b in range(n_block):
         held += saved[b]
-        segments.append(_Segment("forward", b, held + saved[b] // 4))
-    segments += [_Segment("forward", n_block, held + GiB), _Segment("backward", n_block, held + 2 * GiB)]
+        segments.append(Segment("forward", b, held + saved[b] // 4))
+    segments += [Segment("forward", n_block, held + GiB), Segment("backward", n_block, held + 2 * GiB)]
     for b in reversed(range(n_block)):
-        segments.append(_Segment("backward", b, held + saved[b] // 2))
+        segments.append(Segment("backward", b, held + saved[b] // 2))
         held -= saved[b]
     return CostModel(
         n_block=n_block,
@@ -612,7 +614,7 @@ def _host_adam(idle: float, h2d: float, d2h: float, both: float) -> HardwareProf
 def test_host_optimizer_rate_follows_the_copies_beside_it():
     """The host's AdamW runs at the rate measured beside the copies running at each moment: 1 s/param idle, 2
     beside uploads, 3 beside downloads, 4 beside both."""
-    rates = _HostRates(_host_adam(1.0, 2.0, 3.0, 4.0), h2d=[(2.0, 6.0)], d2h=[(4.0, 8.0), (9.0, 9.0)])
+    rates = HostRates(_host_adam(1.0, 2.0, 3.0, 4.0), h2d=[(2.0, 6.0)], d2h=[(4.0, 8.0), (9.0, 9.0)])
     assert rates.end(0.0, 1.0) == 1.0  # idle
     assert rates.end(0.0, 3.0) == pytest.approx(2.0 + 2.0)  # 2 idle, then 1 beside uploads
     assert rates.end(3.0, 0.75) == pytest.approx(5.0)  # 0.5 beside uploads until 4, 0.25 beside both

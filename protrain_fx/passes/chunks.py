@@ -283,7 +283,7 @@ def _reroute(graph: fx.Graph, node: fx.Node, stand_ins: dict[int, fx.Node], run_
 def _prefetch_first(graph: fx.Graph, first: fx.Node, ctx) -> None:
     """A forward starts loading the first chunk it gathers as it starts (`prefetch` loads it if its host update
     is done, as it mostly is by then), not once the CPU reaches the gather, after launching every persistent
-    chunk's kernels: the chunk's copy runs beside their compute then, as planner/cost.py lays it out. (A
+    chunk's kernels: the chunk's copy runs beside their compute then, as planner/timeline.py lays it out. (A
     backward's first chunk is mostly still in its buffer from the forward.)"""
     if ctx.stage == "backward":
         return

@@ -19,7 +19,7 @@ from protrain_fx.planner.chunking import ChunkLayout
 # library kernels: passes/activations.py), or swap its activations to the host
 BLOCK_MODES = ("none", "checkpoint", "selective", "swap")
 MASTER_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}  # the master dtypes a plan may name, and their size
-# What the chunk runtime (runtime/chunks/) holds, which the cost model (planner/cost.py) counts:
+# What the chunk runtime (runtime/chunks/) holds, which the cost model (planner/memory_model.py) counts:
 REDUCE_BUFFERS = 2  # master-dtype chunk buffers gradients are reduced in: one copied to the host while the next fills
 # what an offloaded shard always holds of the host, in elements of the master dtype: its master (the parameters'
 # only host copy) and the host AdamW's two states. Its gradient shard is one more (one per offloaded chunk, or

@@ -257,7 +257,7 @@ class GraphRun:
 
 
 class Replay:
-    """A learned `GraphRun` repeated by a timed copy of the graph (profiler/interpreter.py: TimedGraph), which
+    """A learned `GraphRun` repeated by a timed copy of the graph (profiler/timed.py: TimedGraph), which
     passes the values named by `fetch_before` and `drop_after` to `between` (no per-node bookkeeping, which
     would slow the CPU's kernel launches and so the times measured)."""
 

@@ -3,7 +3,7 @@
 `torch.compile` starts inductor's compile workers as it begins to compile a graph with CUDA inputs
 (`AsyncCompile.wakeup()` in `compile_fx`): a sidecar process and a pool of workers under it (by default one per
 core), each importing torch, which takes seconds of every core. Profiling runs inside that compile. A timed graph
-whose thread loses its core cannot keep CUDA's launch queue filled (profiler/interpreter.py), and the nodes it
+whose thread loses its core cannot keep CUDA's launch queue filled (profiler/timed.py), and the nodes it
 then queues are timed at its own pace. The host AdamW of the hardware profile shares the cores with them too.
 
 So on CUDA, before anything is timed, `wait_until_children_quiet()` waits until the processes descended from this
