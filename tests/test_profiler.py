@@ -242,7 +242,7 @@ def test_matmuls_keep_their_least_time_at_burst_clocks():
     """A matmul's time in each timed run is taken at the clocks of the fastest probe of all runs (times that
     probe's time over the probe time where it ran), then the least over the runs; other nodes, bound by memory,
     keep their least time as run. The timing noise is how far the runs' median times sum above the least."""
-    from protrain_fx.profiler.interpreter import _least_at_burst_clocks
+    from protrain_fx.profiler.interpreter import least_at_burst_clocks
     from protrain_fx.profiler.profile import NodeProfile
 
     def nodes():
@@ -252,11 +252,11 @@ def test_matmuls_keep_their_least_time_at_burst_clocks():
     latencies = [[1.2, 0.5], [1.1, 0.6]]
     timed = nodes()
     # the first run's probes ran 1.2 times as long as the second's: its clocks were lower
-    stretch, noise = _least_at_burst_clocks(timed, latencies, [[1.2, 1.2], [1.0, 1.0]])
+    stretch, noise = least_at_burst_clocks(timed, latencies, [[1.2, 1.2], [1.0, 1.0]])
     assert stretch == pytest.approx(1.1) and noise == pytest.approx((1.05 + 0.55) / (1.0 + 0.5) - 1)
     assert [n.latency_s for n in timed] == pytest.approx([1.0, 0.5])
     plain = nodes()  # no probes (the CPU): each node's least time as run
-    stretch, noise = _least_at_burst_clocks(plain, latencies, [])
+    stretch, noise = least_at_burst_clocks(plain, latencies, [])
     assert stretch == 1.0 and noise == pytest.approx((1.15 + 0.55) / (1.1 + 0.5) - 1)
     assert [n.latency_s for n in plain] == [1.1, 0.5]
 

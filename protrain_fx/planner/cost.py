@@ -13,7 +13,7 @@ host's AdamW can run: T_iter = T_fwd + T_bwd + T_gpu_optim + the next forward's 
 steps each offloaded chunk once its gradient has been reduced and copied down (one at a time, the lowest landed
 chunk first, as host_queue.py does) and the next forward waits where it would load a chunk the host has
 not stepped yet. The host's AdamW is slower while copies run over the link (they share the host's memory
-bandwidth): its rate at each moment is the one measured beside copies running the same ways (`_HostRates`).
+bandwidth): its rate at each moment is the one measured beside copies running the same ways (`HostRates`).
 T_gpu_optim is what the persistent chunks' device AdamW adds: each runs once its gradient is reduced, beside the
 rest of the backward, where it adds only the part of its time that the backward's kernels do not hide (the
 hardware profile measures how much matmuls hide; memory-bound kernels hide none), and all of it after the
@@ -92,7 +92,7 @@ from protrain_fx.profiler.profile import GraphProfile, NodeProfile
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, each of the master dtype, per parameter element
 
 
-class _HostRates:
+class HostRates:
     """The host AdamW's seconds per parameter over time, set by which copies run then (`h2d`, `d2h`: their
     (start, end) seconds); they share the host's memory bandwidth with it (HardwareProfile.host_adam_s)."""
 
@@ -237,7 +237,7 @@ class ModeTerms:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Segment:
+class Segment:
     """A run of profiled nodes of one graph and one place: a block (0..n_block-1), or -1 before the blocks and
     n_block after them. `peak` is the highest per-node peak in it, as profiled."""
 
@@ -259,7 +259,7 @@ class CostModel:
     block_transient: tuple[int, ...]  # highest intra-op spike of the block's forward (recompute brings it back)
     other_fwd_s: tuple[float, float]  # forward compute before and after the blocks
     other_bwd_s: tuple[float, float]
-    segments: tuple[_Segment, ...]  # peaks above the profile's baseline
+    segments: tuple[Segment, ...]  # peaks above the profile's baseline
     hardware: HardwareProfile
     alpha: float = 1.0
     other_bytes: int = 0
@@ -325,7 +325,7 @@ class CostModel:
         saved = [blocks[b].saved_bytes if b in blocks else 0 for b in range(n_block)]
         output, transient = [0] * n_block, [0] * n_block
         other = {("forward", "pre"): 0.0, ("forward", "post"): 0.0, ("backward", "pre"): 0.0, ("backward", "post"): 0.0}
-        segments: list[_Segment] = []
+        segments: list[Segment] = []
         grads_held = 0
         backward_s, matmul_s = 0.0, 0.0
         # Where each node is, -1 before the blocks to n_block after them. Forward: the highest block reached so far
@@ -383,7 +383,7 @@ class CostModel:
             if segments and (segments[-1].graph, segments[-1].place) == (node.graph, at):
                 segments[-1] = dataclasses.replace(segments[-1], peak=max(segments[-1].peak, peak))
             else:
-                segments.append(_Segment(node.graph, at, peak))
+                segments.append(Segment(node.graph, at, peak))
         chunks = {}
         if layout is not None:
             block_chunk = [layout.n_chunk - 1] * n_block
@@ -914,7 +914,7 @@ class CostModel:
         """The host steps offloaded chunks one at a time, each once its gradient is there, the lowest landed one
         first (host_queue.py: the next forward needs it first), beside the backward's copies and the next
         forward's (which starts at `next_forward`); its AdamW's rate at each moment is the one measured beside
-        the copies then (`_HostRates`). With `clipped` only the last `clipped` chunks' updates start as their
+        the copies then (`HostRates`). With `clipped` only the last `clipped` chunks' updates start as their
         gradient lands, each also copying aside what it changes; the others' wait for the end of the backward
         and the device's updates. Returns when each chunk is stepped (None: not offloaded), the host's busy
         (start, end) spans and their total. Times from the backward's start."""
@@ -930,7 +930,7 @@ class CostModel:
                     work[c] += undo
         pending, clock, ends, spans = set(range(config.n_persist, n)), 0.0, [None] * n, []
         if pending:  # (built only where the host has work: the search visits many configurations)
-            rates = _HostRates(hw, **_step_clock(forward, backward, next_forward), master_bytes=self.master_bytes)
+            rates = HostRates(hw, **_step_clock(forward, backward, next_forward), master_bytes=self.master_bytes)
         while pending:
             landed = [c for c in pending if arrival[c] <= clock]
             if not landed:
