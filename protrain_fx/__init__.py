@@ -9,7 +9,7 @@ import torch
 from protrain_fx import amp, optim
 from protrain_fx.backend import GraphRecord, ProTrainBackend, protrain
 from protrain_fx.config import ProTrainConfig
-from protrain_fx.explain import explain, plan_of
+from protrain_fx.explain import explain, manager_of, plan_of
 from protrain_fx.metrics import StepMetrics
 from protrain_fx.planner.plan import Plan
 from protrain_fx.runtime.adopt import no_sync, prepare
@@ -28,6 +28,7 @@ __all__ = [
     "StepMetrics",
     "full_state_dict",
     "load_state_dict",
+    "manager_of",
     "state_dict",
     "optim",
     "plan_of",

@@ -2,6 +2,7 @@
 
     plan = protrain_fx.explain(model, {"input_ids": ids, "labels": ids})   # profile, plan, print(plan)
     plan = protrain_fx.plan_of(compiled_model)                             # the plan in force, after a step
+    manager = protrain_fx.manager_of(model)                                # its chunks, once built
 
 `explain` compiles a throwaway copy of the model's forward with the backend in explain mode: the graph is
 captured, profiled (one real forward and backward of the example batch) and planned as training with
@@ -25,6 +26,8 @@ from torch import nn
 
 from protrain_fx.backend import PLANS_ATTR, ProTrainBackend
 from protrain_fx.planner.plan import Plan
+from protrain_fx.runtime.adopt import model_manager, user_model
+from protrain_fx.runtime.chunks import ChunkManager
 
 
 def explain(model: nn.Module, example_batch: Mapping[str, Any] | tuple, options: Mapping[str, Any] | None = None):
@@ -82,6 +85,13 @@ def plan_of(compiled_model: nn.Module) -> Plan:
             "one training step (forward and backward) first"
         )
     return _main(plans, lambda entry: entry)
+
+
+def manager_of(model: nn.Module) -> ChunkManager | None:
+    """The ChunkManager holding the parameters, gradients and AdamW states of `model` (or of its torch.compile
+    wrapper) in chunks: built by the first training step with `protrain_fx.optim.AdamW`, or by
+    `protrain_fx.prepare`; None before, and for a model trained without chunks."""
+    return model_manager(user_model(model, "manager_of()"))
 
 
 def _main(entries, key) -> Plan:

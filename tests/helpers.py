@@ -1,40 +1,80 @@
-"""Training loops shared by the parity tests."""
+"""What the tests share: the training loop, plans and tolerances, and readers of a model's chunks."""
 
 from __future__ import annotations
 
 import copy
 
 import models
+import pytest
 import torch
 
 import protrain_fx
-from protrain_fx.runtime.adopt import model_manager
+
+# one chunk persistent, the rest offloaded: chunks gathered in the forward, reduced and updated in the backward
+OFFLOADED = {"n_persist": 1, "n_buffer": 3}
+ALL_OFFLOADED = {"n_persist": 0, "n_buffer": 2}  # every chunk offloaded, through two buffers
+PLANS = {
+    "persistent": {},
+    "offloaded": OFFLOADED,
+    # the toy's 9 offloaded chunks sharing 2 host gradient shards, 2 persistent ones sharing 1 device gradient
+    # buffer (runtime/chunks/slots.py): their steps hold every gradient
+    "shared-gradients": {"n_persist": 2, "n_buffer": 3, "host_grad_slots": 2, "device_grad_slots": 1},
+}
+# sizes of the hardware measurement (profiler/hardware.py) small enough for the CPU tests, which test the
+# measurement, not its figures
+SMALL_HARDWARE = {
+    "COPY_BYTES": 4 * 2**20,
+    "ADAM_PARAMS": 2**20,
+    "COLLECTIVE_BYTES": (2**16, 2**20),
+    "CPU_COLLECTIVE_BYTES": (2**16, 2**20),
+}
+UNCHANGED = {"plan": {"n_swap": 0, "n_checkpoint": 0}}  # the graphs run as profiled: no block swapped or recomputed
+
+# bf16 autocast on a GPU: matmuls round to bf16 (eps 2^-8 = 0.0039); a loss is a mean over many such values, so
+# eager and compiled losses agree to a few eps: rtol 2e-2 over 5 steps. Against plain `torch.compile` the inductor
+# executor runs the same kernels, but some of them (embedding backward) accumulate with atomics, which are not
+# deterministic on a GPU: the same tolerance. (The eager executor must equal eager PyTorch bitwise.)
+BF16_RTOL = 2e-2
 
 
-def train(model, kind: str, steps: int, *, seed: int = 0, lr: float = 1e-2, device="cpu", autocast=None):
-    """`steps` AdamW steps on fixed batches; returns the losses. Dropout RNG is seeded once, like a user would."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+def train(
+    model,
+    kind: str,
+    steps: int,
+    *,
+    opt=None,
+    lr: float = 1e-2,
+    first_step: int = 0,
+    seed: int = 0,
+    device="cpu",
+    autocast=None,
+    batch=None,
+    before_step=None,
+    after_step=None,
+) -> list[float]:
+    """`steps` training steps of `model` (steps `first_step`.. on their fixed batches: `batch(step)`, by default
+    `models.batch(kind, seed=step)`, moved to `device`), each the forward (under autocast to the dtype `autocast`,
+    if given), `loss.backward()`, `opt.step()`, `opt.zero_grad()`; the losses. `opt`: the optimizer, by default
+    torch's AdamW (`lr`, weight decay 0.1). Dropout's RNG is seeded once with `seed`, as a user would.
+    `before_step(step)` runs between the backward and `opt.step()` (to clip, or read the gradients),
+    `after_step(step)` after `opt.zero_grad()` (a scheduler's step, a measurement)."""
+    if opt is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    if batch is None:
+        batch = lambda step: models.batch(kind, seed=step)  # noqa: E731
     torch.manual_seed(seed)
     losses = []
-    for step in range(steps):
-        batch = {k: v.to(device) for k, v in models.batch(kind, seed=step).items()}
-        with torch.autocast(device_type=torch.device(device).type, dtype=autocast, enabled=autocast is not None):
-            loss = models.loss_of(kind, model(**batch))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach().float().cpu())
-    return losses
-
-
-def train_steps(model, opt, kind: str, steps: int, first_step: int = 0) -> list[float]:
-    """Steps `first_step` .. `first_step + steps - 1` of `opt` on their batches; the losses."""
-    losses = []
     for step in range(first_step, first_step + steps):
-        loss = models.loss_of(kind, model(**models.batch(kind, seed=step)))
+        inputs = {k: v.to(device) for k, v in batch(step).items()}
+        with torch.autocast(device_type=torch.device(device).type, dtype=autocast, enabled=autocast is not None):
+            loss = models.loss_of(kind, model(**inputs))
         loss.backward()
+        if before_step is not None:
+            before_step(step)
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step(step)
         losses.append(loss.item())
     return losses
 
@@ -48,6 +88,14 @@ def eager_and_protrain(kind: str, steps: int, options=None, *, device="cpu", aut
     eager_losses = train(ref, kind, steps, device=device, autocast=autocast)
     protrain_losses = train(compiled, kind, steps, device=device, autocast=autocast)
     return (eager_losses, ref), (protrain_losses, model), backend
+
+
+def train_against_autocast(ref, ref_opt, compiled, opt, steps: int = 5) -> None:
+    """Eager fp32 `ref` (the llama test model) under bf16 autocast and the bf16 `compiled` one on the same GPU
+    batches, each by its optimizer: losses within BF16_RTOL."""
+    expected = train(ref, "llama", steps, opt=ref_opt, device="cuda", autocast=torch.bfloat16)
+    losses = train(compiled, "llama", steps, opt=opt, device="cuda")
+    assert losses == pytest.approx(expected, rel=BF16_RTOL)
 
 
 def saved_activation_bytes(compiled, model, batch, exclude=()) -> int:
@@ -67,21 +115,6 @@ def saved_activation_bytes(compiled, model, batch, exclude=()) -> int:
     return sum(seen.values())
 
 
-def losses_side_by_side(kind, ref, ref_opt, compiled, opt, steps: int = 3) -> list[tuple[float, float]]:
-    """(reference loss, compiled loss) per step, each model trained by its optimizer on the same batches."""
-    pairs = []
-    for step in range(steps):
-        losses = []
-        for m, o in ((ref, ref_opt), (compiled, opt)):
-            loss = models.loss_of(kind, m(**models.batch(kind, seed=step)))
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-        pairs.append(tuple(losses))
-    return pairs
-
-
 class CapturingBackend(protrain_fx.ProTrainBackend):
     """Keeps the first graph's real example inputs, to run its rewritten graphs again."""
 
@@ -90,17 +123,11 @@ class CapturingBackend(protrain_fx.ProTrainBackend):
         return super().__call__(gm, example_inputs)
 
 
-def manager_of(model):
-    """The ChunkManager of a model (or of its torch.compile wrapper) trained with protrain_fx.optim.AdamW."""
-    manager = model_manager(getattr(model, "_orig_mod", model))
-    assert manager is not None, "the model has no chunks"
-    return manager
-
-
 def chunk_grads(model) -> dict[str, torch.Tensor]:
     """Each parameter's gradient as its chunk holds it, copied to the CPU (whole chunks: one rank, or persistent
     chunks), once every gradient is reduced across ranks and every copy to the host has landed."""
-    manager = manager_of(model)
+    manager = protrain_fx.manager_of(model)
+    assert manager is not None, "the model has no chunks"
     manager.finish_reduction()
     manager.wait_for_update()
     out = {}

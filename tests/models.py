@@ -1,4 +1,5 @@
-"""Small models for the tests: our toy transformer and tiny Hugging Face decoders built from configs."""
+"""Models for the tests: our toy transformer, tiny Hugging Face decoders built from configs, and a LLaMA of the
+benchmark's 1B size for the GPU tests."""
 
 from __future__ import annotations
 
@@ -209,3 +210,21 @@ def batch(kind: str, batch_size: int = 2, seq: int = 16, seed: int = 1) -> dict[
 
 def loss_of(kind: str, out) -> torch.Tensor:
     return out if kind == "toy" else out.loss
+
+
+def big_llama(hidden: int = 2048, layers: int = 16) -> nn.Module:
+    """A LLaMA on the GPU in bf16 (sdpa attention, 32000 tokens, random weights): with the defaults the ~1B model
+    of the benchmark."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,  # 2048 -> 5632: the ~1B model of the benchmark
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 128,
+        max_position_embeddings=1024,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).cuda().to(torch.bfloat16)

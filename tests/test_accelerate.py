@@ -20,16 +20,16 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from test_chunk_distributed import spawn_gloo
+from helpers import ALL_OFFLOADED
+from spawn import spawn_gloo
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from transformers import get_linear_schedule_with_warmup
 
 import protrain_fx
-from protrain_fx.runtime.adopt import model_manager
 
 KIND = "llama"
-PLANS = {"persistent": {}, "offloaded": {"n_persist": 0, "n_buffer": 2}}
+PLANS = {"persistent": {}, "offloaded": ALL_OFFLOADED}
 SAMPLES = [{k: v[0] for k, v in models.batch(KIND, batch_size=1, seed=i).items()} for i in range(16)]
 
 
@@ -52,7 +52,8 @@ def _build(options: dict | None):
 
 
 def _loop(accelerator, model, opt, sched, loader, clip_every_micro_batch: bool) -> tuple[list, list, dict]:
-    """The loop of accelerate's documentation; the losses, the clipped norms and the final weights."""
+    """The loop of accelerate's documentation (its own: accelerate's loop is what is tested); the losses, the clipped
+    norms and the final weights."""
     losses, norms = [], []
     for batch in loader:
         with accelerator.accumulate(model):
@@ -65,7 +66,7 @@ def _loop(accelerator, model, opt, sched, loader, clip_every_micro_batch: bool) 
             opt.zero_grad()
         losses.append(loss.item())
     model = accelerator.unwrap_model(model)
-    chunked = model_manager(model) is not None
+    chunked = protrain_fx.manager_of(model) is not None
     return losses, norms, protrain_fx.full_state_dict(model) if chunked else model.state_dict()
 
 

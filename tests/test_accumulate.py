@@ -15,21 +15,14 @@ import models
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import chunk_grads, manager_of
-from test_chunk_distributed import spawn_gloo
+from helpers import PLANS, chunk_grads, train
+from spawn import spawn_gloo
 
 import protrain_fx
 from protrain_fx.runtime.chunks import ChunkManager
 
 MICRO = 4
 STEPS = 3
-PLANS = {
-    "persistent": {},
-    "offloaded": {"n_persist": 1, "n_buffer": 3},
-    # 9 offloaded chunks sharing 2 host gradient shards, 2 persistent ones sharing 1 device gradient buffer
-    # (runtime/chunks/slots.py): their steps hold every gradient
-    "shared-gradients": {"n_persist": 2, "n_buffer": 3, "host_grad_slots": 2, "device_grad_slots": 1},
-}
 
 
 def _parts(batch: dict, n: int) -> list[dict]:
@@ -44,7 +37,7 @@ def _nothing_stepped(manager) -> None:
 def train_accumulated(compiled, model, opt, on_micro=None, on_last=None):
     """STEPS optimizer steps, each over MICRO micro-batches of one batch of 8; returns each step's loss and the
     first step's accumulated gradients. `on_micro(manager)` runs after each backward inside no_sync, `on_last()`
-    after each step's last backward."""
+    after each step's last backward. (Its own loop: accumulation written as a user writes it is what is tested.)"""
     losses, grads = [], None
     for step in range(STEPS):
         total = 0.0
@@ -55,7 +48,7 @@ def train_accumulated(compiled, model, opt, on_micro=None, on_last=None):
                 loss.backward()
             total += loss.item()
             if not last and on_micro is not None:
-                on_micro(manager_of(model))
+                on_micro(protrain_fx.manager_of(model))
         if on_last is not None:
             on_last()
         if step == 0:
@@ -69,16 +62,14 @@ def train_accumulated(compiled, model, opt, on_micro=None, on_last=None):
 def train_whole(ref):
     """The same steps on the whole batches, eagerly, with torch's fused AdamW."""
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    losses, grads = [], None
-    for step in range(STEPS):
-        loss = ref(**models.batch("toy", batch_size=8, seed=step))
-        loss.backward()
+    grads = {}
+
+    def first_grads(step):
         if step == 0:
-            grads = {name: p.grad.clone() for name, p in ref.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads
+            grads.update({name: p.grad.clone() for name, p in ref.named_parameters()})
+
+    whole = lambda step: models.batch("toy", batch_size=8, seed=step)  # noqa: E731
+    return train(ref, "toy", STEPS, opt=opt, batch=whole, before_step=first_grads), grads
 
 
 def _compare(accumulated, whole) -> None:
@@ -111,7 +102,7 @@ def test_bfloat16_masters_accumulate_as_torch_does(plan):
     backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {**plan, "master_dtype": "bfloat16"}})
     train_accumulated(torch.compile(model, backend=backend, dynamic=False), model, opt)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    for step in range(STEPS):
+    for step in range(STEPS):  # (eager accumulation, as a user writes it)
         for part in _parts(models.batch("toy", batch_size=8, seed=step), MICRO):
             (ref(**part) / MICRO).backward()
         ref_opt.step()
@@ -128,7 +119,7 @@ def test_backward_after_the_step_started_says_how_to_accumulate():
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
     for _ in range(2):  # (the first step defers its host updates to optimizer.step(): runtime/clip.py)
         compiled(**models.batch("toy")).backward()
-        if not manager_of(model).updates_started():
+        if not protrain_fx.manager_of(model).updates_started():
             opt.step()
             opt.zero_grad()
     with pytest.raises(RuntimeError, match=r"inside `with protrain_fx.no_sync\(model\):`"):
@@ -166,7 +157,7 @@ def _ranks_accumulate(rank: int, world: int) -> None:
         assert not calls and manager._unreduced == set(range(manager.n_persist)), (calls, manager._unreduced)
 
     def reduced_once():
-        assert len(calls) == manager_of(model).n_persist, calls  # one all-reduce per chunk
+        assert len(calls) == protrain_fx.manager_of(model).n_persist, calls  # one all-reduce per chunk
         calls.clear()
 
     accumulated = train_accumulated(compiled, model, opt, on_micro=no_reduction, on_last=reduced_once)

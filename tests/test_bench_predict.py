@@ -8,6 +8,7 @@ import math
 import models
 import pytest
 import torch
+from helpers import train
 
 import protrain_fx
 from bench.predict import format_table, from_dump, summary
@@ -80,10 +81,7 @@ def _toy_dump(tmp_path, master="float32"):
     plan = {"n_persist": 1, "n_buffer": 2, "master_dtype": master}
     options = {"executor": "eager", "dump_dir": str(tmp_path), "plan": plan}
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
-    for step in range(9):  # the step monitor reports after 8
-        compiled(**models.batch("toy", seed=step)).backward()
-        opt.step()
-        opt.zero_grad()
+    train(compiled, "toy", 9, opt=opt)  # the step monitor reports after 8
     return tmp_path / "rank0" / "graph0"
 
 

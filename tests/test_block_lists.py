@@ -13,20 +13,19 @@ import copy
 import models
 import pytest
 import torch
-from helpers import losses_side_by_side
+from helpers import ALL_OFFLOADED, BF16_RTOL, train
 from torch.utils.checkpoint import CheckpointPolicy
 
 import protrain_fx
 from protrain_fx.capture import BETWEEN, POST, PRE
 from protrain_fx.passes.views import is_view
-from protrain_fx.runtime.adopt import model_manager
 
 STEPS = 3
 # (layers: blocks in each stack of an encoder-decoder)
 STACKS = {"t5": ("encoder.block", "decoder.block"), "bart": ("model.encoder.layers", "model.decoder.layers")}
 PLANS = {
     "persistent": {},
-    "offloaded": {"n_persist": 0, "n_buffer": 2, "n_checkpoint": 0, "n_swap": 0},
+    "offloaded": {**ALL_OFFLOADED, "n_checkpoint": 0, "n_swap": 0},
     # both encoder blocks and the first decoder's (n_swap forced too: the search may swap the fourth)
     "checkpoint": {"n_persist": 0, "n_buffer": 3, "n_checkpoint": 3, "n_swap": 0},
     "swap": {"block_modes": ["swap", "checkpoint", "swap", "none"]},  # a swapped block in each stack
@@ -45,15 +44,8 @@ def train_both(kind, plan, steps=STEPS, *, prepared=False, **model_kw):
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan})
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    for step in range(steps):
-        losses = []
-        for m, o in ((ref, ref_opt), (compiled, opt)):
-            loss = models.loss_of(kind, m(**models.batch(kind, seed=step)))
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-        assert losses[0] == losses[1], f"step {step}: eager {losses[0]} protrain {losses[1]}"
+    eager, losses = train(ref, kind, steps, opt=ref_opt), train(compiled, kind, steps, opt=opt)
+    assert losses == eager, f"eager {eager} protrain {losses}"
     state = protrain_fx.full_state_dict(model)
     for name, value in ref.state_dict().items():
         assert torch.equal(state[name], value), name
@@ -110,7 +102,7 @@ def test_every_plan_mode_trains_encoder_decoders_as_eager(kind, plan):
         assert record.plan.block_modes == tuple(forced["block_modes"]) and record.swap.slots
         swapped = {record.block_map.block[n.args[2].name] for n in _swap_outs(record)}
         assert swapped == {0, 2}
-    manager = model_manager(model)
+    manager = protrain_fx.manager_of(model)
     assert manager.n_persist == (0 if "n_persist" in forced else manager.layout.n_chunk)
 
 
@@ -119,7 +111,7 @@ def _swap_outs(record):
 
 
 TIED_PLANS = {
-    "offloaded": {"n_persist": 0, "n_buffer": 2, "n_checkpoint": 0, "n_swap": 0},
+    "offloaded": {**ALL_OFFLOADED, "n_checkpoint": 0, "n_swap": 0},
     "checkpoint": {"n_persist": 0, "n_buffer": 3, "n_checkpoint": 2, "n_swap": 0},
 }
 
@@ -130,7 +122,7 @@ def test_tied_embedding_trains_offloaded_with_as_many_buffers_as_untied(kind, pl
     """The embedding tied to the head is in a chunk of its own, gathered at the forward's start and again for the
     head: every chunk offloaded, two buffers do (three with checkpointing), as for an untied model."""
     _, model, backend = train_both(kind, TIED_PLANS[plan], layers=3)
-    manager, record = model_manager(model), backend.graphs[0]
+    manager, record = protrain_fx.manager_of(model), backend.graphs[0]
     tied = manager.slot_of(model.get_output_embeddings().weight)
     assert [s.name for s in manager.layout.chunk_slots(tied.chunk)] == [tied.name]
     gathers = [n.args[1] for n in record.forward.graph.find_nodes(op="call_function", target=_GATHER)]
@@ -142,7 +134,7 @@ def test_a_prepared_model_lays_its_tied_weight_alone():
     """Without a graph to read, `prepare` gives a tied parameter outside the blocks a chunk of its own (one block
     does, and compiles faster)."""
     _, model, backend = train_both("gpt2", TIED_PLANS["offloaded"], prepared=True, layers=1)
-    manager = model_manager(model)
+    manager = protrain_fx.manager_of(model)
     tied = manager.slot_of(model.get_output_embeddings().weight)
     assert tied.chunk == 0 and [s.name for s in manager.layout.chunk_slots(0)] == [tied.name]
     assert backend.graphs[0].costs.regathers == ((0, manager.layout.n_chunk - 1),)
@@ -150,7 +142,7 @@ def test_a_prepared_model_lays_its_tied_weight_alone():
 
 def test_shared_embedding_of_an_encoder_decoder_is_gathered_for_each_stack_and_the_head():
     _, model, backend = train_both("t5", PLANS["offloaded"], steps=1, layers=2)
-    shared = model_manager(model).slot_of(model.shared.weight)
+    shared = protrain_fx.manager_of(model).slot_of(model.shared.weight)
     gathers = [n.args[1] for n in backend.graphs[0].forward.graph.find_nodes(op="call_function", target=_GATHER)]
     assert gathers.count(shared.chunk) == 3 and gathers[0] == gathers[-1] == shared.chunk
 
@@ -169,8 +161,8 @@ def test_tied_embedding_offloaded_through_inductor():
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     backend = protrain_fx.ProTrainBackend({"plan": TIED_PLANS["offloaded"]})
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    for ref_loss, loss in losses_side_by_side("gpt2", ref, ref_opt, compiled, opt):
-        assert loss == pytest.approx(ref_loss, rel=1e-4)
+    expected = train(ref, "gpt2", 3, opt=ref_opt)
+    assert train(compiled, "gpt2", 3, opt=opt) == pytest.approx(expected, rel=1e-4)
     gathers = [n.args[1] for n in backend.graphs[0].forward.graph.find_nodes(op="call_function", target=_GATHER)]
     assert gathers.count(0) == 2
 
@@ -189,23 +181,13 @@ def test_tied_embedding_offloaded_through_inductor():
 def test_tied_and_encoder_decoder_models_offloaded_on_gpu(kind, plan):
     """On the GPU through inductor (uploads on the copy stream; the tied chunk's second gather prefetched after the
     last block chunk's, into the buffer its release frees), fp32 weights under bf16 autocast against eager: the
-    bf16 tolerance of test_gpu.py over 5 steps."""
-    from test_gpu import BF16_RTOL
-
+    bf16 tolerance (helpers.BF16_RTOL) over 5 steps."""
     ref = models.build(kind, layers=2).cuda()
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": plan}), dynamic=False)
-    for step in range(5):
-        batch = {k: v.cuda() for k, v in models.batch(kind, seed=step).items()}
-        losses = []
-        for m, o in ((ref, ref_opt), (compiled, opt)):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = models.loss_of(kind, m(**batch))
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-        assert losses[1] == pytest.approx(losses[0], rel=BF16_RTOL), f"step {step}"
-    assert model_manager(model).n_persist == 0
+    expected = train(ref, kind, 5, opt=ref_opt, device="cuda", autocast=torch.bfloat16)
+    losses = train(compiled, kind, 5, opt=opt, device="cuda", autocast=torch.bfloat16)
+    assert losses == pytest.approx(expected, rel=BF16_RTOL)
+    assert protrain_fx.manager_of(model).n_persist == 0

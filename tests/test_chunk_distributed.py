@@ -7,20 +7,12 @@ lr, so a rounding difference in a near-zero gradient can move a parameter by tha
 """
 
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-OFFLOADED = {"n_persist": 1, "n_buffer": 3}
-
-
-def _join(backend: str, rank: int, world: int, rendezvous: str) -> None:
-    """Join the process group through a file of the spawning test's own: tests running side by side (pytest -n)
-    never meet, as they could on a port found free and then taken."""
-    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+from helpers import OFFLOADED
+from spawn import gloo_rank, join, spawn, spawn_gloo
 
 
 def _train_like_eager(rank: int, world: int, kind: str, plan: dict, backend: str, device: str) -> None:
@@ -28,7 +20,6 @@ def _train_like_eager(rank: int, world: int, kind: str, plan: dict, backend: str
 
     import protrain_fx
     from protrain_fx.planner.cost import Candidate
-    from protrain_fx.runtime.adopt import model_manager
 
     # a power of two averages without rounding; on GPUs the eager reference steps with CUDA's fused AdamW and
     # the offloaded chunks with the CPU's, whose roundings differ by an ulp
@@ -37,7 +28,7 @@ def _train_like_eager(rank: int, world: int, kind: str, plan: dict, backend: str
     optimizers = []
     ref, model, compiler = run(kind, plan, steps=4, exact=exact, device=device, dtype=dtype, optimizers=optimizers)
     # the device holds what the planner counts, across ranks each reduce buffer's shard too
-    manager, costs = model_manager(model), compiler.graphs[0].costs
+    manager, costs = protrain_fx.manager_of(model), compiler.graphs[0].costs
     held = device_bytes_held(manager, chunk_states(manager, optimizers[1]))
     assert held == costs.state_bytes(Candidate(manager.n_persist, manager.n_buffer)), f"rank {rank}: {held} bytes"
     state = protrain_fx.full_state_dict(model)  # a collective: every rank calls it
@@ -56,7 +47,7 @@ def _worker(rank: int, world: int, rendezvous: str, cases: list, errors, backend
     if backend == "nccl":
         device = f"cuda:{rank}"
         torch.cuda.set_device(device)
-    _join(backend, rank, world, rendezvous)
+    join(backend, rank, world, rendezvous)
     case = None
     try:
         for case in cases:
@@ -69,40 +60,6 @@ def _worker(rank: int, world: int, rendezvous: str, cases: list, errors, backend
         dist.destroy_process_group()
 
 
-def _spawn(target, world: int, *args) -> None:
-    """Run `target(rank, world, rendezvous, *args, errors)` in `world` spawned processes; fail with their errors."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory(prefix="protrain-ranks-") as folder:
-        rendezvous = os.path.join(folder, "rendezvous")
-        procs = [ctx.Process(target=target, args=(r, world, rendezvous, *args, errors)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=300)
-    messages = []
-    while not errors.empty():
-        messages.append(errors.get())
-    assert not messages, messages
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-
-
-def _gloo_worker(rank: int, world: int, rendezvous: str, body, errors) -> None:
-    _join("gloo", rank, world, rendezvous)
-    try:
-        body(rank, world)
-    except BaseException as e:  # report to the parent, which fails the test
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn_gloo(body, world: int) -> None:
-    """Run `body(rank, world)` (a module-level function) on `world` gloo ranks, each a spawned process."""
-    _spawn(_gloo_worker, world, body)
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_train_like_eager(world):
     """Each case on the same `world` ranks, one after the other (one spawn)."""
@@ -111,25 +68,24 @@ def test_ranks_train_like_eager(world):
         ("toy", {"n_persist": 0, "n_buffer": 3, "host_grad_slots": 2}),
         ("llama", {"n_persist": 1, "n_buffer": 1}),
     ]
-    _spawn(_worker, world, cases)
+    spawn(_worker, world, cases)
 
 
 def test_ranks_train_bfloat16_masters_like_eager():
     """bfloat16 masters (the plan's master_dtype): gradients reduced in bfloat16, persistent and offloaded chunks
     bitwise as torch's fused AdamW over the bfloat16 model."""
-    _spawn(_worker, 2, [("llama", {"n_persist": 1, "n_buffer": 1, "master_dtype": "bfloat16"})])
+    spawn(_worker, 2, [("llama", {"n_persist": 1, "n_buffer": 1, "master_dtype": "bfloat16"})])
 
 
 def _meta_worker(rank, world, rendezvous, errors):
-    _join("gloo", rank, world, rendezvous)
+    join("gloo", rank, world, rendezvous)
     try:
         import copy
 
         import models
-        from helpers import train_steps
+        from helpers import train
 
         import protrain_fx
-        from protrain_fx.runtime.adopt import model_manager
 
         ref = models.build("toy")
         values = {name: t.detach().clone() for name, t in ref.state_dict().items()}
@@ -144,14 +100,14 @@ def _meta_worker(rank, world, rendezvous, errors):
                 p.copy_(values[f"{prefix[id(module)]}.{name}".lstrip(".")])
 
         protrain_fx.prepare(model, device="cpu", init=init)
-        manager = model_manager(model)
+        manager = protrain_fx.manager_of(model)
         shard = manager.layout.shard_elems  # each rank holds its own shard of every master, not the model
         assert manager.pending_plan == {} and all(m.numel() == shard for m in manager.master.values())
         options = {"executor": "eager", "gpu_memory_bytes": int(ample.predicted_reserved_bytes * 0.8)}
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-        assert train_steps(compiled, opt, "toy", 4) == train_steps(ref, ref_opt, "toy", 4), f"rank {rank}"
+        assert train(compiled, "toy", 4, opt=opt) == train(ref, "toy", 4, opt=ref_opt), f"rank {rank}"
         plan = protrain_fx.plan_of(model)
         assert plan.n_persist < plan.n_chunk and manager.n_persist == plan.n_persist, plan
         state = protrain_fx.full_state_dict(model)  # a collective: every rank calls it
@@ -167,7 +123,7 @@ def _meta_worker(rank, world, rendezvous, errors):
 def test_meta_model_prepared_without_a_plan_across_ranks():
     """A meta-device model prepared with no plan on 2 ranks: each rank fills only its own master shards, the ranks
     search one plan at the first compile (it offloads under the smaller GPU), and train bitwise like eager."""
-    _spawn(_meta_worker, 2)
+    spawn(_meta_worker, 2)
 
 
 @pytest.mark.multigpu
@@ -177,23 +133,11 @@ def test_nccl_ranks_train_like_eager(plan):
     3 gloo ranks (the reference's CUDA AdamW and the offloaded chunks' CPU AdamW round differently)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    _spawn(_nccl_worker, 2, "toy", plan)
+    spawn(_nccl_worker, 2, "toy", plan)
 
 
 def _nccl_worker(rank, world, rendezvous, kind, plan, errors):
     _worker(rank, world, rendezvous, [(kind, plan)], errors, backend="nccl")
-
-
-def _gloo_rank(rank: int, world: int, rendezvous: str, errors, body) -> None:
-    """Run `body()` as one gloo rank; an error goes to the parent, which fails the test."""
-    _join("gloo", rank, world, rendezvous)
-    try:
-        body()
-    except BaseException as e:
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _disagreeing_worker(rank: int, world: int, rendezvous: str, how: str, errors):
@@ -222,32 +166,32 @@ def _disagreeing_worker(rank: int, world: int, rendezvous: str, how: str, errors
         with pytest.raises(Exception, match=expected):
             compiled(**models.batch("toy"))
 
-    _gloo_rank(rank, world, rendezvous, errors, body)
+    gloo_rank(rank, world, rendezvous, errors, body)
 
 
 @pytest.mark.parametrize("how", ["plan", "model", "profiling"])
 def test_ranks_that_disagree_or_fail_fail_together(how):
     """A plan or graph that differs between ranks, or profiling that fails on one: every rank raises the same
     error, none waits in a collective."""
-    _spawn(_disagreeing_worker, 2, how)
+    spawn(_disagreeing_worker, 2, how)
 
 
 def _state_dict_worker(rank: int, world: int, rendezvous: str, errors):
     from test_chunk_parity import test_optimizer_state_dict_matches_torch_and_resumes
 
-    _gloo_rank(rank, world, rendezvous, errors, lambda: test_optimizer_state_dict_matches_torch_and_resumes(OFFLOADED))
+    gloo_rank(rank, world, rendezvous, errors, lambda: test_optimizer_state_dict_matches_torch_and_resumes(OFFLOADED))
 
 
 def test_optimizer_state_dict_across_ranks():
     """The single-process state_dict test on 2 ranks: AdamW.state_dict() gathers the sharded states (every rank
     gets torch's AdamW state, bitwise), and loading it resumes exactly."""
-    _spawn(_state_dict_worker, 2)
+    spawn(_state_dict_worker, 2)
 
 
 def _early_updates_worker(rank: int, world: int, rendezvous: str, errors):
     from test_chunk_parity import updates_during_the_backward_equal_updates_in_step
 
-    _gloo_rank(
+    gloo_rank(
         rank, world, rendezvous, errors, lambda: updates_during_the_backward_equal_updates_in_step("cpu", "bfloat16")
     )
 
@@ -257,7 +201,7 @@ def test_persistent_updates_during_the_backward_across_ranks():
     their reduce-scatter does: the same weights and states as deferring every update to `step()`, with bf16
     masters (the parameters themselves, updated in place; fp32 masters are tested on one rank in
     test_chunk_parity.py, and train across ranks like eager in test_ranks_train_like_eager)."""
-    _spawn(_early_updates_worker, 2)
+    spawn(_early_updates_worker, 2)
 
 
 def _dying_rank(rank: int, world: int) -> None:
@@ -271,7 +215,7 @@ def _dying_rank(rank: int, world: int) -> None:
     model = models.build("toy")
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": OFFLOADED}))
-    for step in range(4):
+    for step in range(4):  # (its own loop: a rank dies in it)
         if step == 2 and rank == 1:
             os._exit(0)
         start = time.perf_counter()
@@ -303,7 +247,7 @@ def _out_of_memory_on_one_rank(rank: int, world: int) -> None:
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     options = {"executor": "eager", "plan": OFFLOADED, "on_oom": "replan"}
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options))
-    for step in range(FAIL_AT + 2):
+    for step in range(FAIL_AT + 2):  # (its own loop: a step runs out of memory in it)
         inject.armed = step == FAIL_AT and rank == 1
         try:
             compiled(**models.batch("toy", seed=step)).backward()

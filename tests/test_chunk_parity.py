@@ -11,12 +11,11 @@ import copy
 import models
 import pytest
 import torch
-from helpers import train_steps
+from helpers import ALL_OFFLOADED, train, train_against_autocast
 
 import protrain_fx
 from protrain_fx.distributed import rank_and_world_size
 from protrain_fx.planner.cost import Candidate
-from protrain_fx.runtime.adopt import model_manager
 
 STEPS = 10
 PLANS = {
@@ -45,20 +44,12 @@ def run(kind, plan, steps=STEPS, exact=True, device="cpu", dtype=torch.float32, 
         optimizers += [ref_opt, opt]
     backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan})
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    for step in range(steps):
-        batch = {k: v.to(device) for k, v in models.batch(kind, seed=step).items()}
-        for m, o, s in ((ref, ref_opt, ref_sched), (compiled, opt, sched)):
-            loss = models.loss_of(kind, m(**batch))
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            s.step()
-            if m is ref:
-                ref_loss = loss.item()
-        if exact:
-            assert loss.item() == ref_loss, f"step {step}: {loss.item()} != {ref_loss}"
-        else:
-            assert loss.item() == pytest.approx(ref_loss, rel=1e-5), f"step {step}"
+    ref_losses = train(ref, kind, steps, opt=ref_opt, device=device, after_step=lambda step: ref_sched.step())
+    losses = train(compiled, kind, steps, opt=opt, device=device, after_step=lambda step: sched.step())
+    if exact:
+        assert losses == ref_losses
+    else:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
     return ref, model, backend
 
 
@@ -70,7 +61,7 @@ def test_chunked_training_bitwise(kind, plan):
     assert list(state) == list(ref.state_dict())
     for name, value in ref.state_dict().items():
         assert torch.equal(state[name], value), name
-    manager = model_manager(model)
+    manager = protrain_fx.manager_of(model)
     assert manager is not None and manager.n_persist == backend.graphs[0].plan.n_persist
     assert all(p.grad is None for p in model.parameters())  # gradients live in the chunks
 
@@ -85,7 +76,7 @@ def test_bfloat16_masters_train_as_torch_adamw_over_the_bfloat16_model(device, p
     kernel on the same values; on CUDA the offloaded chunks' update runs on the host, so only persistent ones)."""
     plan, optimizers = {**PLANS[plan], "master_dtype": "bfloat16"}, []
     ref, model, backend = run("llama", plan, device=device, dtype=torch.bfloat16, optimizers=optimizers)
-    manager = model_manager(model)
+    manager = protrain_fx.manager_of(model)
     assert backend.graphs[0].plan.master_dtype == "bfloat16" and manager.master_dtype == torch.bfloat16
     assert all(manager.master[c] is manager.flat[c] for c in range(manager.n_persist))
     assert all(g.dtype == torch.bfloat16 for g in manager._device_grads)
@@ -106,7 +97,7 @@ def test_the_cost_model_counts_what_the_chunks_hold(master_dtype):
     offloaded chunk: one reduce buffer)."""
     plan, optimizers = {"n_persist": 1, "n_buffer": 2, "master_dtype": master_dtype}, []
     _, model, backend = run("llama", plan, steps=2, dtype=torch.bfloat16, optimizers=optimizers)
-    manager, costs = model_manager(model), backend.graphs[0].costs
+    manager, costs = protrain_fx.manager_of(model), backend.graphs[0].costs
     config = Candidate(manager.n_persist, manager.n_buffer)
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
     states = chunk_states(manager, optimizers[1])
@@ -140,7 +131,7 @@ def device_bytes_held(manager, states) -> int:
 
 def test_offloaded_parameters_hold_no_storage_and_arena_is_exact():
     _, model, backend = run("llama", {"n_persist": 1, "n_buffer": 1}, steps=1)
-    manager = model_manager(model)
+    manager = protrain_fx.manager_of(model)
     plan = backend.graphs[0].plan
     assert plan.n_chunk == manager.layout.n_chunk and plan.chunk_bytes == manager.layout.chunk_bytes
     offloaded = [p for p in manager.params if not manager.is_persistent(p)]
@@ -191,11 +182,8 @@ def test_optimizer_without_compile_equals_torch_adamw():
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    for step in range(3):
-        for m, o in ((ref, ref_opt), (model, opt)):
-            m(**models.batch("toy", seed=step)).backward()
-            o.step()
-            o.zero_grad()
+    train(ref, "toy", 3, opt=ref_opt)
+    train(model, "toy", 3, opt=opt)
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
     with pytest.raises(ValueError, match="betas in \\[0, 1\\)"):
         protrain_fx.optim.AdamW(model.parameters(), betas=(0.9, 1.5))
@@ -228,15 +216,8 @@ def test_chunked_training_through_inductor():
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": {"n_persist": 2, "n_buffer": 2}}))
-    for step in range(3):
-        losses = []
-        for m, o in ((ref, ref_opt), (compiled, opt)):
-            loss = m(**models.batch("toy", seed=step))
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-        assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    expected = train(ref, "toy", 3, opt=ref_opt)
+    assert train(compiled, "toy", 3, opt=opt) == pytest.approx(expected, rel=1e-4)
     state = protrain_fx.full_state_dict(model)
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=3 * 1e-2)
@@ -257,7 +238,7 @@ def test_offloaded_chunks_share_the_host_gradient_shards_of_the_plan(monkeypatch
     ref, model, _ = run("gpt2", SHARED_GRADIENTS, steps=4)
     state = protrain_fx.full_state_dict(model)
     assert all(torch.equal(state[name], value) for name, value in ref.state_dict().items())
-    manager = model_manager(model)
+    manager = protrain_fx.manager_of(model)
     manager.wait_for_update()
     n = manager.layout.n_chunk
     assert n > 1 and (manager.n_persist, manager.grad_slots) == (0, 1)
@@ -287,7 +268,7 @@ def _no_room(m: pytest.MonkeyPatch, where: str, model) -> None:
 
         m.setattr(host, "available_host_bytes", lambda: 1000)
         return
-    elems, empty = model_manager(model).layout.chunk_elems, torch.empty
+    elems, empty = protrain_fx.manager_of(model).layout.chunk_elems, torch.empty
 
     def no_room(*size, **kwargs):
         if size == (elems,) and kwargs.get("dtype") is torch.float32:
@@ -342,8 +323,8 @@ def test_optimizer_state_dict_matches_torch_and_resumes(plan):
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     backend = {"executor": "eager", "plan": plan}
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(backend), dynamic=False)
-    train_steps(ref, ref_opt, kind, 2)
-    train_steps(compiled, opt, kind, 2)
+    train(ref, kind, 2, opt=ref_opt)
+    train(compiled, kind, 2, opt=opt)
     ours, theirs = opt.state_dict(), ref_opt.state_dict()
     assert sorted(ours["state"]) == sorted(theirs["state"])
     for i, st in theirs["state"].items():
@@ -353,14 +334,14 @@ def test_optimizer_state_dict_matches_torch_and_resumes(plan):
     assert ours["param_groups"][0]["lr"] == theirs["param_groups"][0]["lr"]
 
     weights = protrain_fx.full_state_dict(model)
-    expected = train_steps(compiled, opt, kind, 2, first_step=2)  # the uninterrupted run
+    expected = train(compiled, kind, 2, opt=opt, first_step=2)  # the uninterrupted run
 
     resumed = models.build(kind, seed=123)
     resumed.load_state_dict(weights)
     resumed_opt = protrain_fx.optim.AdamW(resumed.parameters(), lr=5.0)  # lr comes back from the state
     resumed_opt.load_state_dict(ours)
     resumed_compiled = torch.compile(resumed, backend=protrain_fx.ProTrainBackend(backend), dynamic=False)
-    assert train_steps(resumed_compiled, resumed_opt, kind, 2, first_step=2) == expected
+    assert train(resumed_compiled, kind, 2, opt=resumed_opt, first_step=2) == expected
     with pytest.raises(ValueError, match="param groups of sizes"):
         resumed_opt.load_state_dict({"state": {}, "param_groups": []})
 
@@ -374,7 +355,7 @@ def test_parameter_no_graph_uses_is_not_updated(plan):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan}))
-    assert train_steps(compiled, opt, "toy", 3) == train_steps(ref, ref_opt, "toy", 3)
+    assert train(compiled, "toy", 3, opt=opt) == train(ref, "toy", 3, opt=ref_opt)
     state = protrain_fx.full_state_dict(model)
     for name, value in ref.state_dict().items():
         assert torch.equal(state[name], value), name
@@ -389,16 +370,8 @@ def test_fp32_chunks_under_autocast(plan):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan}))
-    for step in range(3):
-        losses = []
-        for m, o in ((ref, ref_opt), (compiled, opt)):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = m(**models.batch("llama", seed=step)).loss
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-        assert losses[1] == losses[0], f"step {step}: {losses}"
+    expected = train(ref, "llama", 3, opt=ref_opt, autocast=torch.bfloat16)
+    assert train(compiled, "llama", 3, opt=opt, autocast=torch.bfloat16) == expected
     state = protrain_fx.full_state_dict(model)
     for name, value in ref.state_dict().items():
         assert torch.equal(state[name], value), name
@@ -425,10 +398,11 @@ def updates_during_the_backward_equal_updates_in_step(device: str = "cpu", maste
         backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan})
         compiled = torch.compile(model, backend=backend, dynamic=False)
         started = []
+        # (its own loop: it checks the chunks between the backward and opt.step(), and between step and zero_grad)
         for step in range(4):
             batch = {k: v.to(device) for k, v in models.batch("llama", seed=step).items()}
             models.loss_of("llama", compiled(**batch)).backward()
-            manager = model_manager(model)
+            manager = protrain_fx.manager_of(model)
             started.append(manager.updates_started())
             if clip:
                 protrain_fx.clip_grad_norm_(model, 1e9)
@@ -460,3 +434,73 @@ def updates_during_the_backward_equal_updates_in_step(device: str = "cpu", maste
         for i, st in states_other["state"].items():
             for k, v in st.items():
                 assert torch.equal(states["state"][i][k], v), (clip, plan, i, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [{}, ALL_OFFLOADED, {"n_persist": 1, "n_buffer": 1}])
+def test_chunked_bf16_parity(plan):
+    """bf16 parameters in chunks with fp32 master weights (inductor) against eager fp32 training under bf16
+    autocast with torch's fused AdamW: the bf16 tolerance on losses."""
+    ref = models.build("llama", layers=4).cuda()
+    model = copy.deepcopy(ref).to(torch.bfloat16)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": plan}), dynamic=False)
+    train_against_autocast(ref, ref_opt, compiled, opt)
+
+
+@pytest.mark.gpu
+def test_shared_host_gradient_shards_train_as_one_each():
+    """Offloaded chunks sharing one pinned host gradient shard (the first step, whose updates wait for
+    optimizer.step(), takes plain host memory for the others) train bitwise as with a shard each."""
+    base = models.big_llama(hidden=512, layers=4)
+    ids = torch.randint(0, 32000, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    runs = []
+    for slots in ({}, {"host_grad_slots": 1}):
+        model = copy.deepcopy(base)
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+        plan = {**ALL_OFFLOADED, **slots}
+        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": plan}), dynamic=False)
+        losses = train(
+            compiled, "llama", 4, opt=opt, device="cuda", batch=lambda step: {"input_ids": ids, "labels": ids}
+        )
+        manager = protrain_fx.manager_of(model)
+        manager.wait_for_update()
+        runs.append((losses, protrain_fx.full_state_dict(model), manager))
+        torch._dynamo.reset()
+    (losses, state, each), (shared_losses, shared_state, shared) = runs
+    assert (each.grad_slots, shared.grad_slots) == (each.layout.n_chunk, 1) and each.layout.n_chunk >= 2
+    assert shared.arena.is_pinned() and len(shared._free_grads) == 1
+    assert shared_losses == losses
+    assert all(torch.equal(shared_state[k], v) for k, v in state.items())
+
+
+@pytest.mark.gpu
+def test_chunk_buffers_allocated_once():
+    """Offloaded chunks go through the same pre-allocated buffers every step: no growth, same addresses."""
+    model = models.big_llama(hidden=1024, layers=8)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-4)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": {"n_persist": 2, "n_buffer": 2}}))
+    ids = torch.randint(0, 32000, (4, 512), device="cuda")
+    allocated = []
+
+    def measure(step):
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+
+    train(
+        compiled,
+        "llama",
+        5,
+        opt=opt,
+        device="cuda",
+        batch=lambda step: {"input_ids": ids, "labels": ids},
+        after_step=measure,
+    )
+    manager = protrain_fx.manager_of(model)
+    pointers = [b.data_ptr() for b in manager.buffers]
+    compiled(input_ids=ids, labels=ids).loss.backward()
+    assert [b.data_ptr() for b in manager.buffers] == pointers
+    assert allocated[2] == allocated[3] == allocated[4], allocated
+    assert manager.arena.is_pinned()
+    print(f"chunks {manager.layout.n_chunk} x {manager.layout.chunk_bytes / 2**20:.1f} MiB, allocated {allocated}")

@@ -12,18 +12,11 @@ import math
 import models
 import pytest
 import torch
-from helpers import chunk_grads, manager_of
-from test_chunk_distributed import spawn_gloo
+from helpers import PLANS, chunk_grads, train
+from spawn import spawn_gloo
 
 import protrain_fx
 
-PLANS = {
-    "persistent": {},
-    "offloaded": {"n_persist": 1, "n_buffer": 3},
-    # 9 offloaded chunks sharing 2 host gradient shards, 2 persistent ones sharing 1 device gradient buffer
-    # (runtime/chunks/slots.py): their steps hold every gradient
-    "shared-gradients": {"n_persist": 2, "n_buffer": 3, "host_grad_slots": 2, "device_grad_slots": 1},
-}
 STEPS = 3
 
 
@@ -40,22 +33,21 @@ def _pair(plan, device="cpu", dtype=torch.float32):
 def _clipped_steps(ref, ref_opt, compiled, opt, max_norm, norm_type, whole_chunks=True):
     """STEPS steps of each model, clipped between backward and step; per step: (norm, ref norm, loss, ref loss),
     and the first step's clipped gradients of both (with `whole_chunks`: each rank holds whole chunks)."""
-    rows, grads = [], None
-    for step in range(STEPS):
-        batch = models.batch("toy", seed=step)
-        ref_loss, loss = ref(**batch), compiled(**batch)
-        ref_loss.backward()
-        loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
-        norm = protrain_fx.clip_grad_norm_(compiled, max_norm, norm_type)
+    norms, ref_norms, grads, ref_grads = [], [], {}, {}
+
+    def clip(step):
+        norms.append(protrain_fx.clip_grad_norm_(compiled, max_norm, norm_type).item())
         if step == 0 and whole_chunks:
-            grads = chunk_grads(compiled), {n: p.grad.clone() for n, p in ref.named_parameters()}
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
-        rows.append((norm.item(), ref_norm.item(), loss.item(), ref_loss.item()))
-    return rows, grads
+            grads.update(chunk_grads(compiled))
+
+    def ref_clip(step):
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type).item())
+        if step == 0 and whole_chunks:
+            ref_grads.update({n: p.grad.clone() for n, p in ref.named_parameters()})
+
+    ref_losses = train(ref, "toy", STEPS, opt=ref_opt, before_step=ref_clip)
+    losses = train(compiled, "toy", STEPS, opt=opt, before_step=clip)
+    return list(zip(norms, ref_norms, losses, ref_losses)), ((grads, ref_grads) if whole_chunks else None)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["l2", "inf"])
@@ -94,14 +86,14 @@ def test_host_updates_overlap_the_backward_unless_clipped():
     scaled its gradients defers."""
     for clip in (False, True):
         _, _, compiled, opt = _pair(PLANS["offloaded"])
-        for step in range(3):
-            compiled(**models.batch("toy", seed=step)).backward()
-            started = bool(manager_of(compiled).updates_started())
+
+        def check(step, clip=clip, compiled=compiled):
+            started = bool(protrain_fx.manager_of(compiled).updates_started())
             assert started == (step > 0 and not clip), (clip, step)
             if clip:
                 assert protrain_fx.clip_grad_norm_(compiled, 1.0) > 1.0
-            opt.step()
-            opt.zero_grad()
+
+        train(compiled, "toy", 3, opt=opt, before_step=check)
         torch._dynamo.reset()
 
 
@@ -126,13 +118,14 @@ def speculative_clipping_equals_deferred(
     def run(n_clip_overlap: int):
         ref, ref_opt, compiled, opt = _pair({**plan, "n_clip_overlap": n_clip_overlap}, device)
         norms, started = [], []
+        # (its own loop: micro-batches accumulated with no_sync, clipped to a max_norm of each step's own)
         for step, max_norm in enumerate(SPECULATION):
             for i in range(micro):
                 batch = {k: v.to(device) for k, v in models.batch("toy", seed=step * micro + i).items()}
                 ref(**batch).backward()
                 with protrain_fx.no_sync(compiled) if i < micro - 1 else contextlib.nullcontext():
                     compiled(**batch).backward()
-            started.append(manager_of(compiled).updates_started())
+            started.append(protrain_fx.manager_of(compiled).updates_started())
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
             norm = protrain_fx.clip_grad_norm_(compiled, max_norm)
             assert (norm > max_norm) == (max_norm < 1), (step, norm)  # the schedule clips where it should
@@ -145,7 +138,7 @@ def speculative_clipping_equals_deferred(
             batch = {k: v.to(device) for k, v in models.batch("toy", seed=10 + step).items()}
             assert compiled(**batch).item() == pytest.approx(ref(**batch).item(), rel=1e-5)
         weights, states = protrain_fx.full_state_dict(compiled), opt.state_dict()
-        n_chunk = manager_of(compiled).layout.n_chunk
+        n_chunk = protrain_fx.manager_of(compiled).layout.n_chunk
         torch._dynamo.reset()
         return norms, started, weights, states, n_chunk
 
@@ -204,7 +197,8 @@ def test_speculative_host_updates_across_ranks():
 
 def test_clip_errors():
     _, _, compiled, opt = _pair(PLANS["offloaded"])
-    for step in range(2):  # never clipped: the second step's updates start during the backward
+    # never clipped: the second step's updates start during the backward (its own loop: no step after that one)
+    for step in range(2):
         compiled(**models.batch("toy", seed=step)).backward()
         if step == 0:
             opt.step()

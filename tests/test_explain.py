@@ -1,4 +1,4 @@
-"""explain, plan_of, the plan dump and its replay, predicted_vs_measured.json (protrain_fx/explain.py,
+"""explain, plan_of, manager_of, the plan dump and its replay, predicted_vs_measured.json (protrain_fx/explain.py,
 runtime/monitor.py)."""
 
 import collections
@@ -9,6 +9,7 @@ import re
 import models
 import pytest
 import torch
+from helpers import train
 
 import protrain_fx
 from protrain_fx.planner.plan import Plan
@@ -60,15 +61,21 @@ def test_explain_says_which_block_lists_it_found():
 
 
 def test_plan_of_the_compiled_model():
+    """plan_of, and manager_of: the chunks of the plan in force."""
     model = models.build("llama", layers=2)
     compiled = torch.compile(model, backend="protrain", options={"executor": "eager"})
     with pytest.raises(ValueError, match="run one training step"):
         protrain_fx.plan_of(compiled)
+    assert protrain_fx.manager_of(compiled) is None
+    with pytest.raises(TypeError, match=r"manager_of\(\) takes the model"):
+        protrain_fx.manager_of("model")
     protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
     compiled(**models.batch("llama")).loss.backward()
     plan = protrain_fx.plan_of(compiled)
     assert plan.n_chunk > 1 and plan.n_persist == plan.n_chunk  # (the CPU: no capacity to save memory for)
     assert protrain_fx.plan_of(model) is plan
+    manager = protrain_fx.manager_of(compiled)
+    assert manager is protrain_fx.manager_of(model) and manager.layout.n_chunk == plan.n_chunk
 
 
 def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
@@ -83,10 +90,7 @@ def test_dumped_plan_replays_without_search_and_is_measured(tmp_path):
     options = {"executor": "eager", "dump_dir": str(tmp_path), "plan": {"n_checkpoint": 1, "n_persist": 1}}
     backend = protrain_fx.ProTrainBackend(options)
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    for step in range(8):
-        compiled(**models.batch("llama", seed=step)).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train(compiled, "llama", 8, opt=opt)
     graph_dir = tmp_path / "rank0" / "graph0"
     dumped = json.loads((graph_dir / "plan.json").read_text())
     assert dumped["n_checkpoint"] == 1 and dumped["runners_up"]
@@ -126,11 +130,7 @@ def test_clipped_steps_are_measured_against_the_clipped_prediction(tmp_path):
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
     options = {"executor": "eager", "dump_dir": str(tmp_path), "plan": {"n_persist": 1}}
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
-    for step in range(8):
-        compiled(**models.batch("llama", seed=step)).loss.backward()
-        protrain_fx.clip_grad_norm_(compiled, 1e9)
-        opt.step()
-        opt.zero_grad()
+    train(compiled, "llama", 8, opt=opt, before_step=lambda step: protrain_fx.clip_grad_norm_(compiled, 1e9))
     graph_dir = tmp_path / "rank0" / "graph0"
     dumped = json.loads((graph_dir / "plan.json").read_text())
     report = json.loads((graph_dir / "predicted_vs_measured.json").read_text())

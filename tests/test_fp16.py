@@ -1,6 +1,8 @@
 """float16 chunks with dynamic loss scaling (`protrain_fx.amp.GradScaler`) against a reference written out in
 full: fp16 model, fp32 master weights, torch's fused AdamW dividing the gradients by the loss scale, the step
-skipped and the scale halved when a gradient overflows. Tolerance: bitwise (CPU, the same kernels).
+skipped and the scale halved when a gradient overflows. Tolerance: bitwise (CPU, the same kernels); on a GPU
+against torch.amp.GradScaler under float16 autocast, that of bf16 (helpers.BF16_RTOL). The training loops are the
+tests' own: loss scaling is written into the loop, as a user writes it.
 """
 
 import copy
@@ -8,6 +10,7 @@ import copy
 import models
 import pytest
 import torch
+from helpers import BF16_RTOL
 
 import protrain_fx
 
@@ -148,3 +151,31 @@ def test_grad_scaler_errors():
     compiled(**models.batch("toy")).backward()
     with pytest.raises(ValueError, match="loss scaling .* is for float16 models"):
         protrain_fx.amp.GradScaler().step(opt)
+
+
+@pytest.mark.gpu
+def test_fp16_chunks_with_loss_scaling():
+    """float16 weights in chunks (one on the GPU, the rest offloaded) with protrain_fx.amp.GradScaler, against
+    eager fp32 training under float16 autocast with torch.amp.GradScaler: the same tolerance as bf16."""
+    ref = models.build("llama", layers=4).cuda()
+    model = copy.deepcopy(ref).half()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    ref_scaler = torch.amp.GradScaler("cuda")
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = protrain_fx.amp.GradScaler()
+    options = {"plan": {"n_persist": 1, "n_buffer": 2}}
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
+    for step in range(5):
+        batch = {k: v.cuda() for k, v in models.batch("llama", seed=step).items()}
+        with torch.autocast("cuda", dtype=torch.float16):
+            ref_loss = ref(**batch).loss
+        ref_scaler.scale(ref_loss).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        loss = compiled(**batch).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=BF16_RTOL), f"step {step}"

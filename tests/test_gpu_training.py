@@ -4,7 +4,7 @@ Run on a GPU machine: `python -m pytest -m gpu tests/test_gpu_training.py`.
 
 Tolerances: loaded weights and states are compared bitwise; losses of two runs of the same steps to 1e-3
 (the embedding backward accumulates with atomics, whose order varies on a GPU); against eager fp32 under bf16
-autocast, the bf16 tolerance of test_gpu.py.
+autocast, the bf16 tolerance (helpers.BF16_RTOL).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import models
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_gpu import BF16_RTOL
+from helpers import BF16_RTOL, train
 
 import protrain_fx
 
@@ -31,15 +31,7 @@ def _model_and_optimizer(**kw):
 
 
 def _steps(compiled, opt, steps, start=0):
-    losses = []
-    for step in range(start, start + steps):
-        batch = {k: v.cuda() for k, v in models.batch("llama", seed=step).items()}
-        loss = compiled(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train(compiled, "llama", steps, opt=opt, first_step=start, device="cuda")
 
 
 def _flat(state) -> dict[str, torch.Tensor]:
@@ -101,7 +93,7 @@ def test_accumulation_and_clipping_on_gpu():
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(), dynamic=False)
-    for step in range(4):
+    for step in range(4):  # (its own loop: accumulation and clipping, as a user writes them, are what is tested)
         micro = [{k: v.cuda() for k, v in models.batch("llama", seed=2 * step + i).items()} for i in range(2)]
         for batch in micro:
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -188,7 +180,7 @@ def test_out_of_memory_is_replanned_and_training_finishes(caplog):
         losses, skipped, first_plan, card = [], [], None, None
         try:
             with caplog.at_level("WARNING", logger="protrain_fx"):
-                for step in range(5):
+                for step in range(5):  # (its own loop: the card shrinks under it)
                     if shrink_at is not None and step == shrink_at - 1:
                         torch.cuda.reset_peak_memory_stats()
                     if step == shrink_at:  # the card shrinks under the plan

@@ -6,22 +6,16 @@ import time
 
 import pytest
 import torch
-from test_chunk_distributed import _gloo_rank, _spawn
+from helpers import SMALL_HARDWARE
+from spawn import gloo_rank, spawn
 
 from protrain_fx.profiler import hardware, microbench
 from protrain_fx.profiler.hardware import HardwareProfile, hardware_profile
 
-SMALL = {
-    "COPY_BYTES": 4 * 2**20,
-    "ADAM_PARAMS": 2**20,
-    "COLLECTIVE_BYTES": (2**16, 2**20),
-    "CPU_COLLECTIVE_BYTES": (2**16, 2**20),
-}
-
 
 @pytest.fixture
 def small(monkeypatch):
-    for name, value in SMALL.items():
+    for name, value in SMALL_HARDWARE.items():
         monkeypatch.setattr(microbench, name, value)
 
 
@@ -114,7 +108,7 @@ def test_collective_time_interpolates():
 
 def _two_ranks(rank, world, port, errors):
     def body():
-        for name, value in SMALL.items():
+        for name, value in SMALL_HARDWARE.items():
             setattr(microbench, name, value)
         profile = hardware.measure(torch.device("cpu"))
         assert sorted(profile.collectives) == ["all_gather", "all_reduce", "reduce_scatter"]
@@ -124,18 +118,18 @@ def _two_ranks(rank, world, port, errors):
         torch.distributed.all_gather_object(everyone, profile.to_json())
         assert everyone[0] == everyone[1], "ranks must plan from the same numbers"
 
-    _gloo_rank(rank, world, port, errors, body)
+    gloo_rank(rank, world, port, errors, body)
 
 
 def test_two_ranks_measure_collectives_and_agree():
-    _spawn(_two_ranks, 2)
+    spawn(_two_ranks, 2)
 
 
 def _late_rank(rank, world, port, errors):
     """Rank 1 reaches each host measurement half a second after rank 0; each rank notes when its host work began."""
 
     def body():
-        for name, value in SMALL.items():
+        for name, value in SMALL_HARDWARE.items():
             setattr(microbench, name, value)
         original, begun = microbench._on_host_worker, []
 
@@ -160,14 +154,14 @@ def _late_rank(rank, world, port, errors):
         skews = [abs(a - b) for a, b in zip(*everyone)]
         assert max(skews) < 0.25, skews
 
-    _gloo_rank(rank, world, port, errors, body)
+    gloo_rank(rank, world, port, errors, body)
 
 
 def test_ranks_measure_the_host_at_once():
     """In training every rank's host AdamW runs at once, sharing the host's memory bandwidth; so the profile
     measures it on all ranks at once (measured apart, four H200 ranks' host AdamW was predicted at two thirds of
     what training measured)."""
-    _spawn(_late_rank, 2)
+    spawn(_late_rank, 2)
 
 
 def test_host_capacity_leaves_room_for_the_rest_of_training(monkeypatch):
@@ -190,3 +184,21 @@ def test_host_capacity_leaves_room_for_the_rest_of_training(monkeypatch):
     with inductor_config.patch(compile_threads=None):  # (not decided yet: inductor decides as it would)
         assert hardware.host_capacity(cuda) == 0
     assert hardware.host_capacity(torch.device("cpu")) is None  # (the CPU's host is budgeted only when told)
+
+
+@pytest.mark.gpu
+def test_hardware_profile_on_gpu(tmp_path):
+    """Pinned copies in both directions, the fused AdamW on the GPU and the CPU, the GPU's AdamW beside matmuls
+    (partly hidden, and slower than alone), the card's memory from NVML."""
+    profile = hardware_profile(torch.device("cuda"), cache_dir=tmp_path)
+    print(profile)
+    assert profile.h2d_bytes_per_s > 5e9 and profile.d2h_bytes_per_s > 5e9
+    assert profile.device_adam_s_per_param < profile.host_adam_s_per_param
+    assert profile.host_adam_both_s_per_param > profile.host_adam_s_per_param  # copies share the host's memory
+    assert profile.both_beside_host_bytes_per_s < profile.h2d_bytes_per_s  # and the AdamW slows the copies
+    assert 0 < profile.device_adam_hidden_beside_matmul < 1 and profile.device_adam_stretch_beside_matmul > 1
+    # matmuls measured at four shares of the device's time, never faster than in a burst
+    points = profile.matmul_stretch_sustained
+    assert len(points) == 4 and all(0 < share <= 1 and stretch >= 1 for share, stretch in points)
+    # NVML's total counts memory the driver keeps for itself, which cudaMemGetInfo's total leaves out
+    assert profile.device_memory_bytes == pytest.approx(torch.cuda.mem_get_info()[1], rel=0.02)

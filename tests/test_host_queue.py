@@ -1,5 +1,6 @@
 """The host worker runs, among the tasks whose copy has landed, the lowest chunk first, keeps nothing once a task
-ran, and beside a GPU runs on this rank's share of the cores."""
+ran, and beside a GPU runs on this rank's share of the cores, where OpenMP threads spinning beside it are warned
+of."""
 
 import gc
 import os
@@ -9,10 +10,10 @@ import weakref
 import models
 import pytest
 import torch
+from helpers import train
 
 import protrain_fx
 from protrain_fx.host_queue import HostQueue, host_threads
-from protrain_fx.runtime.adopt import model_manager
 
 
 def test_beside_a_gpu_the_worker_runs_on_this_ranks_share_of_the_cores(monkeypatch):
@@ -80,15 +81,27 @@ def test_a_dropped_model_frees_its_chunks_and_worker_thread():
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     backend = protrain_fx.ProTrainBackend({"plan": {"n_persist": 1, "n_buffer": 3}})  # (inductor)
     compiled = torch.compile(model, backend=backend)
-    for step in range(2):  # (the second step runs the offloaded chunks' updates on the worker)
-        compiled(**models.batch("toy", 2, 16, seed=step)).backward()
-        opt.step()
-        opt.zero_grad()
-    model_manager(model).wait_for_update()  # (the last step's host updates may still be running)
-    manager = weakref.ref(model_manager(model))
+    # (the second step runs the offloaded chunks' updates on the worker)
+    train(compiled, "toy", 2, opt=opt, batch=lambda step: models.batch("toy", 2, 16, seed=step))
+    protrain_fx.manager_of(model).wait_for_update()  # (the last step's host updates may still be running)
+    manager = weakref.ref(protrain_fx.manager_of(model))
     assert _workers() - before
     del model, opt, compiled, backend
     torch._dynamo.reset()
     gc.collect()
     assert manager() is None
     assert not _workers() - before
+
+
+@pytest.mark.gpu
+def test_spinning_openmp_threads_are_warned_of(monkeypatch, caplog):
+    """OpenMP threads that spin when idle slow the offloaded chunks' host AdamW about threefold: a plan that
+    offloads chunks says so."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    model = models.big_llama(hidden=1024, layers=8)
+    protrain_fx.optim.AdamW(model.parameters(), lr=1e-4)  # (chunks are made for this optimizer)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": {"n_persist": 2, "n_buffer": 2}}))
+    ids = torch.randint(0, 32000, (2, 64), device="cuda")
+    with caplog.at_level("WARNING", logger="protrain_fx.runtime.chunks"):
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    assert any("OMP_WAIT_POLICY=ACTIVE" in r.getMessage() for r in caplog.records)

@@ -14,7 +14,7 @@ def test_a_line_every_n_steps(caplog):
     metrics = protrain_fx.StepMetrics(compiled, every=2)
     rows = []
     with caplog.at_level("INFO", logger="protrain_fx.metrics"):
-        for step in range(4):
+        for step in range(4):  # (its own loop: StepMetrics.step is called in it, as a user calls it)
             batch = models.batch("toy", seed=step)
             loss = compiled(**batch)
             loss.backward()

@@ -1,5 +1,5 @@
 """NoPlanFits (planner/nofit.py, raised by planner/search.py) says what was fixed and what each lever gives, in
-numbers from the same cost model, on the synthetic profiles of test_search: the plan the search finds with a
+numbers from the same cost model, on the synthetic profiles of cost_models.py: the plan the search finds with a
 fixed n_persist searched instead, the host memory needed and what there is, and the largest share of the batch
 that fits, checked by scaling the model's activations by it."""
 
@@ -7,12 +7,12 @@ import dataclasses
 import re
 
 import pytest
-from test_search import _capacities, brute_force, synthetic
+from cost_models import capacities, synthetic
 
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Candidate, CostModel
 from protrain_fx.planner.nofit import GENERIC_ORIGIN
-from protrain_fx.planner.search import NoPlanFits, plan_graph
+from protrain_fx.planner.search import NoPlanFits, brute_force, plan_graph
 
 GiB = 2**30
 
@@ -78,7 +78,7 @@ def test_a_fixed_n_persist_is_named_with_the_plan_that_fits_with_it_searched(com
     model = synthetic()
     times = {"block_fwd_s": model.block_fwd_s, "block_bwd_s": model.block_bwd_s}
     model = dataclasses.replace(model, **{k: tuple(t * compute for t in v) for k, v in times.items()})
-    layout, capacity, host = _layout(model), _capacities(model)[3], 200 * GiB
+    layout, capacity, host = _layout(model), capacities(model)[3], 200 * GiB
     searched = plan_graph(model, {}, layout, capacity, host)
     assert searched.n_persist < model.n_chunk
     with pytest.raises(NoPlanFits) as err:
@@ -114,7 +114,7 @@ def test_too_little_host_for_the_plan_that_would_fit_says_offloading_is_not_avai
     """n_persist fixed too high for the GPU, and the host too small to offload what the GPU has no room for: the
     error says how much host memory offloading would need and how much there is."""
     model = synthetic()
-    layout, capacity = _layout(model), _capacities(model)[2]
+    layout, capacity = _layout(model), capacities(model)[2]
     sharing = dataclasses.replace(model, share_device_grads=True)  # (the search's last resort, the least host)
     needed = min(sharing.least_host_bytes(c) for c, _, _ in brute_force(sharing, capacity) if c.n_persist < 6)
     with pytest.raises(NoPlanFits) as err:
@@ -132,7 +132,7 @@ def test_too_little_host_gives_the_host_needed_and_a_batch_that_fits():
     """Nothing fixed, plans fit the GPU but not the host: the host memory the least of them needs and what there
     is, and the share of the batch with which a plan keeping more chunks on the GPU fits both."""
     model = synthetic()
-    capacity = _capacities(model)[3]
+    capacity = capacities(model)[3]
     fits_gpu = [c for c, _, _ in brute_force(model, capacity)]
     least = min(model.least_host_bytes(c) for c in fits_gpu)
     host = least - 1
@@ -153,7 +153,7 @@ def test_too_little_host_gives_the_host_needed_and_a_batch_that_fits():
 
 def test_fixed_block_modes_are_named_by_their_counts_and_searched_with_the_rest():
     model = synthetic()
-    layout, capacity = _layout(model), _capacities(model)[2]
+    layout, capacity = _layout(model), capacities(model)[2]
     forced = {"n_persist": 2, "block_modes": ("swap",) + ("checkpoint",) * 7}  # (n_buffer searched)
     with pytest.raises(NoPlanFits) as err:
         plan_graph(model, forced, layout, capacity, fixed_by={"block_modes": "options['plan']"})

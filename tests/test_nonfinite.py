@@ -8,17 +8,19 @@ import models
 import pytest
 import torch
 import torch.distributed as dist
-from test_chunk_distributed import spawn_gloo
+from helpers import OFFLOADED
+from spawn import spawn_gloo
 
 import protrain_fx
 
-PLANS = {"persistent": {}, "offloaded": {"n_persist": 1, "n_buffer": 3}}
+PLANS = {"persistent": {}, "offloaded": OFFLOADED}
 NAN_STEP = 2  # after the first step, so offloaded updates start during the backward (they are deferred at first)
 
 
 def _train(plan, steps, *, nan_at=None, nan_rank=0, nonfinite=None, skip=()):
     """Train the toy model on batches 0..steps-1 (leaving out those in `skip`); the loss of step `nan_at` is
-    multiplied by NaN on rank `nan_rank`. Returns (model, optimizer, full weights before each step, error)."""
+    multiplied by NaN on rank `nan_rank`. Returns (model, optimizer, full weights before each step, error). (Its
+    own loop: a step's loss made NaN, and the step that raises, are what is tested.)"""
     rank = dist.get_rank() if dist.is_initialized() else 0
     model = models.build("toy")
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, nonfinite=nonfinite)

@@ -10,12 +10,12 @@ import logging
 import models
 import pytest
 import torch
+from helpers import OFFLOADED
 
 import protrain_fx
 from protrain_fx.runtime.chunks import ChunkManager
 from protrain_fx.runtime.oom import SHRINK
 
-OFFLOADED = {"n_persist": 1, "n_buffer": 3}  # chunks gathered in the forward, reduced and updated in the backward
 BIG = 2**40  # a capacity nothing on the CPU comes near
 FAIL_AT = 2  # after the first step, so offloaded updates start during the backward (the first step defers them)
 

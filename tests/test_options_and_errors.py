@@ -178,13 +178,13 @@ class _Terminal(io.StringIO):
 
 def test_long_phases_show_progress_on_a_terminal(monkeypatch, tmp_path):
     """Parameters into chunks, profiling and the hardware measurement show tqdm bars on rank 0 when stderr is a
-    terminal, and nothing otherwise (a batch job's log). (The hardware measured at test_hardware.py's small
+    terminal, and nothing otherwise (a batch job's log). (The hardware measured at helpers.SMALL_HARDWARE's
     sizes: the bars are the test, not the figures.)"""
-    from test_hardware import SMALL
+    from helpers import SMALL_HARDWARE
 
     from protrain_fx.profiler import microbench
 
-    for name, value in SMALL.items():
+    for name, value in SMALL_HARDWARE.items():
         monkeypatch.setattr(microbench, name, value)
     for terminal in (False, True):
         err = _Terminal() if terminal else io.StringIO()

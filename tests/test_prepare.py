@@ -11,10 +11,9 @@ import re
 import models
 import pytest
 import torch
-from helpers import train_steps
+from helpers import train, train_against_autocast
 
 import protrain_fx
-from protrain_fx.runtime.adopt import model_manager
 
 OFFLOADED = {"n_persist": 0, "n_buffer": 2}
 
@@ -25,7 +24,7 @@ def _compare(ref, model, kind, steps=4, options=None):
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     backend = protrain_fx.ProTrainBackend({"executor": "eager", **(options or {})})
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    assert train_steps(compiled, opt, kind, steps) == train_steps(ref, ref_opt, kind, steps)
+    assert train(compiled, kind, steps, opt=opt) == train(ref, kind, steps, opt=ref_opt)
     state = protrain_fx.full_state_dict(model)
     assert list(state) == list(ref.state_dict())
     for name, value in ref.state_dict().items():
@@ -37,7 +36,7 @@ def _compare(ref, model, kind, steps=4, options=None):
 def test_prepared_cpu_model_trains_like_eager(kind):
     ref = models.build(kind)
     model = protrain_fx.prepare(copy.deepcopy(ref), plan={"n_persist": 1, "n_buffer": 2}, device="cpu")
-    manager = model_manager(model)
+    manager = protrain_fx.manager_of(model)
     assert manager.n_persist == 1 and manager.layout.n_chunk > 1
     offloaded = [p for p in manager.params if not manager.is_persistent(p)]
     assert offloaded and all(p.untyped_storage().nbytes() == 0 for p in offloaded)
@@ -70,7 +69,7 @@ def _plan_trained(model, options, steps=1, kind="llama"):
     compiled = torch.compile(
         model, backend=protrain_fx.ProTrainBackend({"executor": "eager", **options}), dynamic=False
     )
-    train_steps(compiled, opt, kind, steps)
+    train(compiled, kind, steps, opt=opt)
     return protrain_fx.plan_of(model)
 
 
@@ -81,7 +80,7 @@ def test_prepare_without_a_plan_is_planned_by_the_search():
     ref = models.build("llama")
     on_device = _plan_trained(copy.deepcopy(ref), {})
     prepared = protrain_fx.prepare(copy.deepcopy(ref), device="cpu")
-    manager = model_manager(prepared)
+    manager = protrain_fx.manager_of(prepared)
     assert manager.pending_plan == {} and manager.n_persist == 0
     searched = _plan_trained(prepared, {})
     fields = ("n_persist", "n_buffer", "n_chunk", "block_modes", "host_grad_slots", "device_grad_slots")
@@ -93,7 +92,7 @@ def test_prepare_without_a_plan_is_planned_by_the_search():
     model = protrain_fx.prepare(copy.deepcopy(ref), device="cpu")
     backend = _compare(ref, model, "llama", steps=5, options=small)
     plan = backend.graphs[0].plan
-    assert plan.n_persist < plan.n_chunk and model_manager(model).n_persist == plan.n_persist
+    assert plan.n_persist < plan.n_chunk and protrain_fx.manager_of(model).n_persist == plan.n_persist
     assert plan.predicted_reserved_bytes <= small["gpu_memory_bytes"]
 
 
@@ -113,7 +112,7 @@ def test_a_failed_first_compile_leaves_the_prepared_chunks_waiting(monkeypatch):
     failed = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=False)
     with pytest.raises(Exception, match="raised by the test"):
         failed(**models.batch("llama"))
-    manager = model_manager(model)
+    manager = protrain_fx.manager_of(model)
     assert manager.pending_plan == {} and manager.n_persist == 0 and not manager.has_grad
     monkeypatch.setattr(backend_module, "profile_iteration", real)
     torch._dynamo.reset()
@@ -193,7 +192,7 @@ with init_empty_weights(include_buffers=False):
 Path("/proc/self/clear_refs").write_text("5")  # (the peak so far: from here)
 before = rss_peak()
 protrain_fx.prepare(model, weights=sys.argv[1], device="cpu")
-manager = protrain_fx.runtime.adopt.model_manager(model)
+manager = protrain_fx.manager_of(model)
 chunks = sum(m.untyped_storage().nbytes() for m in manager.master.values()) + manager.arena.numel()
 print(json.dumps({"grew": (rss_peak() - before) * 1024, "chunks": chunks}))
 """
@@ -239,7 +238,7 @@ def test_pretrained_weights_errors(tmp_path):
     other = models.build("llama", layers=3)
     with pytest.raises(ValueError, match="the checkpoint has no values for .* parameters"):
         protrain_fx.prepare(other, weights=tmp_path, device="cpu")
-    assert model_manager(other) is None  # (checked before anything is built)
+    assert protrain_fx.manager_of(other) is None  # (checked before anything is built)
 
 
 def test_prepare_errors():
@@ -273,7 +272,7 @@ def test_chunk_with_gradients_from_two_graphs():
     options = {"plan": {"n_persist": 0, "n_buffer": 1, "chunk_bytes": 2**20}}
     backend = _compare(ref, model, "toy", options=options)
     with_params = [g for g in backend.graphs if g.param_map]
-    assert len(with_params) == 2 and model_manager(model).layout.n_chunk == 1
+    assert len(with_params) == 2 and protrain_fx.manager_of(model).layout.n_chunk == 1
 
 
 def test_parameter_replaced_after_compile_is_an_error():
@@ -284,3 +283,64 @@ def test_parameter_replaced_after_compile_is_an_error():
     model.blocks[0].proj.weight = torch.nn.Parameter(torch.randn(32, 32))
     with pytest.raises(Exception, match="'blocks.0.proj.weight' was created or replaced after the model's chunks"):
         compiled(**models.batch("toy"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [{"n_persist": 1, "n_buffer": 2}, None])
+def test_prepared_cpu_model_trains_on_gpu(plan):
+    """A bf16 model built on the CPU, put into chunks on the GPU by `prepare` (most chunks in the host arena, or,
+    with no plan, every chunk until the first compile's search places them): its losses follow eager fp32
+    training under autocast within the bf16 tolerance, and the GPU never held the offloaded parameters."""
+    ref = models.build("llama", layers=4)
+    model = copy.deepcopy(ref).to(torch.bfloat16)
+    ref = ref.cuda()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    largest = max(p.numel() * 2 for p in model.parameters())
+    protrain_fx.prepare(model, plan=plan)
+    assert all(p.is_cuda for p in model.parameters())
+    manager = protrain_fx.manager_of(model)
+    # prepare allocates on the GPU one persistent chunk (bf16, fp32 master, fp32 gradient), two bf16 buffers (with
+    # no plan: no persistent chunk, one buffer), the fp32 landing area of a loaded shard, and one parameter in
+    # passing (+ the allocator's 512-byte rounding)
+    per_elem = (2 + 4 + 4 + 2 + 2 + 4) if plan else (2 + 4)
+    assert torch.cuda.max_memory_allocated() - before <= manager.layout.chunk_elems * per_elem + largest + 8 * 512
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="protrain", dynamic=False)
+    train_against_autocast(ref, ref_opt, compiled, opt)
+    assert manager.pending_plan is None and manager.n_persist == protrain_fx.plan_of(model).n_persist
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [{"n_persist": 0, "n_buffer": 2}, None])
+def test_prepared_model_profiled_and_trained_under_a_memory_limit(plan):
+    """A prepared 1B model at batch 8 under a 12 GiB limit on this process: profiling it whole would need about
+    twice that (its profile says so), on demand it fits; the searched plan then trains within the limit (with no
+    plan given to prepare, the search also places the chunks)."""
+    limit = 12 * 2**30
+    model = models.big_llama().cpu()
+    protrain_fx.prepare(model, plan=plan)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-4)
+    backend = protrain_fx.ProTrainBackend({"gpu_memory_bytes": limit})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    ids = torch.randint(0, 32000, (8, 1024), device="cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(0).total_memory)
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        losses = train(
+            compiled, "llama", 3, opt=opt, device="cuda", batch=lambda step: {"input_ids": ids, "labels": ids}
+        )
+        peak = torch.cuda.max_memory_allocated()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    profile, plan = backend.graphs[0].profile, backend.graphs[0].plan
+    print(
+        f"profile peak {profile.peak_bytes / 2**30:.2f} GiB, held {profile.measured_peak_bytes / 2**30:.2f} GiB; "
+        f"plan {plan.block_modes}, predicted peak {plan.predicted_peak_bytes / 2**30:.2f} GiB, measured "
+        f"{peak / 2**30:.2f} GiB; losses {losses}"
+    )
+    assert profile.peak_bytes > limit > profile.measured_peak_bytes
+    assert peak <= limit and all(torch.isfinite(torch.tensor(losses)))
+    assert protrain_fx.manager_of(model).n_persist == plan.n_persist < plan.n_chunk

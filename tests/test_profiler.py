@@ -1,14 +1,18 @@
-"""The profiling interpreter and the CPU memory tracker."""
+"""The profiling interpreter and the CPU memory tracker; on a GPU, the profile against what the allocator and the
+clock measure."""
 
 import json
+import statistics
 
 import models
 import pytest
 import torch
+from helpers import UNCHANGED
 from torch import fx
 
 import protrain_fx
 from protrain_fx.capture import FrameRoots, build_block_map
+from protrain_fx.planner.cost import Candidate
 from protrain_fx.profiler.interpreter import ProfilingInterpreter
 from protrain_fx.profiler.memory import CpuMemoryTracker
 from protrain_fx.profiler.profile import GraphProfile
@@ -239,7 +243,7 @@ def test_matmuls_keep_their_least_time_at_burst_clocks():
     """A matmul's time in each timed run is taken at the clocks of the fastest probe of all runs (times that
     probe's time over the probe time where it ran), then the least over the runs; other nodes, bound by memory,
     keep their least time as run. The timing noise is how far the runs' median times sum above the least."""
-    from protrain_fx.profiler.interpreter import _least_at_burst_clocks
+    from protrain_fx.profiler.interpreter import least_at_burst_clocks
     from protrain_fx.profiler.profile import NodeProfile
 
     def nodes():
@@ -249,10 +253,93 @@ def test_matmuls_keep_their_least_time_at_burst_clocks():
     latencies = [[1.2, 0.5], [1.1, 0.6]]
     timed = nodes()
     # the first run's probes ran 1.2 times as long as the second's: its clocks were lower
-    stretch, noise = _least_at_burst_clocks(timed, latencies, [[1.2, 1.2], [1.0, 1.0]])
+    stretch, noise = least_at_burst_clocks(timed, latencies, [[1.2, 1.2], [1.0, 1.0]])
     assert stretch == pytest.approx(1.1) and noise == pytest.approx((1.05 + 0.55) / (1.0 + 0.5) - 1)
     assert [n.latency_s for n in timed] == pytest.approx([1.0, 0.5])
     plain = nodes()  # no probes (the CPU): each node's least time as run
-    stretch, noise = _least_at_burst_clocks(plain, latencies, [])
+    stretch, noise = least_at_burst_clocks(plain, latencies, [])
     assert stretch == 1.0 and noise == pytest.approx((1.15 + 0.55) / (1.1 + 0.5) - 1)
     assert [n.latency_s for n in plain] == [1.1, 0.5]
+
+
+def measure_against_profile(executor: str, batch=8, seq=1024, steps=6, backend=None):
+    """Returns (profiled s, measured s, profiled peak above start, measured peak above start) of forward+backward."""
+    model = models.big_llama()
+    backend = backend or protrain_fx.ProTrainBackend({"executor": executor, **UNCHANGED})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    ids = torch.randint(0, 32000, (batch, seq), device="cuda")
+    times, peaks = [], []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        start_bytes = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        t1.record()
+        torch.cuda.synchronize()
+        times.append(t0.elapsed_time(t1) / 1e3)
+        peaks.append(torch.cuda.max_memory_allocated() - start_bytes)
+    profiles = [g.profile for g in backend.graphs if g.profile]
+    profiled_s = sum(p.iteration_s for p in profiles)
+    profiled_peak = max(p.peak_bytes - p.baseline_bytes for p in profiles)
+    return profiled_s, statistics.median(times[2:]), profiled_peak, max(peaks[2:])
+
+
+@pytest.mark.gpu
+def test_profile_matches_eager_execution():
+    """The profile measures the graphs op by op, as the eager executor runs them: time within 10%, peak within 5%."""
+    prof_s, meas_s, prof_peak, meas_peak = measure_against_profile("eager")
+    print(
+        f"eager executor: profiled {prof_s * 1e3:.1f} ms vs measured {meas_s * 1e3:.1f} ms; "
+        f"peak {prof_peak / 2**30:.3f} vs {meas_peak / 2**30:.3f} GiB"
+    )
+    assert abs(prof_s - meas_s) <= 0.10 * meas_s
+    assert abs(prof_peak - meas_peak) <= 0.05 * meas_peak
+
+
+@pytest.mark.gpu
+def test_profile_against_inductor_execution():
+    """Inductor fuses ops, so it runs faster and with fewer transients than the op-by-op profile. The cost model's
+    fused estimate of the compute (planner/cost.py: node_s) must be within 10% of inductor's measured time, and the
+    profile must never under-predict the compiled peak."""
+    backend = protrain_fx.ProTrainBackend({"executor": "inductor", **UNCHANGED})
+    prof_s, meas_s, prof_peak, meas_peak = measure_against_profile("inductor", backend=backend)
+    terms = [g.costs.phases(Candidate()) for g in backend.graphs if g.costs is not None]
+    fused_s = sum(t["forward_s"] + t["backward_s"] for t in terms)
+    print(
+        f"inductor executor: profiled {prof_s * 1e3:.1f} ms, fused estimate {fused_s * 1e3:.1f} ms, measured "
+        f"{meas_s * 1e3:.1f} ms; peak {prof_peak / 2**30:.3f} vs {meas_peak / 2**30:.3f} GiB"
+    )
+    assert abs(fused_s - meas_s) <= 0.10 * meas_s
+    assert prof_peak >= 0.98 * meas_peak
+    # the matmuls' times are those at the clocks of the fastest probe (profiler/interpreter.py)
+    assert all(g.profile.matmul_clock_stretch >= 1 for g in backend.graphs if g.profile is not None)
+
+
+@pytest.mark.gpu
+def test_fragmentation_is_the_profiled_iterations_own():
+    """α (the profile's reserved over its allocated peak: the memory model's fragmentation factor) counts what the
+    profiled iteration reserves, not blocks the allocator cached before it: here a freed 4 GiB tensor, more than
+    the small model's whole step needs. Training's reserved bytes then stay near α times its allocated peak."""
+    torch.cuda.empty_cache()
+    cached = torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda")
+    del cached  # (kept by the caching allocator)
+    assert torch.cuda.memory_reserved() >= 4 * 2**30
+    model = models.big_llama(hidden=1024, layers=4)
+    backend = protrain_fx.ProTrainBackend({"executor": "inductor", **UNCHANGED})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    ids = torch.randint(0, 32000, (4, 512), device="cuda")
+    for step in range(3):
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        if step == 0:  # compiled and profiled; the steps after are training's
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    profile = backend.graphs[0].profile
+    peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    print(f"alpha {profile.fragmentation:.3f}; training reserved {reserved / peak:.3f} times its peak")
+    assert profile.measured_peak_bytes < 2 * 2**30  # (counted, the cached 4 GiB would make α over 2)
+    assert 1 <= profile.fragmentation < 1.5
+    assert reserved <= 1.1 * profile.fragmentation * peak

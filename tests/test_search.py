@@ -4,17 +4,16 @@ capacity and the forced fields, and reacts to capacity as the paper's Table "Aut
 configurations" does; and a real tiny model gets the everything-on-the-GPU plan when memory is plenty."""
 
 import dataclasses
-import random
 
 import models
 import pytest
 import torch
+from cost_models import H100_LIKE, GiB, beside_matmuls, capacities, linked, on_two_ranks, synthetic
 
 import protrain_fx
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Candidate, CostModel
 from protrain_fx.planner.link import HostRates
-from protrain_fx.planner.memory_model import Segment
 from protrain_fx.planner.plan import HOST_STATES, MIN_GRAD_SLOTS
 from protrain_fx.planner.search import (
     CLIP_WEIGHT,
@@ -33,76 +32,13 @@ from protrain_fx.planner.search import (
 )
 from protrain_fx.profiler.hardware import HardwareProfile
 
-GiB = 2**30
-H100_LIKE = HardwareProfile(
-    key={},
-    h2d_bytes_per_s=50e9,
-    d2h_bytes_per_s=50e9,
-    h2d_concurrent_bytes_per_s=40e9,
-    d2h_concurrent_bytes_per_s=40e9,
-    h2d_beside_host_bytes_per_s=40e9,
-    d2h_beside_host_bytes_per_s=50e9,
-    both_beside_host_bytes_per_s=35e9,
-    device_bytes_per_s=3e12,
-    kernel_s=3e-6,
-    device_adam_s_per_param=2e-11,
-    host_adam_s_per_param=2e-10,
-    host_adam_h2d_s_per_param=2e-10,
-    host_adam_d2h_s_per_param=2e-10,
-    host_adam_both_s_per_param=2e-10,
-    host_undo_s_per_param=1e-10,
-    device_memory_bytes=80 * GiB,
-    host_memory_bytes=128 * GiB,
-    collectives={},
-)
-
-
-def synthetic(n_block=8, n_chunk=6, seed=0, block_saved=1 * GiB, chunk_elems=2**28) -> CostModel:
-    """A transformer-like model: activations pile up over the forward and drain over the backward."""
-    rng = random.Random(seed)
-    fwd = tuple(rng.uniform(0.004, 0.008) for _ in range(n_block))
-    saved = tuple(int(block_saved * rng.uniform(0.8, 1.2)) for _ in range(n_block))
-    segments, held = [Segment("forward", -1, 0)], 0
-    for b in range(n_block):
-        held += saved[b]
-        segments.append(Segment("forward", b, held + saved[b] // 4))
-    segments += [Segment("forward", n_block, held + GiB), Segment("backward", n_block, held + 2 * GiB)]
-    for b in reversed(range(n_block)):
-        segments.append(Segment("backward", b, held + saved[b] // 2))
-        held -= saved[b]
-    return CostModel(
-        n_block=n_block,
-        swap_interval=2,
-        block_fwd_s=fwd,
-        block_bwd_s=tuple(2 * t for t in fwd),
-        block_saved=saved,
-        block_output=tuple(s // 16 for s in saved),
-        block_transient=tuple(s // 8 for s in saved),
-        other_fwd_s=(0.001, 0.004),
-        other_bwd_s=(0.001, 0.008),
-        segments=tuple(segments),
-        hardware=H100_LIKE,
-        n_chunk=n_chunk,
-        chunk_elems=chunk_elems,
-        shard_elems=chunk_elems,
-        element_size=2,
-        block_chunk=tuple(b * n_chunk // n_block for b in range(n_block)),
-        chunk_params=(chunk_elems,) * n_chunk,
-    )
-
-
-def _capacities(model):
-    everything = model.peak_bytes(Candidate(model.n_chunk, 0, 0, 0))
-    least = min(model.peak_bytes(c) for c, _, _ in brute_force(model, None))
-    return [int(least + (everything - least) * f) for f in (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.2)]
-
 
 @pytest.mark.parametrize("seed", range(4))
 def test_search_finds_the_brute_force_optimum(seed):
     """Pruning (n_persist rows cut at the first plan over capacity, swap count bounded, configurations timed only
     while their step time's lower bound can still place them) never changes the optimum nor its runners-up."""
     model = synthetic(seed=seed, n_block=6 + seed, n_chunk=4 + seed)
-    for capacity in _capacities(model):
+    for capacity in capacities(model):
         best, runners_up = search(model, capacity)
         expected, expected_runners_up = rank(brute_force(model, capacity), capacity, alpha=model.alpha)
         assert best == expected, capacity
@@ -114,7 +50,7 @@ def test_search_finds_the_brute_force_optimum(seed):
 def test_step_bound_is_a_lower_bound_and_spares_most_timings(monkeypatch):
     """`step_bound_s` never exceeds `step_s`, also where the profile measured a copy faster beside other work than
     alone (noise: no copy is faster for company); the search times only the configurations it can still use."""
-    model = _link(synthetic(n_block=10, n_chunk=6), rate=40e9, h2d_concurrent=60e9, both_beside_host=80e9)
+    model = linked(synthetic(n_block=10, n_chunk=6), rate=40e9, h2d_concurrent=60e9, both_beside_host=80e9)
     configs = [c for c, _, _ in brute_force(model, None)]
     for config in configs:
         assert model.step_bound_s(config) <= model.step_s(config) * (1 + 1e-12), config
@@ -131,7 +67,7 @@ def test_search_reacts_to_capacity():
     """Plenty of memory: every chunk on the GPU, no block recomputed or swapped; less memory: fewer persistent
     chunks and more blocks checkpointed or swapped (paper Table "Automatically searched configurations")."""
     model = synthetic()
-    plans = [search(model, capacity)[0][0] for capacity in reversed(_capacities(model))]
+    plans = [search(model, capacity)[0][0] for capacity in reversed(capacities(model))]
     roomy, tight = plans[0], plans[-1]
     assert roomy == Candidate(model.n_chunk, 0, 0, 0)
     assert tight.n_persist < model.n_chunk and tight.n_checkpoint + tight.n_swap > 0
@@ -168,7 +104,7 @@ def test_ties_are_within_the_profiles_timing_noise():
     assert rank([plain, checkpointed], 100, tie=TIE_REL)[0] == checkpointed
     assert rank([plain, checkpointed], 100, tie=0.02)[0] == plain
     noisy = dataclasses.replace(model, timing_noise=0.03)
-    for capacity in _capacities(noisy):
+    for capacity in capacities(noisy):
         best, runners_up = search(noisy, capacity)
         assert (best, runners_up) == rank(brute_force(noisy, capacity), capacity, alpha=noisy.alpha, tie=0.03)
         assert all(best[1] <= r[1] * 1.03 for r in runners_up)
@@ -180,7 +116,7 @@ def test_plans_are_ranked_also_with_a_slower_host():
     one that is a little slower at the profiled rate and less so beside a slower host. The plan predicts the
     profiled host's step time, and gives the slower host's beside it."""
     model = synthetic(seed=1)
-    capacity = _capacities(model)[3]
+    capacity = capacities(model)[3]
     slow = slow_host(model)
     fastest = min(brute_force(model, capacity), key=lambda f: model.step_s(f[0]))[0]  # at the profiled rate
     layout = ChunkLayout(chunk_elems=model.chunk_elems, element_size=2, world_size=1, slots=(), n_chunk=model.n_chunk)
@@ -200,8 +136,8 @@ def _clip_sensitive() -> CostModel:
     """Ten chunks whose device AdamW the backward nearly hides, over a fast link: offloading the last two saves a
     little of it and their host updates hide behind the backward, unless a clip applies and they wait for
     `optimizer.step()`."""
-    model = _link(synthetic(n_chunk=10, block_saved=GiB // 8), rate=1e12)
-    return _beside(model, 0.95)
+    model = linked(synthetic(n_chunk=10, block_saved=GiB // 8), rate=1e12)
+    return beside_matmuls(model, 0.95)
 
 
 def test_a_plan_far_slower_when_the_clip_applies_loses():
@@ -240,7 +176,7 @@ def test_where_memory_forces_offloading_the_search_still_offloads():
 
 def test_forced_fields_are_held():
     model = synthetic()
-    capacity = _capacities(model)[3]
+    capacity = capacities(model)[3]
     best, _ = search(model, capacity, {"n_persist": 2, "n_checkpoint": 3})
     assert best[0].n_persist == 2 and best[0].n_checkpoint == 3
     plan = plan_graph(model, {"n_swap": 1}, None, capacity)
@@ -260,7 +196,7 @@ def test_search_under_host_memory_finds_the_brute_force_optimum(seed):
     """With the host budgeted too, the search agrees with brute force, and every plan it returns fits both; the
     less host memory, the more chunks stay on the GPU (all it can hold, with the least)."""
     model = synthetic(seed=seed, n_block=6 + seed, n_chunk=4 + seed)
-    capacity = _capacities(model)[3]
+    capacity = capacities(model)[3]
     # of plans fitting the GPU: the least host memory each trains in
     needs = sorted({model.least_host_bytes(c) for c, _, _ in brute_force(model, capacity)})
     persisted = []
@@ -279,7 +215,7 @@ def test_nothing_fits_the_host_says_what_is_needed():
     """Plans that fit the GPU but whose offloaded chunks do not fit the host: an error with the host bytes the
     least of them needs and what to do, not the GPU's."""
     model = synthetic()
-    capacity = _capacities(model)[1]  # little GPU memory: most chunks must be offloaded
+    capacity = capacities(model)[1]  # little GPU memory: most chunks must be offloaded
     fits_gpu = [c for c, _, _ in brute_force(model, capacity)]
     least = min(model.least_host_bytes(c) for c in fits_gpu)
     with pytest.raises(
@@ -445,21 +381,11 @@ def test_persistent_chunks_share_device_gradient_buffers_only_where_nothing_else
         plan_graph(model, {**held, "device_grad_slots": 0}, layout, None)
 
 
-def _link(model: CostModel, **rates) -> CostModel:
-    """`model` with every link rate the same (`rate`) but those named."""
-    same = dict.fromkeys(
-        ("h2d", "d2h", "h2d_concurrent", "d2h_concurrent", "h2d_beside_host", "d2h_beside_host", "both_beside_host"),
-        rates.pop("rate", 50e9),
-    )
-    fields = {f"{k}_bytes_per_s": v for k, v in {**same, **rates}.items()}
-    return dataclasses.replace(model, hardware=dataclasses.replace(model.hardware, **fields))
-
-
 def test_uploads_run_ahead_as_far_as_the_buffers_allow():
     """The runtime reaches a chunk's gather ahead of the device, so a chunk uploads as soon as the link and a
     buffer are free: with a buffer per offloaded chunk every upload runs beside the persistent chunks' compute;
     with one buffer only the first does, and each later one waits for the chunk before it to be computed."""
-    model = _link(synthetic(n_chunk=6), rate=1e9)
+    model = linked(synthetic(n_chunk=6), rate=1e9)
     load = model.shard_elems * 4 / 1e9  # > any chunk's compute
     per = model._per_chunk(Candidate(n_persist=3, n_buffer=3))
     persistent, offloaded = sum(per["forward"][:3]), per["forward"][3:]
@@ -473,7 +399,7 @@ def test_a_chunk_gathered_again_is_uploaded_again_where_offloaded():
     """A tied embedding's chunk (0), read again by the head beside the last chunk's compute (`regathers`):
     offloaded, the forward uploads it a second time as that compute starts, and the compute (the head's) ends no
     sooner than that upload; persistent, it costs nothing. The search then weighs keeping it on the device."""
-    model = _link(dataclasses.replace(synthetic(n_chunk=6), regathers=((0, 5),)), rate=1e9)
+    model = linked(dataclasses.replace(synthetic(n_chunk=6), regathers=((0, 5),)), rate=1e9)
     untied = dataclasses.replace(model, regathers=())
     load = model.shard_elems * 4 / 1e9  # > any chunk's compute
     offloaded, persistent = Candidate(n_persist=0, n_buffer=2), Candidate(n_persist=1, n_buffer=2)
@@ -490,18 +416,9 @@ def test_copies_beside_the_host_optimizer_run_slower():
     plan with nothing offloaded has no host work and does not change."""
     model = synthetic(n_chunk=6)
     offloaded, persistent = Candidate(n_persist=2, n_buffer=2), Candidate(n_persist=6, n_buffer=0)
-    fast, slow = _link(model), _link(model, h2d_beside_host=1e9, both_beside_host=1e9)
+    fast, slow = linked(model), linked(model, h2d_beside_host=1e9, both_beside_host=1e9)
     assert slow.phases(offloaded)["backward_s"] > fast.phases(offloaded)["backward_s"] + model.shard_elems * 4 / 2e9
     assert slow.step_s(persistent) == fast.step_s(persistent)
-
-
-def _beside(model: CostModel, hidden: float, stretch: float = 1.0, matmul_share: float = 1.0) -> CostModel:
-    """`model` whose device AdamW hides `hidden` of its time beside matmuls, taking `stretch` times as long there,
-    and whose backward spends `matmul_share` of its time in matmuls."""
-    hw = dataclasses.replace(
-        model.hardware, device_adam_hidden_beside_matmul=hidden, device_adam_stretch_beside_matmul=stretch
-    )
-    return dataclasses.replace(model, hardware=hw, backward_matmul_share=matmul_share)
 
 
 def test_persistent_updates_add_what_the_backward_does_not_hide():
@@ -513,37 +430,23 @@ def test_persistent_updates_add_what_the_backward_does_not_hide():
     config = Candidate(n_persist=6, n_buffer=0)
     adam = [n * model.hardware.device_adam_s(model.master_bytes) for n in model.chunk_params]
     full = sum(adam)
-    assert _beside(model, 0.0).phases(config)["gpu_optim_s"] == pytest.approx(full)  # nothing hidden
-    assert _beside(model, 1.0).phases(config)["gpu_optim_s"] == pytest.approx(adam[0])  # all but chunk 0's
-    assert _beside(model, 1.0, matmul_share=0.25).phases(config)["gpu_optim_s"] == pytest.approx(
+    assert beside_matmuls(model, 0.0).phases(config)["gpu_optim_s"] == pytest.approx(full)  # nothing hidden
+    assert beside_matmuls(model, 1.0).phases(config)["gpu_optim_s"] == pytest.approx(adam[0])  # all but chunk 0's
+    assert beside_matmuls(model, 1.0, matmul_share=0.25).phases(config)["gpu_optim_s"] == pytest.approx(
         adam[0] + 0.75 * sum(adam[1:])
     )
-    assert _beside(model, 0.8).phases(config, clipped=0)["gpu_optim_s"] == pytest.approx(full)
+    assert beside_matmuls(model, 0.8).phases(config, clipped=0)["gpu_optim_s"] == pytest.approx(full)
     # a backward with no compute: no update runs beside it
-    short = dataclasses.replace(_beside(model, 1.0), block_bwd_s=(0.0,) * model.n_block, other_bwd_s=(0.0, 0.0))
+    short = dataclasses.replace(beside_matmuls(model, 1.0), block_bwd_s=(0.0,) * model.n_block, other_bwd_s=(0.0, 0.0))
     assert short.phases(config)["gpu_optim_s"] == pytest.approx(full)
     # where each update takes 20 times as long beside the backward, less of it runs before the backward ends
-    slow, fast = _beside(model, 1.0, stretch=20.0), _beside(model, 1.0, stretch=1.0)
+    slow, fast = beside_matmuls(model, 1.0, stretch=20.0), beside_matmuls(model, 1.0, stretch=1.0)
     assert fast.phases(config)["gpu_optim_s"] < slow.phases(config)["gpu_optim_s"] < full
     for hidden in (0.0, 0.5, 1.0):
-        beside = _beside(model, hidden)
+        beside = beside_matmuls(model, hidden)
         for n_persist in range(model.n_chunk + 1):
             config = Candidate(n_persist, 0 if n_persist == model.n_chunk else 2)
             assert beside.step_bound_s(config) <= beside.step_s(config) * (1 + 1e-12), (hidden, config)
-
-
-def _two_ranks(seconds: float, stretch: float = 1.0, delay: float = 0.0) -> CostModel:
-    """`synthetic()` sharded over two ranks, whose every collective of a chunk takes `seconds` alone, `stretch`
-    times as long beside the compute, which it makes end `delay` of that later."""
-    model = synthetic(n_chunk=6)
-    points = [(2**20, seconds * 2**20 / (model.chunk_elems * 4)), (model.chunk_elems * 4, seconds)]
-    hw = dataclasses.replace(
-        model.hardware,
-        collectives=dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), points),
-        collective_stretch_beside_matmul=stretch,
-        matmul_delay_beside_collective=delay,
-    )
-    return dataclasses.replace(model, hardware=hw, world_size=2, shard_elems=model.chunk_elems // 2)
 
 
 def test_collectives_hold_the_compute_up_as_the_runtime_runs_them():
@@ -552,20 +455,20 @@ def test_collectives_hold_the_compute_up_as_the_runtime_runs_them():
     times the delay the profile measured (chunk 0's has no backward left beside it), and once landed costs two
     passes over the fp32 gradient on the compute stream, which one rank does not make. On two H200s the
     compute's kernels took 48 ms longer in a 5.5B step beside 89 ms of collectives (twenty-second session)."""
-    fast, slow = _two_ranks(0.0), _two_ranks(0.002)
+    fast, slow = on_two_ranks(0.0), on_two_ranks(0.002)
     offloaded, persistent = Candidate(n_persist=0, n_buffer=6), Candidate(n_persist=6, n_buffer=0)
     assert slow.phases(offloaded)["backward_s"] == pytest.approx(fast.phases(offloaded)["backward_s"] + 6 * 0.002)
     one_rank = synthetic(n_chunk=6).phases(persistent)["backward_s"]
     passes = 2 * 2 * fast.chunk_elems * 4 / fast.hardware.device_bytes_per_s  # (a pass reads and writes the chunk)
     assert slow.phases(persistent)["backward_s"] == pytest.approx(one_rank + 5 * passes)
-    beside = _two_ranks(0.002, stretch=2.0, delay=0.5).phases(persistent)["backward_s"]
+    beside = on_two_ranks(0.002, stretch=2.0, delay=0.5).phases(persistent)["backward_s"]
     assert beside == pytest.approx(one_rank + 5 * (passes + 0.002 * 2.0 * 0.5))
 
 
 def test_updates_that_wait_for_the_step_are_timed_as_a_clipped_step():
     """Where every update waits for `AdamW.step()` (loss scaling skips a step with an overflow), a step is timed
     as a clipped one none of whose offloaded chunks update during the backward: longer than one where they do."""
-    model = _beside(synthetic(n_chunk=6), 0.5)
+    model = beside_matmuls(synthetic(n_chunk=6), 0.5)
     waiting = dataclasses.replace(model, updates_wait=True)
     for config in (Candidate(6, 0), Candidate(3, 2)):
         assert waiting.step_s(config) == pytest.approx(model.step_s(config, clipped=0))
@@ -577,10 +480,10 @@ def test_hidden_persistent_updates_keep_more_chunks_on_the_device():
     """Where the backward hides the persistent chunks' device AdamW, offloading a chunk saves less than its
     host-side costs: the search keeps every chunk on the device. Where nothing is hidden, the same model offloads
     (the AdamW of a chunk on the host is free here, the link fast)."""
-    model = _link(synthetic(n_chunk=6, block_saved=GiB // 8), rate=1e12)
+    model = linked(synthetic(n_chunk=6, block_saved=GiB // 8), rate=1e12)
     model = dataclasses.replace(model, hardware=dataclasses.replace(model.hardware, device_adam_s_per_param=4e-11))
-    (exposed, _, _), _ = search(_beside(model, 0.0), None)
-    (hidden, _, _), _ = search(_beside(model, 1.0), None)
+    (exposed, _, _), _ = search(beside_matmuls(model, 0.0), None)
+    (hidden, _, _), _ = search(beside_matmuls(model, 1.0), None)
     assert exposed.n_persist < model.n_chunk
     assert hidden.n_persist == model.n_chunk
 

@@ -5,7 +5,8 @@ Tolerance: bitwise with the eager executor (CPU, fp32). A selective block's back
 same inputs: its kept matmul outputs are the forward's, its recomputed ops run again on them, and random ops
 replay the forward's RNG state, so dropout masks, losses and parameters are identical. The inductor executor fuses
 ops and changes reduction order: there losses agree with eager training to 1e-4 relative (as in test_parity.py),
-and parameters to steps * lr (AdamW normalizes each update to about lr, so a gradient near zero can flip sign).
+and parameters to steps * lr (AdamW normalizes each update to about lr, so a gradient near zero can flip sign). On
+a GPU under bf16 autocast: helpers.BF16_RTOL.
 """
 
 import copy
@@ -14,7 +15,7 @@ import types
 import models
 import pytest
 import torch
-from helpers import saved_activation_bytes, train
+from helpers import BF16_RTOL, eager_and_protrain, saved_activation_bytes, train, train_against_autocast
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -48,19 +49,6 @@ def test_selective_training_equals_eager_with_dropout(kind, layout):
     assert plan.n_selective == plan.block_modes.count("selective") > 0
 
 
-def _steps(model, opt, kind, steps=3, seed=0):
-    """`steps` steps of `opt` on fixed batches, dropout seeded once; the losses."""
-    torch.manual_seed(seed)
-    losses = []
-    for step in range(steps):
-        loss = models.loss_of(kind, model(**models.batch(kind, seed=step)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_selective_with_offloaded_chunks(kind):
     """Every chunk offloaded, two buffers: a selective block's recompute reads its norm weights in the backward,
@@ -72,7 +60,7 @@ def test_selective_with_offloaded_chunks(kind):
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
         plan = {"n_persist": 0, "n_buffer": buffers, "block_modes": modes}
         compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan}))
-        assert _steps(compiled, opt, kind) == _steps(ref, ref_opt, kind), modes
+        assert train(compiled, kind, 3, opt=opt) == train(ref, kind, 3, opt=ref_opt), modes
         state = protrain_fx.full_state_dict(model)
         for name, value in ref.state_dict().items():
             assert torch.equal(state[name], value), (modes, name)
@@ -99,7 +87,7 @@ def test_selective_under_inductor():
     plan = {"block_modes": ["selective", "checkpoint"]}
     ref, model, backend, compiled = _compiled("llama", plan, executor="inductor", layers=2)
     losses, expected = train(compiled, "llama", 3), train(ref, "llama", 3)
-    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-6)
     for a, b in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=3 * 1e-2)
     assert backend.graphs[0].plan.n_selective == 1
@@ -210,3 +198,46 @@ def test_selective_mode_errors():
     with pytest.raises(ValueError, match="n_selective'\\] must be a non-negative int"):
         make_plan(3, {"n_selective": -1})
     assert make_plan(3, {"n_selective": 0, "block_modes": ["none"] * 3}).n_selective == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"n_selective": 4},
+        {"block_modes": ["selective", "checkpoint", "selective", "none"]},
+        {"block_modes": ["swap", "selective", "selective", "none"], "swap_interval": 1},
+    ],
+)
+def test_selective_bf16_parity(plan):
+    """Selective blocks (beside checkpointed and swapped ones) through inductor on the GPU, bf16 autocast, dropout
+    on: the bf16 tolerance; the matmuls (the test models' eager attention's too) are kept, not recomputed."""
+    (eager_losses, _), (losses, _), backend = eager_and_protrain(
+        "llama", steps=5, options={"plan": plan}, device="cuda", autocast=torch.bfloat16, layers=4, dropout=0.1
+    )
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=BF16_RTOL, atol=1e-3)
+    record = backend.graphs[0]
+    assert record.plan.n_selective == record.plan.block_modes.count("selective") > 0
+    matmuls = [
+        n for n in record.profile.nodes if n.graph == "forward" and n.target in ("aten.mm.default", "aten.bmm.default")
+    ]
+    assert matmuls and all(not n.recomputed for n in matmuls)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"n_persist": 0, "n_buffer": 2, "n_selective": 4},
+        {"n_persist": 1, "n_buffer": 3, "block_modes": ["selective", "checkpoint", "selective", "none"]},
+    ],
+)
+def test_selective_with_offloaded_chunks_bf16_parity(plan):
+    """Selective blocks over offloaded chunks (inductor, fp32 masters) against eager fp32 training under bf16
+    autocast: the bf16 tolerance on losses."""
+    ref = models.build("llama", layers=4).cuda()
+    model = copy.deepcopy(ref).to(torch.bfloat16)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": plan}), dynamic=False)
+    train_against_autocast(ref, ref_opt, compiled, opt)

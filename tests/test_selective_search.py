@@ -1,12 +1,12 @@
 """Selective blocks in the cost models and the search (planner/selective.py, planner/cost.py, planner/search.py),
-on synthetic profiles with GPU-like hardware figures (test_search.py's): the price of a selective block, the search
+on synthetic profiles with GPU-like hardware figures (cost_models.py): the price of a selective block, the search
 equal to brute force with selective blocks in its space, selective winning where its recompute is cheap and memory
 tight and losing where memory is plenty or its recompute dear, and the bounds the search prunes with."""
 
 import dataclasses
 
 import pytest
-from test_search import _beside, _capacities, _link, _two_ranks, synthetic
+from cost_models import beside_matmuls, capacities, linked, on_two_ranks, synthetic
 
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Candidate, CostModel
@@ -38,7 +38,7 @@ def test_search_with_selective_blocks_finds_the_brute_force_optimum(seed):
     """With n_selective in the space (and the host budgeted or not), pruning never changes the optimum nor its
     runners-up."""
     model = selective(synthetic(seed=seed, n_block=5 + seed, n_chunk=4 + seed), recompute=0.05 + 0.1 * seed)
-    for capacity in _capacities(model):
+    for capacity in capacities(model):
         unbudgeted = brute_force(model, capacity)  # (the expected configurations with no host budget too)
         needs = sorted({model.least_host_bytes(c) for c, _, _ in unbudgeted})
         for host in (None, needs[len(needs) // 2]):
@@ -67,7 +67,7 @@ def test_selective_loses_where_memory_is_plenty():
     """No capacity (or one every activation fits): nothing is recomputed, selective blocks cost time for
     nothing."""
     model = selective(synthetic(n_block=8, n_chunk=6), kept=0.3, recompute=0.05)
-    for capacity in (None, _capacities(model)[-1]):
+    for capacity in (None, capacities(model)[-1]):
         (best, _, _), _ = search(model, capacity)
         assert best.n_selective == best.n_checkpoint == 0, capacity
 
@@ -76,7 +76,7 @@ def test_selective_loses_where_its_recompute_is_dear():
     """Selective blocks that recompute more than a whole forward and keep most of their activations: the search
     checkpoints (or swaps) instead, under the same tight capacity where cheap selective blocks win."""
     model = selective(synthetic(n_block=8, n_chunk=6), kept=0.7, recompute=1.5)
-    capacity = _capacities(selective(model, kept=0.3, recompute=0.05))[2]
+    capacity = capacities(selective(model, kept=0.3, recompute=0.05))[2]
     (best, _, _), _ = search(model, capacity)
     assert best.n_selective == 0 and best.n_checkpoint + best.n_swap > 0
     assert rank(brute_force(model, capacity), capacity)[0][0] == best
@@ -150,10 +150,10 @@ def test_floor_and_bound_never_exceed_the_step(variant):
     model = {
         "overlapping": synthetic(n_block=8, n_chunk=6),
         "cpu": dataclasses.replace(synthetic(n_block=8, n_chunk=6), overlap=False),
-        "two-ranks": _two_ranks(0.002, stretch=2.0, delay=0.5),
-        "noisy-link": _link(synthetic(n_block=8, n_chunk=6), rate=40e9, h2d_concurrent=60e9, both_beside_host=80e9),
-        "host-bound": _beside(synthetic(n_block=8, n_chunk=6), 0.3),
-        "link-slow-by-host": _link(synthetic(n_block=8, n_chunk=6), h2d_beside_host=5e9, both_beside_host=3e9),
+        "two-ranks": on_two_ranks(0.002, stretch=2.0, delay=0.5),
+        "noisy-link": linked(synthetic(n_block=8, n_chunk=6), rate=40e9, h2d_concurrent=60e9, both_beside_host=80e9),
+        "host-bound": beside_matmuls(synthetic(n_block=8, n_chunk=6), 0.3),
+        "link-slow-by-host": linked(synthetic(n_block=8, n_chunk=6), h2d_beside_host=5e9, both_beside_host=3e9),
     }[variant]
     if variant == "host-bound":
         model = dataclasses.replace(model, hardware=model.hardware.host_slower(5.0))
@@ -178,7 +178,7 @@ def test_floor_and_bound_never_exceed_the_step(variant):
 def test_the_search_times_few_of_the_selective_space(monkeypatch):
     """With selective blocks the space is a block count larger; the floors and bounds keep the timed ones few."""
     model = selective(synthetic(n_block=10, n_chunk=6), kept=0.3, recompute=0.1)
-    configs, capacity = [c for c, _, _ in brute_force(model, None)], _capacities(model)[3]
+    configs, capacity = [c for c, _, _ in brute_force(model, None)], capacities(model)[3]
     timed = []
     step_s = CostModel.step_s
     monkeypatch.setattr(

@@ -14,13 +14,12 @@ import models
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import train_steps
-from test_chunk_distributed import spawn_gloo
+from helpers import OFFLOADED, train
+from spawn import spawn_gloo
 
 import protrain_fx
 from protrain_fx.runtime.state import boxes
 
-OFFLOADED = {"n_persist": 1, "n_buffer": 3}
 SAVED_AT = 3  # steps before the checkpoint
 RESUMED = 3  # steps after it
 
@@ -49,7 +48,7 @@ def _train(kind, plan, start, steps, *, load=None, save=None, prepare=False, dty
         protrain_fx.load_state_dict(model, opt, state)
     backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {} if prepare else plan})
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    losses = train_steps(compiled, opt, kind, steps, start)
+    losses = train(compiled, kind, steps, opt=opt, first_step=start)
     if save is not None:
         dcp.save(protrain_fx.state_dict(model, opt), checkpoint_id=save)
     return losses
@@ -136,10 +135,7 @@ def test_state_dict_and_save_pretrained_hold_the_trained_weights(tmp_path):
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_persist": 0, "n_buffer": 2}})
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    for step in range(3):
-        compiled(**models.batch("llama", seed=step)).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train(compiled, "llama", 3, opt=opt)
     assert all(p.untyped_storage().size() == 0 for p in model.parameters())
     full = protrain_fx.full_state_dict(model)
     assert all(torch.equal(full[k], v) for k, v in model.state_dict().items())

@@ -18,17 +18,17 @@ import os
 import models
 import pytest
 import torch
+from helpers import ALL_OFFLOADED
 from safetensors.torch import load_file
-from test_chunk_distributed import spawn_gloo
+from spawn import spawn_gloo
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup
 
 import protrain_fx
-from protrain_fx.runtime.adopt import model_manager
 
 STEPS, SAVE_AT = 4, 2
-PLANS = {"persistent": {}, "offloaded": {"n_persist": 0, "n_buffer": 2}}
+PLANS = {"persistent": {}, "offloaded": ALL_OFFLOADED}
 
 
 class _Batches(Dataset):
@@ -103,7 +103,7 @@ def _train(kind: str, out: str, options: dict | None = None, resume: str | None 
         "saved_optimizer": torch.load(f"{checkpoint}/optimizer.pt"),
         "eval_loss": trainer.evaluate()["eval_loss"] if resume is None else None,
         "in_ddp": isinstance(trainer.model_wrapped, DistributedDataParallel),
-        "manager": model_manager(model),
+        "manager": protrain_fx.manager_of(model),
     }
 
 

@@ -159,7 +159,7 @@ def test_frozen_parameters_and_several_optimizers(case, plan):
                 o.step()
                 o.zero_grad()
     _assert_same_weights(ref, model)
-    manager = protrain_fx.runtime.adopt.model_manager(model)
+    manager = protrain_fx.manager_of(model)
     outside = [n for n, p in model.named_parameters() if not manager.holds(p)]
     assert outside == {"frozen": ["model.embed_tokens.weight"], "two-optimizers": []}.get(case, outside)
 
@@ -504,6 +504,6 @@ def test_frames_compiled_for_several_modules_or_run_twice():
             o.zero_grad()
             losses.append(loss.item())
         assert losses[0] == losses[1], step
-    assert protrain_fx.runtime.adopt.model_manager(model).layout.n_chunk >= 2  # (the shared layer beside others)
+    assert protrain_fx.manager_of(model).layout.n_chunk >= 2  # (the shared layer beside others)
     for (name, a), b in zip(ref.named_parameters(), protrain_fx.full_state_dict(compiled).values()):
         assert torch.equal(a, b), name

@@ -17,7 +17,7 @@ small kernel takes:
   How far the runs spread above that least is kept as the profile's `timing_noise`, within which the search counts
   step times as equal. On CUDA a probe matmul runs every PROBE_EVERY nodes between two marks of its own: a device
   near its power limit lowers its clocks as a run goes on, so each matmul's time is taken as at the clocks of the
-  fastest probe (`_least_at_burst_clocks`), and the cost model prices training's clocks from the hardware profile.
+  fastest probe (`least_at_burst_clocks`), and the cost model prices training's clocks from the hardware profile.
 
 The timed graph, its clock and probes are in profiler/timed.py; here the memory run, the iterations and the
 profile they make, and the ranks' agreement on it.
@@ -183,7 +183,7 @@ def profile_iteration(
             if device.type == "cuda":
                 probes.append([t for kind in ("forward", "backward") for t in timed_graphs[kind].probe_at_records()])
     bar.close()
-    clock_stretch, noise = _least_at_burst_clocks(nodes, latencies, probes)
+    clock_stretch, noise = least_at_burst_clocks(nodes, latencies, probes)
     by_graph = {"forward": fw, "backward": bw}
     for kind, gm in by_graph.items():
         named = {r.name: r for r in nodes if r.graph == kind}
@@ -219,7 +219,7 @@ def profile_iteration(
     return profile
 
 
-def _least_at_burst_clocks(
+def least_at_burst_clocks(
     nodes: list[NodeProfile], latencies: list[list[float]], probes: list[list[float]]
 ) -> tuple[float, float]:
     """Set each node's latency_s to its least over the timed runs (`latencies`, per run and node), matmuls'

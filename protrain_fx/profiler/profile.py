@@ -69,7 +69,7 @@ class GraphProfile:
     # what was allocated at most in fact: less than peak_bytes where tensors were held on demand (on_demand.py)
     measured_peak_bytes: int = 0
     # the matmuls' least time in the timed runs over their time at the clocks of a short burst, which their
-    # latency_s is (profiler/interpreter.py `_least_at_burst_clocks`; 1 on the CPU)
+    # latency_s is (profiler/interpreter.py `least_at_burst_clocks`; 1 on the CPU)
     matmul_clock_stretch: float = 1.0
     # how far the timed runs spread above each node's least: their nodes' median times summed over the least times
     # summed, less one (profiler/interpreter.py; 0 in a profile written before it was kept)

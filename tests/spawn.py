@@ -1,0 +1,53 @@
+"""Tests on several ranks: each rank a spawned process in a gloo (or NCCL) process group; an error on a rank goes
+to the test, which fails with it."""
+
+import os
+import tempfile
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def join(backend: str, rank: int, world: int, rendezvous: str) -> None:
+    """Join the process group through a file of the spawning test's own: tests running side by side (pytest -n)
+    never meet, as they could on a port found free and then taken."""
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+
+
+def spawn(target, world: int, *args) -> None:
+    """Run `target(rank, world, rendezvous, *args, errors)` in `world` spawned processes; fail with their errors."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory(prefix="protrain-ranks-") as folder:
+        rendezvous = os.path.join(folder, "rendezvous")
+        procs = [ctx.Process(target=target, args=(r, world, rendezvous, *args, errors)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=300)
+    messages = []
+    while not errors.empty():
+        messages.append(errors.get())
+    assert not messages, messages
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def gloo_rank(rank: int, world: int, rendezvous: str, errors, body) -> None:
+    """Run `body()` as one gloo rank; an error goes to the parent, which fails the test."""
+    join("gloo", rank, world, rendezvous)
+    try:
+        body()
+    except BaseException as e:
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _gloo_worker(rank: int, world: int, rendezvous: str, body, errors) -> None:
+    gloo_rank(rank, world, rendezvous, errors, lambda: body(rank, world))
+
+
+def spawn_gloo(body, world: int) -> None:
+    """Run `body(rank, world)` (a module-level function) on `world` gloo ranks, each a spawned process."""
+    spawn(_gloo_worker, world, body)
