@@ -179,7 +179,7 @@ def _switch_to(monkeypatch, fields: dict) -> None:
     moves, whatever the cost model says."""
     from protrain_fx.runtime import replan as replan_module
 
-    def replanned(costs, inputs, plan, forced):
+    def replanned(costs, inputs, plan, forced, *, headroom=0.0):
         chosen = plan_graph(costs, {**forced, **fields}, inputs.layout, inputs.capacity_bytes, inputs.host_bytes)
         return Replan(chosen, plan, ranked_s=0.5, before_ranked_s=1.0, margin=0.05)
 
@@ -294,6 +294,20 @@ def test_training_alpha_under_the_profiles_moves_chunks_to_the_device(recorded_c
     assert plan.n_persist < plan.n_chunk and replan.plan.n_persist == plan.n_chunk
     assert replan.switches and replan.gain > 0.1
     assert replan.before.n_persist == plan.n_persist and replan.before_ranked_s > replan.ranked_s
+
+
+def test_a_measured_alpha_replans_with_headroom(recorded_costs):
+    """Where training measured α, the re-plan keeps SWITCH_HEADROOM of the capacity free: a plan that would take 95%
+    of it is not the one switched to."""
+    from protrain_fx.planner.calibrate import SWITCH_HEADROOM
+
+    costs, inputs, everything = recorded_costs
+    costs = dataclasses.replace(costs, alpha=PROFILED_ALPHA, hardware=costs.hardware.host_slower(15))
+    plan, tight = _replanned(costs, inputs, int(everything * 1.02), Calibration(alpha=1.0))
+    capacity = int(tight.plan.predicted_reserved_bytes / 0.95)
+    inputs = dataclasses.replace(inputs, capacity_bytes=capacity)
+    spare = replanned(calibrated(costs, Calibration(alpha=1.0)), inputs, plan, {}, headroom=SWITCH_HEADROOM)
+    assert spare.plan.predicted_reserved_bytes <= (1 - SWITCH_HEADROOM) * capacity < tight.plan.predicted_reserved_bytes
 
 
 def test_a_gain_within_the_margin_does_not_switch(recorded_costs):

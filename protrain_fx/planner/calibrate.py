@@ -36,6 +36,9 @@ from protrain_fx.planner.search import SEARCHED, plan_graph, ranked_step_s, tie_
 # a switch recompiles the graph and may move chunks and their optimizer states between device and host: a plan
 # predicted less than this much faster (or within the search's ties, where that is more) does not pay for it
 SWITCH_MARGIN = 0.03
+# where training measured α, a re-plan is searched under this share of the capacity less: α was measured under
+# another plan, and a switch that moves chunks can neither be undone nor re-planned by on_oom if it runs out of memory
+SWITCH_HEADROOM = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +125,13 @@ class Replan:
         }
 
 
-def replanned(costs: CostModel, inputs: PlanningInputs, plan: Plan, forced: Mapping[str, Any]) -> Replan:
-    """Search `costs` (calibrated) again with the fields `forced` under the capacities of `inputs`, and time the
-    plan in force on it. Raises NoPlanFits where nothing fits the calibrated model."""
-    best = plan_graph(costs, forced, inputs.layout, inputs.capacity_bytes, inputs.host_bytes)
+def replanned(
+    costs: CostModel, inputs: PlanningInputs, plan: Plan, forced: Mapping[str, Any], *, headroom: float = 0.0
+) -> Replan:
+    """Search `costs` (calibrated) again with the fields `forced` under the capacities of `inputs` (the GPU's less
+    the share `headroom`), and time the plan in force on it. Raises NoPlanFits where nothing fits the calibrated
+    model."""
+    capacity = None if inputs.capacity_bytes is None else int(inputs.capacity_bytes * (1 - headroom))
+    best = plan_graph(costs, forced, inputs.layout, capacity, inputs.host_bytes)
     before = retimed(costs, inputs, plan, costs.hardware)
     return Replan(best, before, ranked_s(costs, best), ranked_s(costs, before), switch_margin(costs))

@@ -23,7 +23,7 @@ import logging
 import torch
 
 from protrain_fx.distributed import most_on_every_rank
-from protrain_fx.planner.calibrate import Calibration, Replan, calibrated, replanned, searches
+from protrain_fx.planner.calibrate import SWITCH_HEADROOM, Calibration, Replan, calibrated, replanned, searches
 from protrain_fx.planner.cost import CostModel
 from protrain_fx.planner.plan import Plan
 from protrain_fx.planner.search import NoPlanFits
@@ -110,7 +110,8 @@ class ClosedLoop:
         if not searches(self.costs, forced, record.planning.layout):
             return None
         try:
-            replan = replanned(self.costs, record.planning, record.plan, forced)
+            headroom = SWITCH_HEADROOM if self.calibration.alpha is not None else 0.0
+            replan = replanned(self.costs, record.planning, record.plan, forced, headroom=headroom)
         except NoPlanFits as error:
             log.info("graph %d: no re-plan, nothing fits the calibrated model (%s)", record.index, error)
             return None

@@ -20,11 +20,14 @@ from torch import nn
 
 from protrain_fx.distributed import check_ranks_agree, most_on_every_rank
 from protrain_fx.planner.plan import HOST_STATES
+from protrain_fx.profiler.hardware import device_capacity
 from protrain_fx.progress import progress
 from protrain_fx.runtime import chunks as package
 from protrain_fx.runtime.chunks.common import LOADED_MASTER_ATTR
 
 log = logging.getLogger(__name__)
+
+DEVICE_ROOM_SLACK = 1.2  # what moving chunks up may need beyond their bytes: the allocator's rounding and splits
 
 
 class PlacementMixin:
@@ -97,7 +100,7 @@ class PlacementMixin:
         states bitwise as they were; the others keep their storage, and the host gradient shards are taken again
         before new ones (what the arena held for them and for the masters of chunks now persistent stays allocated;
         masters pinned on their own are let go). Returns False, with nothing changed on any rank, where a rank's
-        host has no room for what it adds."""
+        host or device has no room for what it adds."""
         n = self.layout.n_chunk
         n_buffer = n_buffer if n_persist < n else 0
         assert self.pending_plan is None and self.between_steps, "chunks placed again during a step"
@@ -110,7 +113,8 @@ class PlacementMixin:
         old = self.n_persist
         up, down = list(range(old, n_persist)), list(range(n_persist, old))
         slots = n - n_persist if grad_slots is None else grad_slots
-        if max(most_on_every_rank([0.0 if self._host_room(down, slots) else 1.0], self.device)):
+        room = self._host_room(down, slots) and self._device_room(up)
+        if max(most_on_every_rank([0.0 if room else 1.0], self.device)):
             return False
         states = {c: self._chunk_states(c) for c in up + down}  # (a collective where sharded)
         lo, hi = self._shard_bounds()
@@ -155,6 +159,30 @@ class PlacementMixin:
             log.warning("the chunks stay where they are: %s", error)
             return False
         return True
+
+    def _device_room(self, up: list[int]) -> bool:
+        """Whether the device has room now, beside what it holds between steps, for the chunks `place_again` makes
+        persistent: their parameters, masters, AdamW states and gradients, with DEVICE_ROOM_SLACK for the
+        allocator. (The CPU's memory is the host's: checked there.)"""
+        if self.device.type != "cuda" or not up:
+            return True
+        torch.cuda.empty_cache()
+        capacity = device_capacity(self.device)
+        free = capacity - torch.cuda.memory_allocated(self.device)
+        master = 0 if self.own_master else self.master_bytes  # (a master apart from the parameters)
+        per_elem = self.dtype.itemsize + master + (HOST_STATES - 1) * self.master_bytes + self.master_bytes
+        needed = int(len(up) * self.layout.chunk_elems * per_elem * DEVICE_ROOM_SLACK)
+        if needed <= free:
+            return True
+        log.warning(
+            "the chunks stay where they are: making %d more persistent needs about %.2f GiB of the device, which has "
+            "%.2f GiB free of %.2f GiB between steps",
+            len(up),
+            needed / 2**30,
+            free / 2**30,
+            capacity / 2**30,
+        )
+        return False
 
     def _chunk_states(self, chunk: int):
         """(its optimizer, its parameters' AdamW states whole) of a chunk about to move; (None, {}) where no
