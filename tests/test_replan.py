@@ -336,3 +336,27 @@ def test_calibration_of_a_monitor_report():
     cuda = {"measured_reserved_bytes": 110, "measured_peak_bytes": 100, "predicted_peak_bytes": 120}
     assert calibration_of(cuda) == Calibration(alpha=1.1)
     assert calibration_of({**cuda, "predicted_peak_bytes": 88}) == Calibration(alpha=1.25)
+
+
+def test_gradients_held_at_every_forward_give_the_switch_up(monkeypatch, tmp_path):
+    """A loop that zeroes its gradients between forward and backward holds the last step's at every forward: the
+    switch waits MAX_WAITS forwards for one between two steps, then is given up; training is eager's throughout."""
+    from protrain_fx.runtime.replan import MAX_WAITS
+
+    _switch_to(monkeypatch, {"n_persist": 1, "n_buffer": 2})
+    ref = models.build("toy")
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "dump_dir": str(tmp_path)})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    for step in range(SWITCH_AT + MAX_WAITS + 1):
+        for m, o in ((ref, ref_opt), (compiled, opt)):
+            loss = m(**models.batch("toy", seed=step))
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    _assert_bitwise(ref, ref_opt, model, opt)
+    assert model_manager(model).n_persist == backend.graphs[0].plan.n_persist == backend.graphs[0].plan.n_chunk
+    decision = json.loads((backend.graphs[0].dumper.dir / "replan.json").read_text())
+    assert decision["switches"] and not decision["switched"]
