@@ -112,6 +112,39 @@ def test_swap_passes_rewrite_only_swapped_blocks():
         assert not any("swap" in str(n.target) for n in gm.graph.nodes)
 
 
+def test_a_prefetch_at_the_backwards_start_follows_a_tensor_input(monkeypatch):
+    """The last block's tensors are prefetched where the backward starts, after its inputs: after the last one that
+    is a tensor, as the op takes one (on CUDA the recompute's RNG generators are the backward's last inputs; here a
+    generator input is put there for the swap passes to see, and taken out after them)."""
+    from protrain_fx import backend as backend_module
+    from protrain_fx.passes import pipeline
+
+    def add_generator(gm, ctx):
+        if ctx.stage == "backward":
+            last = list(gm.graph.find_nodes(op="placeholder"))[-1]
+            with gm.graph.inserting_after(last):
+                gm.graph.placeholder("rng_generator").meta["val"] = torch.Generator()
+        return gm
+
+    def drop_generator(gm, ctx):
+        for n in gm.graph.find_nodes(op="placeholder"):
+            if n.name == "rng_generator":
+                gm.graph.erase_node(n)  # (fails if a pass made it an argument)
+        gm.recompile()
+        return gm
+
+    passes = list(pipeline.GRAPH_PASSES)
+    at = passes.index(pipeline.swap_in_pass)
+    passes[at : at + 1] = [add_generator, pipeline.swap_in_pass, drop_generator]
+    monkeypatch.setattr(backend_module, "GRAPH_PASSES", tuple(passes))
+    ref, _, backend, compiled = _compiled("toy", {"plan": {"block_modes": ["none", "none", "swap"]}})
+    assert train(compiled, "toy", 2) == train(ref, "toy", 2)
+    prefetch = backend.graphs[0].backward.graph.find_nodes(
+        op="call_function", target=torch.ops.protrain.swap_prefetch.default
+    )
+    assert [isinstance(p.args[2].meta["val"], torch.Tensor) for p in prefetch] == [True]
+
+
 def _prefetch_blocks(record):
     """For each swap prefetch in the backward: (block of its tensors, block whose first node it follows)."""
     swapped_block = {}

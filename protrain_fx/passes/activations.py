@@ -261,8 +261,11 @@ def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     handle = next(iter(swapped.values())).args[0]
     first_of = _first_nodes(graph, ctx)
     order = {n: i for i, n in enumerate(graph.nodes)}
+    # a block the backward reaches first has no block k ahead of it: its prefetch follows the inputs (the last one
+    # holding a tensor: on CUDA the recompute's RNG generators come last)
+    inputs = [n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
     for block, slots in by_block.items():
-        anchor = first_of.get(block + ctx.plan.swap_interval, placeholders[-1])
+        anchor = first_of.get(block + ctx.plan.swap_interval, inputs[-1])
         ahead = [slot for slot, back in slots if order[anchor] < order[back]]  # else it would fetch for nobody
         if ahead:
             with graph.inserting_after(anchor):
