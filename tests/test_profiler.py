@@ -113,7 +113,7 @@ def test_profile_roundtrips_json_and_csv():
     record = graphs[0]
     for gm in (record.forward, record.backward):
         for node in gm.graph.nodes:
-            if node.op == "call_function":
+            if node.op == "call_function" and not str(node.target).startswith("protrain."):  # (passes' ops)
                 assert node.meta["protrain"] is profile.node(node.name, node.meta["protrain"].graph)
 
 
