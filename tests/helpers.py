@@ -98,6 +98,18 @@ def train_against_autocast(ref, ref_opt, compiled, opt, steps: int = 5) -> None:
     assert losses == pytest.approx(expected, rel=BF16_RTOL)
 
 
+def bf16_chunks_against_autocast(options: dict, steps: int = 5):
+    """The 4-layer llama test model in bf16 compiled by protrain with `options` (its AdamW) against its fp32 copy
+    under bf16 autocast (torch's fused AdamW), on the GPU: `train_against_autocast`. Returns the backend."""
+    ref = models.build("llama", layers=4).cuda()
+    model = copy.deepcopy(ref).to(torch.bfloat16)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    backend = protrain_fx.ProTrainBackend(options)
+    train_against_autocast(ref, ref_opt, torch.compile(model, backend=backend, dynamic=False), opt, steps)
+    return backend
+
+
 def saved_activation_bytes(compiled, model, batch, exclude=()) -> int:
     """Bytes of the storages a forward of `compiled` keeps for backward, seen by saved-tensor hooks: parameters,
     buffers, inputs and the storages of `exclude` are left out."""

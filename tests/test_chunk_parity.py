@@ -11,7 +11,7 @@ import copy
 import models
 import pytest
 import torch
-from helpers import ALL_OFFLOADED, train, train_against_autocast
+from helpers import ALL_OFFLOADED, bf16_chunks_against_autocast, train
 
 import protrain_fx
 from protrain_fx.distributed import rank_and_world_size
@@ -441,12 +441,7 @@ def updates_during_the_backward_equal_updates_in_step(device: str = "cpu", maste
 def test_chunked_bf16_parity(plan):
     """bf16 parameters in chunks with fp32 master weights (inductor) against eager fp32 training under bf16
     autocast with torch's fused AdamW: the bf16 tolerance on losses."""
-    ref = models.build("llama", layers=4).cuda()
-    model = copy.deepcopy(ref).to(torch.bfloat16)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
-    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
-    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": plan}), dynamic=False)
-    train_against_autocast(ref, ref_opt, compiled, opt)
+    bf16_chunks_against_autocast({"plan": plan})
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import types
 import models
 import pytest
 import torch
-from helpers import BF16_RTOL, eager_and_protrain, saved_activation_bytes, train, train_against_autocast
+from helpers import BF16_RTOL, bf16_chunks_against_autocast, eager_and_protrain, saved_activation_bytes, train
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -235,9 +235,4 @@ def test_selective_bf16_parity(plan):
 def test_selective_with_offloaded_chunks_bf16_parity(plan):
     """Selective blocks over offloaded chunks (inductor, fp32 masters) against eager fp32 training under bf16
     autocast: the bf16 tolerance on losses."""
-    ref = models.build("llama", layers=4).cuda()
-    model = copy.deepcopy(ref).to(torch.bfloat16)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
-    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
-    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": plan}), dynamic=False)
-    train_against_autocast(ref, ref_opt, compiled, opt)
+    bf16_chunks_against_autocast({"plan": plan})
