@@ -1,11 +1,15 @@
-"""Tests on several ranks: each rank a spawned process in a gloo (or NCCL) process group; an error on a rank goes
+"""Tests on several ranks: each rank a fresh process in a gloo (or NCCL) process group; an error on a rank goes
 to the test, which fails with it."""
 
+import multiprocessing
 import os
 import tempfile
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+# ranks start from a fork server that imported these once per test process, not each rank again (seconds of a
+# small machine's CPU per rank); the server imports them only, so it never touches CUDA
+PRELOAD = ["torch", "transformers", "pytest", "protrain_fx", "models", "helpers"]
 
 
 def join(backend: str, rank: int, world: int, rendezvous: str) -> None:
@@ -15,8 +19,9 @@ def join(backend: str, rank: int, world: int, rendezvous: str) -> None:
 
 
 def spawn(target, world: int, *args) -> None:
-    """Run `target(rank, world, rendezvous, *args, errors)` in `world` spawned processes; fail with their errors."""
-    ctx = mp.get_context("spawn")
+    """Run `target(rank, world, rendezvous, *args, errors)` in `world` processes; fail with their errors."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="protrain-ranks-") as folder:
         rendezvous = os.path.join(folder, "rendezvous")
