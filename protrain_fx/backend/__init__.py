@@ -19,7 +19,7 @@ The modules, in the order a graph meets them:
 
     compiler.py   protrain, ProTrainBackend: the entry; the executors (inductor, eager)
     partition.py  Partitioner: one graph's stages in order, each a function below
-    stages.py     capture, profile, runtime_for, rewrite, attach_runtime, open_dump, dump_plan, dump
+    stages.py     capture, chunks_built, profile, runtime_for, rewrite, attach_runtime, open_dump, dump_plan, dump
     planning.py   plan: the planner's inputs, the search, the model's chunks built or placed for the plan
     guard.py      Guarded: a training graph as it runs; re-plans out of GPU memory, and from the measured steps
     run.py        ChunkedRun: a chunked model's graph as it runs (its parameters checked, lent at a graph break)
