@@ -145,7 +145,7 @@ def _disagreeing_worker(rank: int, world: int, rendezvous: str, how: str, errors
         import models
 
         import protrain_fx
-        import protrain_fx.backend
+        import protrain_fx.backend.stages
 
         plan = {"n_persist": 1 + rank, "n_buffer": 2} if how == "plan" else {}
         model = models.build("toy", layers=3 + rank if how == "model" else 3)
@@ -155,7 +155,7 @@ def _disagreeing_worker(rank: int, world: int, rendezvous: str, how: str, errors
             def broken(*args, **kwargs):
                 raise MemoryError("no memory to profile in")
 
-            protrain_fx.backend.profile_iteration = broken
+            protrain_fx.backend.stages.profile_iteration = broken
         expected = {
             "plan": r"ranks \[1\] disagree with rank 0 on the model or plan",
             "model": r"ranks compiled different graphs",

@@ -12,7 +12,7 @@ import torch
 from helpers import UNCHANGED
 
 import protrain_fx
-from protrain_fx import backend as backend_module
+from protrain_fx.backend import stages as stages_module
 from protrain_fx.profiler.memory import CpuMemoryTracker
 from protrain_fx.profiler.on_demand import OnDemand, storage_key
 from protrain_fx.profiler.timed import TimedGraph
@@ -39,7 +39,7 @@ def _memory(profile):
 @pytest.mark.parametrize("kind", ["toy", "llama"])
 def test_dropping_activations_and_gradients_keeps_the_profile(kind, monkeypatch):
     profiles = []
-    original = backend_module.profile_iteration
+    original = stages_module.profile_iteration
 
     def both(fw, bw, primals, block_map, on_demand=None):
         assert on_demand is None
@@ -47,7 +47,7 @@ def test_dropping_activations_and_gradients_keeps_the_profile(kind, monkeypatch)
         profiles.append(original(fw, bw, primals, block_map))
         return profiles[-1]
 
-    monkeypatch.setattr(backend_module, "profile_iteration", both)
+    monkeypatch.setattr(stages_module, "profile_iteration", both)
     _compiled(models.build(kind), kind)
     dropped, full = profiles
     assert _memory(dropped) == _memory(full)
@@ -69,7 +69,7 @@ def test_activations_held_on_demand_do_not_grow_with_the_blocks(monkeypatch):
     other read and brought back for the view); and a storage freed during the run left what was known of it to
     the next one allocated at its address, so the timed runs dropped the freed one's value instead."""
     profiles, timed = [], []
-    original, boxed_run = backend_module.profile_iteration, TimedGraph.boxed_run
+    original, boxed_run = stages_module.profile_iteration, TimedGraph.boxed_run
 
     def on_demand(fw, bw, primals, block_map, on_demand=None):
         timed.append(0)
@@ -86,7 +86,7 @@ def test_activations_held_on_demand_do_not_grow_with_the_blocks(monkeypatch):
         timed[-1] = max(timed[-1], tracker.peak() - start)
         return out
 
-    monkeypatch.setattr(backend_module, "profile_iteration", on_demand)
+    monkeypatch.setattr(stages_module, "profile_iteration", on_demand)
     monkeypatch.setattr(TimedGraph, "boxed_run", tracked)
     for layers in (2, 6):
         _compiled(models.build("llama", layers=layers), "llama")
@@ -103,14 +103,14 @@ def test_what_is_held_on_demand_does_not_depend_on_where_storages_land(monkeypat
     was kept as an input, never dropped: what the profile held then varied with the host allocator's state (and
     the test above failed now and then). Here the allocator is left in different states before each profile."""
     measured = []
-    original = backend_module.profile_iteration
+    original = stages_module.profile_iteration
 
     def on_demand(fw, bw, primals, block_map, on_demand=None):
         profile = original(fw, bw, primals, block_map, OnDemand())
         measured.append(profile.measured_peak_bytes - profile.baseline_bytes)
         return profile
 
-    monkeypatch.setattr(backend_module, "profile_iteration", on_demand)
+    monkeypatch.setattr(stages_module, "profile_iteration", on_demand)
     for seed in range(4):
         rng = random.Random(seed)
         kept = [torch.empty(rng.randint(1, 1 << 17), dtype=torch.uint8) for _ in range(rng.randint(50, 300))]
@@ -169,7 +169,7 @@ def test_explain_a_prepared_model():
 
 def test_out_of_memory_profile_is_profiled_again_on_demand(monkeypatch, caplog):
     calls = []
-    original = backend_module.profile_iteration
+    original = stages_module.profile_iteration
 
     def out_of_memory_first(fw, bw, primals, block_map, on_demand=None):
         calls.append(on_demand)
@@ -177,7 +177,7 @@ def test_out_of_memory_profile_is_profiled_again_on_demand(monkeypatch, caplog):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return original(fw, bw, primals, block_map, on_demand)
 
-    monkeypatch.setattr(backend_module, "profile_iteration", out_of_memory_first)
+    monkeypatch.setattr(stages_module, "profile_iteration", out_of_memory_first)
     record = _compiled(models.build("toy"), "toy")
     assert calls[0] is None and isinstance(calls[1], OnDemand)
     assert record.profile.measured_peak_bytes < record.profile.peak_bytes
@@ -190,14 +190,14 @@ def test_profile_on_demand_matches_the_full_profile(monkeypatch):
     dropped while unused (profiler/on_demand.py). Node memory figures agree up to the allocator's 512-byte
     rounding of each dropped tensor, the graphs' time within 5%, and the GPU in fact held far less."""
     profiles = []
-    original = backend_module.profile_iteration
+    original = stages_module.profile_iteration
 
     def both(fw, bw, primals, block_map, on_demand=None):
         profiles.append(original(fw, bw, primals, block_map, OnDemand()))
         profiles.append(original(fw, bw, primals, block_map))
         return profiles[-1]
 
-    monkeypatch.setattr(backend_module, "profile_iteration", both)
+    monkeypatch.setattr(stages_module, "profile_iteration", both)
     model = models.big_llama()
     protrain_fx.optim.AdamW(model.parameters())
     backend = protrain_fx.ProTrainBackend({"executor": "inductor", **UNCHANGED})

@@ -99,22 +99,22 @@ def test_prepare_without_a_plan_is_planned_by_the_search():
 def test_a_failed_first_compile_leaves_the_prepared_chunks_waiting(monkeypatch):
     """Profiling runs out of memory (raised here on the CPU): the error reaches the user, the chunks stay as
     prepare left them (offloaded, waiting for a plan), and compiling again trains bitwise like eager."""
-    import protrain_fx.backend as backend_module
+    import protrain_fx.backend.stages as stages_module
 
     ref = models.build("llama")
     model = protrain_fx.prepare(copy.deepcopy(ref), device="cpu")
-    real = backend_module.profile_iteration
+    real = stages_module.profile_iteration
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("profiling ran out of memory (raised by the test)")
 
-    monkeypatch.setattr(backend_module, "profile_iteration", out_of_memory)
+    monkeypatch.setattr(stages_module, "profile_iteration", out_of_memory)
     failed = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=False)
     with pytest.raises(Exception, match="raised by the test"):
         failed(**models.batch("llama"))
     manager = protrain_fx.manager_of(model)
     assert manager.pending_plan == {} and manager.n_persist == 0 and not manager.has_grad
-    monkeypatch.setattr(backend_module, "profile_iteration", real)
+    monkeypatch.setattr(stages_module, "profile_iteration", real)
     torch._dynamo.reset()
     _compare(ref, model, "llama")
 

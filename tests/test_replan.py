@@ -24,7 +24,7 @@ from test_chunk_distributed import spawn_gloo
 from test_search_recorded import RECORDED
 
 import protrain_fx
-from protrain_fx import backend as backend_module
+from protrain_fx.backend import planning as planning_module
 from protrain_fx.debug.from_dump import read_dump
 from protrain_fx.planner.calibrate import Calibration, Replan, calibrated, replanned
 from protrain_fx.planner.cost import Candidate
@@ -65,14 +65,14 @@ def _llama() -> torch.nn.Module:
 def _host_weighing(monkeypatch, backend, params: int) -> None:
     """The hardware profile the backend plans with: its host rates such that `params` parameters' update takes
     HOST_SHARE of the forward of the graph being planned."""
-    real = backend_module.hardware_profile
+    real = planning_module.hardware_profile
 
     def hardware_profile(device):
         hardware = real(device)
         seconds = HOST_SHARE * backend.graphs[-1].profile.forward_s
         return hardware.host_slower(seconds / (params * hardware.host_adam_s_per_param))
 
-    monkeypatch.setattr(backend_module, "hardware_profile", hardware_profile)
+    monkeypatch.setattr(planning_module, "hardware_profile", hardware_profile)
 
 
 def _host_measured(monkeypatch, scale: float) -> None:
@@ -212,9 +212,9 @@ def _ranks_switch_alike(rank: int, world: int) -> None:
     (each rank keeps its shard): `_switch_to`."""
     from protrain_fx.runtime import replan as replan_module
 
-    real = backend_module.cost_model
+    real = planning_module.cost_model
     profiled = mock.patch.object(
-        backend_module, "cost_model", lambda *a, **k: dataclasses.replace(real(*a, **k), alpha=PROFILED_ALPHA)
+        planning_module, "cost_model", lambda *a, **k: dataclasses.replace(real(*a, **k), alpha=PROFILED_ALPHA)
     )
     calibration = Calibration(host=SLOWER, alpha=1.0 + 0.05 * rank)
     trained = mock.patch.object(replan_module, "calibration_of", lambda report: calibration)

@@ -116,7 +116,7 @@ def test_a_prefetch_at_the_backwards_start_follows_a_tensor_input(monkeypatch):
     """The last block's tensors are prefetched where the backward starts, after its inputs: after the last one that
     is a tensor, as the op takes one (on CUDA the recompute's RNG generators are the backward's last inputs; here a
     generator input is put there for the swap passes to see, and taken out after them)."""
-    from protrain_fx import backend as backend_module
+    from protrain_fx.backend import stages as stages_module
     from protrain_fx.passes import pipeline
 
     def add_generator(gm, ctx):
@@ -136,7 +136,7 @@ def test_a_prefetch_at_the_backwards_start_follows_a_tensor_input(monkeypatch):
     passes = list(pipeline.GRAPH_PASSES)
     at = passes.index(pipeline.swap_in_pass)
     passes[at : at + 1] = [add_generator, pipeline.swap_in_pass, drop_generator]
-    monkeypatch.setattr(backend_module, "GRAPH_PASSES", tuple(passes))
+    monkeypatch.setattr(stages_module, "GRAPH_PASSES", tuple(passes))
     ref, _, backend, compiled = _compiled("toy", {"plan": {"block_modes": ["none", "none", "swap"]}})
     assert train(compiled, "toy", 2) == train(ref, "toy", 2)
     prefetch = backend.graphs[0].backward.graph.find_nodes(
@@ -249,9 +249,9 @@ def test_swap_interval_formula():
 def test_prefetch_waits_for_memory(monkeypatch):
     """With no room under the budget, nothing is prefetched early: each tensor comes back at its swap_in, and
     training is unchanged."""
-    make = protrain_fx.backend.SwapSpace  # a device with no room under the budget
+    make = protrain_fx.backend.stages.SwapSpace  # a device with no room under the budget
     monkeypatch.setattr(
-        protrain_fx.backend, "SwapSpace", lambda device, **kw: make(device, **{**kw, "budget_bytes": 1})
+        protrain_fx.backend.stages, "SwapSpace", lambda device, **kw: make(device, **{**kw, "budget_bytes": 1})
     )
     plan = {"n_swap": 2, "n_checkpoint": 0, "n_selective": 0}
     ref, _, backend, compiled = _compiled("toy", {"plan": plan}, dropout=0.1)
@@ -324,9 +324,9 @@ def test_swap_next_to_offloaded_chunks(room, monkeypatch):
     """Swapped blocks with offloaded chunks: swap prefetches queue behind the chunk uploads on the copy link; with
     no memory budget left, every block comes back at its first use instead. bf16 chunks against eager autocast."""
     if not room:
-        make = protrain_fx.backend.SwapSpace
+        make = protrain_fx.backend.stages.SwapSpace
         monkeypatch.setattr(
-            protrain_fx.backend, "SwapSpace", lambda device, **kw: make(device, **{**kw, "budget_bytes": 1})
+            protrain_fx.backend.stages, "SwapSpace", lambda device, **kw: make(device, **{**kw, "budget_bytes": 1})
         )
     ref = models.build("llama", layers=4).cuda()
     model = copy.deepcopy(ref).to(torch.bfloat16)

@@ -41,7 +41,7 @@ class PassContext:
 
     config: ProTrainConfig
     plan: Plan
-    record: Any  # protrain_fx.backend.GraphRecord
+    record: Any  # protrain_fx.backend.record.GraphRecord
     dumper: Any = None  # protrain_fx.debug.dump.Dumper or None
     manager: Any = None  # the model's protrain_fx.runtime.chunks.ChunkManager, None when not chunked
     example_inputs: Sequence[Any] = ()  # the graph's real inputs (parameters by position)

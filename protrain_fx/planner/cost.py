@@ -149,7 +149,7 @@ class CostModel(MemoryModel, Timeline, StepBounds):
     ) -> CostModel:
         """The model of one graph. `block_of_param`: the block of each of the layout's slots (None outside blocks);
         `regathers`: (chunk, block) for each time the forward gathers a chunk again, in or before that block (the
-        last block + 1: after the blocks), as backend.py's `_regathers` finds them;
+        last block + 1: after the blocks), as backend/planning.py's `_regathers` finds them;
         `other_bytes`: what the device holds besides the activations and the states `state_bytes` counts (with a
         layout: the profile's baseline less the parameters; without: the whole baseline); `grad_outputs`: names of
         the backward nodes that are parameter gradients (with a layout, the runtime frees each after its chunk's

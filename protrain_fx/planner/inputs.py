@@ -4,7 +4,7 @@
     costs = cost_model(profile, inputs)
     plan = plan_graph(costs, inputs.forced, inputs.layout, inputs.capacity_bytes, inputs.host_bytes)
 
-The backend builds them for each graph it plans (backend.py `_plan`) and dumps them as planning.json;
+The backend builds them for each graph it plans (backend/planning.py `_search`) and dumps them as planning.json;
 debug/from_dump.py reads them back to plan a dumped graph again with the current code. Both get the cost model
 from `cost_model`, so a dumped graph is planned again from what the backend planned it with.
 """
@@ -31,7 +31,7 @@ class PlanningInputs:
     n_block: int
     layout: ChunkLayout | None  # None: the parameters are not in chunks
     block_of_param: tuple[int | None, ...]  # the block of each of the layout's slots (None outside the blocks)
-    # (chunk, block) for each time the forward gathers a chunk again (backend.py `_regathers`)
+    # (chunk, block) for each time the forward gathers a chunk again (backend/planning.py `_regathers`)
     regathers: tuple[tuple[int, int], ...]
     grad_outputs: frozenset[str]  # the backward's outputs that are parameter gradients
     fused: bool  # the graphs run under inductor

@@ -8,7 +8,7 @@ plan in force by more than the switch's margin goes into force between two steps
                                alike) and the search; with chunks, wait for a forward that starts between two steps
                                on every rank (not between the backward passes of an accumulated step)
     then                       `ChunkManager.place_again` where the chunk fields change; the graph compiled again
-                               with the new plan from its stored profile (backend.py `_Guarded`)
+                               with the new plan from its stored profile (backend/guard.py `Guarded`)
 
 The chunk fields change only where the graph is the only one that reads the model's chunks and ends in no graph
 break (the others, or the Python after the break, were built for the chunks where they are); elsewhere they are held

@@ -1,0 +1,191 @@
+"""`Guarded`: what Dynamo runs for one training graph. Its out-of-memory errors name the plan or, under
+on_oom="replan", re-plan the graph from its stored profile (the table in runtime/oom.py); under replan="on" it
+re-plans the graph once from what its first steps measured (runtime/replan.py). Either way the graph is compiled
+again through the backend (backend/compiler.py), with no new profile."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx
+
+from protrain_fx.backend.record import RUNTIME_ATTR, device_of
+from protrain_fx.planner.cost import CostModel
+from protrain_fx.planner.plan import Plan
+from protrain_fx.planner.search import NoPlanFits
+from protrain_fx.runtime.oom import Replanning, device_state, first_line, plan_summary
+from protrain_fx.runtime.replan import REPLAN_FILE, ClosedLoop, moves_chunks
+
+if TYPE_CHECKING:
+    from protrain_fx.backend.compiler import ProTrainBackend
+
+log = logging.getLogger(__name__)
+
+
+class Guarded:
+    """What Dynamo runs for one training graph: the compiled graph, whose out-of-memory errors name the plan
+    or, under on_oom="replan", re-plan it (the table in runtime/oom.py), and which re-plans it once from what its
+    first steps measured, under replan="on" (runtime/replan.py)."""
+
+    def __init__(self, backend: ProTrainBackend, gm: fx.GraphModule, example_inputs: Sequence[Any], record):
+        self.backend, self.gm, self.record = backend, gm, record
+        self.device = device_of(example_inputs)
+        self.replanning = Replanning(backend.config, self.device)
+        self.loop = ClosedLoop(self.device) if backend.config.replan == "on" else None
+        self.switching: tuple[Plan, CostModel] | None = None  # the plan and cost model the compile puts in force
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        self.graph_break = reason is not None and reason.graph_break
+        # where each input comes from (capture.py reads it), which Dynamo deletes once the graph is compiled
+        self.graphargs = {n: n.meta["grapharg"] for n in gm.graph.find_nodes(op="placeholder") if "grapharg" in n.meta}
+        self.compiled = backend.compile(gm, example_inputs, record, self)
+
+    def __call__(self, *args):
+        if self.replanning.due:  # (a backward ran out of memory)
+            self._recompile(args, "backward", "", "(in the last step)")
+        if self.loop is not None and self.loop.due(self.record.monitor):
+            self._close_loop(args)
+        while True:
+            try:
+                return self.compiled(*args)
+            except torch.OutOfMemoryError as error:
+                state, cause = device_state(self.device), first_line(error)
+            # (out of the except block: the failed forward's tensors went with its frames)
+            self._abandon()
+            if not self._replan():
+                raise self._error("forward", state, cause)
+            self._recompile(args, "forward", state, cause)
+
+    def backward(self, compiled, gm: fx.GraphModule):
+        """The compiled backward (boxed), losing its step instead of failing when it runs out of memory under
+        on_oom="replan": its outputs are then all None (the parameters' gradients live in chunks)."""
+        n_outputs = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+
+        def run(args: list) -> list:
+            try:
+                return compiled(args)
+            except torch.OutOfMemoryError as error:
+                state, cause = device_state(self.device), first_line(error)
+            args.clear()  # the saved activations
+            self._abandon()
+            manager = self._manager()
+            started = manager.updates_started() if manager is not None else []
+            replanned = self._replan()
+            if not replanned or manager is None or started:
+                why = (
+                    "re-planned for the next step, but this step's weights were partly updated already ("
+                    f"chunks {started} had started): resume from the last checkpoint"
+                    if started
+                    else "re-planned for the next step, but only protrain_fx.optim.AdamW can skip this lost step: "
+                    "call optimizer.zero_grad() and go on"
+                )
+                raise self._error("backward", state, cause, why=why if replanned else "")
+            manager.lose_step()
+            log.warning(
+                "graph %d: the backward ran out of GPU memory; this step is lost (the optimizer step skips it) and "
+                "the graph is re-planned before its next forward",
+                self.record.index,
+            )
+            return [None] * n_outputs
+
+        run._boxed_call = True
+        return run
+
+    def _replan(self) -> bool:
+        """Lower the capacity for a re-plan before the next forward; False when that is not possible."""
+        if not self.replanning.lower(self.record.capacity):
+            return False
+        self.replanning.due = True
+        return True
+
+    def _manager(self):
+        """The model's ChunkManager, None when the graph is not chunked."""
+        return self.record.manager() if self.record.manager is not None else None
+
+    def _abandon(self) -> None:
+        manager = self._manager()
+        if manager is not None:
+            manager.abandon_step()
+        if self.record.swap is not None:
+            self.record.swap.abandon()
+
+    def _error(self, where: str, state: str, cause: str, *, why: str = "") -> torch.OutOfMemoryError:
+        record = self.record
+        return self.replanning.error(where, record.index, record.plan, record.capacity, state, cause, why=why)
+
+    def _recompile(self, args: Sequence[Any], where: str, state: str, cause: str) -> None:
+        """The graph again, planned under the lowered capacity from its profile (not profiled again); with the
+        model's chunks as built, only the activation fields change. `where`, `state`, `cause`: of the out-of-memory
+        error that asked for it, for the error if no plan fits."""
+        self.replanning.due = False
+        try:
+            self._compile_again(args)
+        except NoPlanFits as error:
+            why = f"re-planned under {self.replanning.config.gpu_memory_bytes} bytes, where {error}"
+            raise self._error(where, state, cause, why=why) from None
+        log.warning("graph %d re-planned:\n%s", self.record.index, self.record.plan)
+
+    def _close_loop(self, args: Sequence[Any]) -> None:
+        """The closed loop (runtime/replan.py): where the calibrated search's plan is enough faster, the model's
+        chunks placed again for it where its chunk fields differ, and the graph compiled again with it."""
+        record, manager = self.record, self._manager()
+        replan = self.loop.decide(record, manager, self._chunks_may_move(manager))
+        if replan is None:
+            if self.loop.done:
+                self._dump_replan()
+            return
+        before = record.plan
+        if manager is not None and moves_chunks(replan.plan, manager):
+            plan = replan.plan
+            if not manager.place_again(plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots):
+                self.loop.switched = False
+                self._dump_replan()
+                return
+        self.switching = (replan.plan, self.loop.costs)
+        try:
+            self._compile_again(args)
+        finally:
+            self.switching = None
+        self._dump_replan()
+        log.warning(
+            "graph %d re-planned from what training measured (%s): the calibrated search's plan is predicted at "
+            "%.2f ms a step (%.2f ms as ranked), the plan in force at %.2f ms (%.2f ms as ranked): %.1f%% faster, "
+            "over the %.1f%% a switch needs\nbefore: %s\nafter:  %s\n%s",
+            record.index,
+            self.loop.calibration,
+            replan.plan.predicted_step_s * 1e3,
+            replan.ranked_s * 1e3,
+            replan.before.predicted_step_s * 1e3,
+            replan.before_ranked_s * 1e3,
+            replan.gain * 100,
+            replan.margin * 100,
+            plan_summary(before),
+            plan_summary(record.plan),
+            record.plan,
+        )
+
+    def _chunks_may_move(self, manager) -> bool:
+        """Whether a re-plan may place the model's chunks again: this graph is the only compiled graph reading them,
+        and ends in no graph break (the other graphs, and the Python after a break, read them where they are)."""
+        return manager is not None and not self.graph_break and manager.graphs_reading == {self.record.key}
+
+    def _dump_replan(self) -> None:
+        if self.record.dumper is not None:
+            self.record.dumper.write_json(REPLAN_FILE, self.loop.to_json())
+
+    def _compile_again(self, args: Sequence[Any]) -> None:
+        """The graph compiled again from its stored profile (its swap space and monitor made anew)."""
+        record = self.record
+        model = record.model() if record.model is not None else None
+        if model is not None:  # its swap space and monitor go (the ops hold them weakly: the model keeps them)
+            old = [o for o in (record.swap, record.monitor) if o is not None]
+            kept = [o for o in model.__dict__.get(RUNTIME_ATTR, []) if all(o is not x for x in old)]
+            model.__dict__[RUNTIME_ATTR] = kept
+        record.swap = record.monitor = self.compiled = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        for node, grapharg in self.graphargs.items():
+            node.meta.setdefault("grapharg", grapharg)
+        self.compiled = self.backend.compile(self.gm, args, record, self)

@@ -1,0 +1,210 @@
+"""The plan stage of one graph (backend/partition.py calls `plan`): the planner's inputs built from the graph, its
+model and the machine (`PlanningInputs`, planner/inputs.py), the search (planner/search.py), and the model's chunks
+built or placed for the plan (runtime/adopt.py). A re-plan out of GPU memory reuses the graph's profile and comes
+here again with a lower capacity."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from protrain_fx.backend.record import PLANS_ATTR, GraphCompile, GraphRecord
+from protrain_fx.capture import FrameRoots, ParamEntry
+from protrain_fx.distributed import least_on_every_rank
+from protrain_fx.planner.calibrate import calibrated
+from protrain_fx.planner.cost import Candidate, swap_interval
+from protrain_fx.planner.inputs import PlanningInputs, cost_model, settled
+from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, OUTPUT_FIELDS, Plan, with_default_master
+from protrain_fx.planner.search import plan_graph
+from protrain_fx.profiler.hardware import device_capacity, hardware_profile, host_capacity
+from protrain_fx.profiler.on_demand import storage_key
+from protrain_fx.runtime.adopt import (
+    build_manager,
+    model_layout,
+    place_chunks,
+    plan_fields_of,
+    updates_wait,
+    wants_chunks,
+)
+from protrain_fx.runtime.oom import Replanning, device_state, first_line
+
+log = logging.getLogger(__name__)
+
+SHAPES_ATTR = "_protrain_input_shapes"  # on the model: graph's parameter count -> input shapes it was planned for
+
+
+def plan(c: GraphCompile, roots: FrameRoots, manager, bw: fx.GraphModule):
+    """The plan (planner/), and the model's chunks where it gets them: built for the plan at the model's first
+    graph, or a prepared model's placed by it. Returns the model's chunk manager (None: no chunks)."""
+    record, config, params = c.record, c.config, c.params
+    if manager is None and (wants_chunks(params) or (c.explain and any(p.requires_grad for p in params))):
+        layout = model_layout(roots, record, c.example_inputs, config.plan, every_trainable=c.explain)
+        c.config = config = dataclasses.replace(config, plan=with_default_master(config.plan, layout))
+        record.plan = _search(c, config.plan, layout, bw, roots.model, None)
+        if not c.explain:
+            manager = _build_chunks(c, roots.model, layout, bw)
+    else:
+        # a graph without parameters (a loss after a graph break) has no chunk or block decisions to check
+        unplanned = OUTPUT_FIELDS + CHUNK_FIELDS + (ACTIVATION_FIELDS if not record.block_map.families else ())
+        forced = config.plan if params else {k: v for k, v in config.plan.items() if k not in unplanned}
+        if manager is not None:
+            forced = plan_fields_of(manager, forced)
+        layout = manager.layout if manager else None
+        if c.switching is not None:  # (placed for it: runtime/replan.py)
+            record.plan, record.costs = c.switching
+        else:
+            record.plan = _search(c, forced, layout, bw, roots.model, manager)
+        if manager is not None and manager.pending_plan is not None and params:
+            place_chunks(manager, record.plan)
+    log.info(
+        "graph %d planned (%s):\n%s",
+        record.index,
+        ", ".join(f"{stage} {s:.2f} s" for stage, s in record.seconds.items()),
+        record.plan,
+    )
+    record.model = weakref.ref(roots.model) if roots.model is not None else None
+    record.manager = weakref.ref(manager) if manager is not None else None
+    if manager is not None and params:  # (the latest plan of the model's graphs decides)
+        manager.n_clip_overlap = record.plan.n_clip_overlap
+        manager.note_read_by_graph(params, record.key)
+    if roots.model is not None and params and not c.explain:
+        _warn_if_reshaped(roots.model, record, c.example_inputs)
+        roots.model.__dict__.setdefault(PLANS_ATTR, []).append((len(params), record.plan))
+    return manager
+
+
+def _build_chunks(c: GraphCompile, model: nn.Module, layout, bw: fx.GraphModule):
+    """The model's ChunkManager for the plan; out of memory, under on_oom="replan", searched again under a
+    lower capacity and built again (runtime/oom.py)."""
+    device, record = c.device, c.record
+    replanning = c.guard.replanning if c.guard is not None else Replanning(c.config, device)
+    while True:
+        try:
+            return build_manager(model, layout, record.plan)
+        except torch.OutOfMemoryError as error:
+            state, cause = device_state(device), first_line(error)
+        if device.type == "cuda":  # what the partly built chunks had cached
+            torch.cuda.empty_cache()
+        if not replanning.lower(record.capacity):
+            raise replanning.error("chunk building", record.index, record.plan, record.capacity, state, cause)
+        c.config = replanning.config
+        record.plan = _search(c, c.config.plan, layout, bw, model, None)
+
+
+def _search(c: GraphCompile, forced: dict[str, Any], layout, bw: fx.GraphModule, model, manager) -> Plan:
+    """Search the fields the user did not force, with the cost models of this graph (planner/cost.py)."""
+    record, config, device, n_block = c.record, c.config, c.device, c.record.block_map.n_blocks
+    start = time.perf_counter()
+    hardware = hardware_profile(device)
+    record.seconds["hardware"] = time.perf_counter() - start
+    shared = layout is not None and forced.get("n_persist", 0) < layout.n_chunk  # uploads during the forward
+    output = next(n for n in bw.graph.nodes if n.op == "output")
+    inputs = PlanningInputs(
+        forced=dict(forced),
+        n_block=n_block,
+        layout=layout,
+        block_of_param=tuple(record.block_map.block_of(s.name) for s in layout.slots) if layout else (),
+        regathers=_regathers(record.param_map, layout, model) if layout else (),
+        grad_outputs=frozenset(a.name for a in output.args[0] if isinstance(a, fx.Node)),
+        fused=config.executor == "inductor",
+        hardware=hardware,
+    )
+    costs = cost_model(record.profile, inputs)  # its swap interval, other bytes and waits settled below
+    interval = forced.get("swap_interval") or swap_interval(
+        costs.block_saved, costs.block_fwd_s, hardware, uploads_share_link=shared
+    )
+    # what the profile's baseline held besides activations and the chunk states the model counts itself
+    held, waits = 0, False
+    if layout is not None:
+        graph_params = c.params
+        waits = updates_wait(graph_params)
+        if manager is not None:
+            # the profile counts the offloaded parameters as held (profiler/on_demand.py); the persistent ones
+            # are in their chunks: on the GPU among all the chunk states, on the CPU (whose tracker counts the
+            # graph's inputs) the chunks the graph reads
+            persistent = [p for p in graph_params if manager.holds(p) and manager.is_persistent(p)]
+            held = _nbytes(p for p in graph_params if manager.holds(p) and not manager.is_persistent(p))
+            if device.type == "cuda":
+                held += costs.state_bytes(Candidate(manager.n_persist, manager.n_buffer))
+            else:
+                held += sum({storage_key(p): p.untyped_storage().nbytes() for p in persistent}.values())
+        elif device.type == "cuda":  # the allocator counts every parameter of the model on the device
+            held = _nbytes(p for p in model.parameters() if p.device == device)
+        else:  # the CPU tracker counts the graph's inputs
+            held = _nbytes(graph_params)
+    inputs = dataclasses.replace(
+        inputs, swap_interval=interval, other_bytes=max(0, record.profile.baseline_bytes - held), updates_wait=waits
+    )
+    costs = settled(costs, inputs)
+    loop = c.loop
+    if loop is not None and loop.calibration is not None:  # (a later re-plan, out of memory, as training measured)
+        costs = calibrated(costs, loop.calibration)
+    record.costs = costs
+    start = time.perf_counter()
+    host = config.host_memory_bytes or host_capacity(device)
+    if host is not None and manager is not None and not config.host_memory_bytes:
+        host += manager.pending_host_bytes  # (the masters of chunks waiting for this plan, which it reuses)
+    record.capacity, host = least_on_every_rank([config.gpu_memory_bytes or device_capacity(device), host], device)
+    found = plan_graph(costs, forced, layout, record.capacity, host, fixed_by=_fixed_by(config.plan, manager))
+    record.seconds["search"] = time.perf_counter() - start
+    record.planning = dataclasses.replace(inputs, capacity_bytes=record.capacity, host_bytes=host)
+    return found
+
+
+def _fixed_by(options_plan: Mapping[str, Any], manager) -> dict[str, str]:
+    """Where each forced plan field came from, for NoPlanFits to say: options['plan'], prepare's plan where the
+    chunks wait for their plan, or the chunks already built (whose fields plan_fields_of forces)."""
+    origin = {k: "options['plan']" for k in options_plan}
+    if manager is None:
+        return origin
+    if manager.pending_plan is not None:
+        return {**{k: "protrain_fx.prepare's plan" for k in manager.pending_plan}, **origin}
+    built = "the chunks already built (by protrain_fx.prepare or an earlier graph)"
+    return {**origin, **{k: built for k in ("n_persist", "n_buffer", "host_grad_slots", "device_grad_slots")}}
+
+
+def _regathers(param_map: dict[str, ParamEntry], layout, model) -> tuple[tuple[int, int], ...]:
+    """(chunk, block) for each time the forward gathers a chunk again, in or before that block (the last block + 1:
+    after it), where a parameter of it is read again after other blocks ran (capture: `read_again_at`). Slots are
+    matched by parameter: a tied parameter's name in the graph may be another of its names than the layout's."""
+    ident = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)} if model is not None else {}
+    chunk_of = {ident.get(s.name, s.name): s.chunk for s in layout.slots}
+    found = set()
+    for entry in param_map.values():
+        chunk = chunk_of.get(ident.get(entry.name, entry.name))
+        if chunk is not None:
+            found.update((chunk, block) for block in entry.read_again_at)
+    return tuple(sorted(found))
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _input_shapes(example_inputs: Sequence[Any]) -> list[tuple[int, ...]]:
+    return [tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter)]
+
+
+def _warn_if_reshaped(model: nn.Module, record: GraphRecord, example_inputs: Sequence[Any]) -> None:
+    """A graph of this model compiled before for other input shapes (a new batch size or sequence length):
+    each shape gets its own compile, profile and plan; say so once per new shape."""
+    shapes = _input_shapes(example_inputs)
+    seen = model.__dict__.setdefault(SHAPES_ATTR, {})
+    before = seen.get(len(record.param_map))
+    if before is not None and before != shapes:
+        log.warning(
+            "graph %d recompiled for input shapes %s (planned before for %s): each input shape gets its own "
+            "compile, profile and plan, which takes time and host memory; pad the inputs to one fixed shape "
+            "(batch size and sequence length) to keep one plan",
+            record.index,
+            shapes,
+            before,
+        )
+    seen[len(record.param_map)] = shapes

@@ -1,0 +1,299 @@
+"""The partitioner's stages on one graph, each a function of the graph's `GraphCompile` (backend/partition.py calls
+them in order; the plan stage is backend/planning.py):
+
+    capture         the frame's modules, the block map, the parameter map (capture.py)
+    chunks_built    the model's chunks, where built already (by protrain_fx.prepare or an earlier graph)
+    profile         one real iteration of the partitioned graphs, on every rank (profiler/)
+    runtime_for     the swap space, step monitor and gradient source the rewritten graphs' ops reach
+    rewrite         the plan carried out: joint passes, the partition again, forward and backward passes (passes/)
+    attach_runtime  the swap space's slots and the chunks' expected gradients, for the graphs as rewritten
+    open_dump, dump_plan, dump   the graph's files in the dump directory (debug/dump.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._guards
+from torch import fx
+from torch._dynamo.guards import GuardBuilder
+from torch._functorch.partitioners import must_recompute
+
+from protrain_fx.backend.record import RUNTIME_ATTR, GraphCompile, GraphRecord
+from protrain_fx.capture import FrameRoots, build_block_map, build_param_map, find_frame_roots
+from protrain_fx.debug.dump import GRAPHS_FILE, PLANNING_FILE, Dumper
+from protrain_fx.passes.pipeline import GRAPH_PASSES, JOINT_PASSES, PassContext, run_passes
+from protrain_fx.planner.cost import Candidate, CostModel
+from protrain_fx.planner.inputs import retimed
+from protrain_fx.planner.plan import Plan
+from protrain_fx.profiler.fusion import describe
+from protrain_fx.profiler.hardware import device_capacity
+from protrain_fx.profiler.interpreter import profile_iteration, profile_on_every_rank
+from protrain_fx.profiler.on_demand import OnDemand
+from protrain_fx.profiler.selective import mark_selective, selective_marks
+from protrain_fx.real_tensors import real_tensors
+from protrain_fx.runtime.adopt import check_params_managed, model_manager
+from protrain_fx.runtime.monitor import REPORT_FILE, StepMonitor
+from protrain_fx.runtime.replan import REPLANNED_REPORT
+from protrain_fx.runtime.swap import SwapSpace
+
+log = logging.getLogger(__name__)
+
+Cut = Callable[[fx.GraphModule], tuple[fx.GraphModule, fx.GraphModule]]  # a joint graph's forward and backward
+
+
+def capture(c: GraphCompile, joint: fx.GraphModule) -> FrameRoots:
+    """The frame's modules in the model, the block map and the parameter map (capture.py)."""
+    record = c.record
+    roots = find_frame_roots(c.dynamo_gm, c.example_inputs)
+    pin_to_frame_modules(c.dynamo_gm, roots)
+    record.block_map = build_block_map(joint, roots)
+    record.param_map = build_param_map(c.dynamo_gm, c.example_inputs, joint, roots, record.block_map)
+    if not record.block_map.families and record.param_map:
+        log.warning(
+            "graph %d has %d parameters but its model has no transformer blocks (no ModuleList of repeated "
+            "modules): it is planned as one region, so no per-block checkpointing or swapping applies",
+            record.index,
+            len(record.param_map),
+        )
+    return roots
+
+
+def pin_to_frame_modules(dynamo_gm: fx.GraphModule, roots: FrameRoots) -> None:
+    """Guard the compiled graph on the identity of the modules its frame's locals are (Dynamo's ID_MATCH).
+    Dynamo inlines modules and passes their parameters in, so without it a graph runs for any module whose
+    guards pass: another model of the same class (a sweep), another layer running the same code (a frame that
+    starts inside a layer after a graph break). Ours is rewritten for one model's chunks, swap space and plan.
+    The guard also drops the cache entry when the module is deleted."""
+    context = torch._guards.TracingContext.try_get()
+    if context is None or roots.model is None:
+        return
+    sources = {}
+    for node in dynamo_gm.graph.find_nodes(op="placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        while source is not None:  # (the chain from a parameter up to the frame's local)
+            name = source.name() if callable(source.name) else source.name
+            sources.setdefault(name, source)
+            source = getattr(source, "base", None)
+    for prefix in roots.paths:
+        if prefix in sources:
+            context.guards_context.dynamo_guards.add(sources[prefix].make_guard(GuardBuilder.ID_MATCH))
+
+
+def chunks_built(c: GraphCompile, roots: FrameRoots):
+    """The model's ChunkManager where its chunks are built already (by protrain_fx.prepare or an earlier graph),
+    checked to hold every parameter the graph reads; None where they are not."""
+    manager = model_manager(roots.model)
+    if manager is not None:
+        check_params_managed(manager, c.record.param_map, c.example_inputs)
+    return manager
+
+
+def profile(c: GraphCompile, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, manager) -> None:
+    """One profiled iteration of the partitioned graphs, the same on every rank (profiler/); on demand for a
+    prepared model, and again on demand where the whole iteration runs out of GPU memory."""
+    record, device, params = c.record, c.device, c.params
+
+    def iteration():
+        if manager is not None:  # a prepared model: its offloaded parameters are fetched as they are used
+            manager.wait_for_update()
+            on_demand = OnDemand(manager, params)
+            return profile_iteration(fw, bw, c.example_inputs, record.block_map, on_demand)
+        try:
+            return profile_iteration(fw, bw, c.example_inputs, record.block_map)
+        except torch.OutOfMemoryError:
+            log.warning(
+                "graph %d: profiling ran out of GPU memory; profiling again with activations and gradients "
+                "held only while used",
+                record.index,
+            )
+        # what the failed iteration left: its frames can sit in reference cycles (context managers the error
+        # passed through) that hold its tensors until the next garbage collection; then the allocator's cache
+        gc.collect()
+        torch.cuda.empty_cache()
+        log.info(
+            "graph %d: %.2f GiB allocated as profiling starts again",
+            record.index,
+            torch.cuda.memory_allocated(device) / 2**30,
+        )
+        return profile_iteration(fw, bw, c.example_inputs, record.block_map, OnDemand())
+
+    start = time.perf_counter()
+    record.profile = profile_on_every_rank(iteration, device)
+    record.seconds["profile"] = time.perf_counter() - start
+    if device.type == "cuda":  # the allocator gives back what it cached for an iteration that held all
+        torch.cuda.empty_cache()
+    # what a selective block of this graph would keep and recompute (profiler/selective.py), for the planner
+    forward = {n.name: n for n in record.profile.nodes if n.graph == "forward"}
+    mark_selective(forward, selective_marks(joint.graph, record.block_map.block, record.block_map.region))
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphRuntime:
+    """What the rewritten graphs' custom ops reach at run time (runtime/ops.py), by weak handle or id."""
+
+    manager: Any  # the model's ChunkManager, None when not chunked
+    swap: SwapSpace | None  # the graph's swapped activations, None when no block swaps
+    monitor: StepMonitor | None  # its step marks' monitor, None when neither dumped nor re-planned
+    grad_source: int  # its frame, as the ChunkManager counts gradients (ChunkManager.grad_source)
+
+
+def runtime_for(c: GraphCompile, roots: FrameRoots, manager) -> GraphRuntime:
+    """The swap space (where a block swaps), the step monitor and the gradient source of the graph, for the passes
+    to hand to the ops; the swap space and monitor kept on the model (the ops hold them weakly)."""
+    record, config, device = c.record, c.config, c.device
+    swap = None
+    if "swap" in record.plan.block_modes:
+        limits = (record.plan.predicted_peak_bytes, config.gpu_memory_bytes, device_capacity(device))
+        budget = min((limit for limit in limits if limit), default=None)  # prefetch within the tightest
+        swap = SwapSpace(device, budget_bytes=budget, upload_stream=manager.upload_stream if manager else None)
+    monitor = _monitor(c, roots, manager)
+    for runtime_object in (swap, monitor):  # the ops reach them by weak handle: the model keeps them alive
+        if runtime_object is not None:
+            roots.model.__dict__.setdefault(RUNTIME_ATTR, []).append(runtime_object)
+    if manager is not None and record.grad_source is None:  # (kept by a re-plan, which compiles outside Dynamo)
+        # the frame and the modules its locals are: recompiles for other input shapes share it (one of them
+        # runs), those for other modules running the same code (one graph per layer) do not
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        frame = compile_id.frame_id if compile_id is not None else ("graph", record.index)
+        record.grad_source = manager.grad_source((frame, tuple(sorted(roots.paths.values()))))
+    return GraphRuntime(manager=manager, swap=swap, monitor=monitor, grad_source=record.grad_source or 0)
+
+
+def _monitor(c: GraphCompile, roots: FrameRoots, manager) -> StepMonitor | None:
+    """The step monitor of a model's graph that is dumped, or that the closed loop will re-plan (a graph of no
+    model, a loss after a graph break, has nothing to keep it alive: none there)."""
+    record, loop = c.record, c.loop
+    if not (record.dumper or (loop is not None and loop.watches(record))) or roots.model is None:
+        record.monitor = None
+        return None
+    hardware = record.costs.hardware if record.costs is not None else None
+    retime = (
+        functools.partial(retimed, record.costs, record.planning, record.plan)
+        if record.costs is not None and record.planning is not None
+        else None
+    )
+    report = REPLANNED_REPORT if loop is not None and loop.switched else REPORT_FILE
+    record.monitor = StepMonitor(
+        c.device, record.plan, record.dumper, manager=manager, hardware=hardware, retime=retime, report_file=report
+    )
+    return record.monitor
+
+
+def rewrite(
+    c: GraphCompile,
+    joint: fx.GraphModule,
+    graphs: tuple[fx.GraphModule, fx.GraphModule],
+    runtime: GraphRuntime,
+    cut: Cut,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The plan carried out (passes/): the joint passes and the partition again (`cut`) where blocks are
+    recomputed, then the forward and backward passes, which hand `runtime` to the ops they insert; (forward,
+    backward). `graphs`: the forward and backward as first partitioned."""
+    record = c.record
+    fw, bw = graphs
+    ctx = PassContext(
+        config=c.config,
+        plan=record.plan,
+        record=record,
+        dumper=record.dumper,
+        manager=runtime.manager,
+        example_inputs=c.example_inputs,
+    )
+    joint = run_passes(joint, ctx, JOINT_PASSES, stage="joint")
+    if any(must_recompute(n) for n in joint.graph.nodes):  # recompute tags change the partition: cut again
+        fw, bw = cut(joint)
+    saved = frozenset(n.name for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents"))
+    ctx = dataclasses.replace(
+        ctx, saved=saved, swap=runtime.swap, monitor=runtime.monitor, grad_source=runtime.grad_source
+    )
+    fw = run_passes(fw, ctx, GRAPH_PASSES, stage="forward")
+    output = next(n for n in fw.graph.nodes if n.op == "output")
+    ctx = dataclasses.replace(
+        ctx,
+        forward_placeholders=[n for n in fw.graph.nodes if n.op == "placeholder"],
+        forward_outputs=[a for a in output.args[0] if isinstance(a, fx.Node)],
+    )
+    bw = run_passes(bw, ctx, GRAPH_PASSES, stage="backward")
+    return fw, bw
+
+
+def attach_runtime(c: GraphCompile, runtime: GraphRuntime, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+    """The run-time objects fitted to the rewritten graphs: the swap space's slots for what the forward swaps out,
+    and the gradients each chunk awaits from the backward's reductions."""
+    if runtime.swap is not None:
+        outs = sorted(
+            fw.graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default),
+            key=lambda n: n.args[1],
+        )
+        with real_tensors():  # the partitioner runs under AOTAutograd's fake mode
+            runtime.swap.allocate([n.meta["val"] for n in outs])
+        c.record.swap = runtime.swap
+    if runtime.manager is not None:
+        for node in bw.graph.find_nodes(op="call_function", target=torch.ops.protrain.reduce_grads.default):
+            runtime.manager.expect_gradients(node.args[1], node.args[2])
+
+
+def open_dump(c: GraphCompile, joint: fx.GraphModule) -> Dumper | None:
+    """The graph's Dumper (None: not dumped), kept on its record, with the joint graph written: a new one per
+    compile, except for a re-plan from the measured steps, whose files go beside the first plan's."""
+    record = c.record
+    if c.config.dump_dir and c.switching is None:
+        record.dumper = Dumper(c.config.dump_dir)
+    if record.dumper:
+        record.dumper.write_text("joint.py", joint.print_readable(print_output=False))
+    return record.dumper
+
+
+def dump_plan(dumper: Dumper, record: GraphRecord, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+    """What the plan was searched from and what it decided, and the graphs as profiled (every block saving all it
+    saves, before any pass or re-cut for the plan: what profiler/fusion.py classified, for debug/from_dump.py), with
+    the profile: an explain run's dump is planned again from these files alone."""
+    dumper.write_text("profile.csv", record.profile.to_csv())
+    dumper.write_json("profile.json", record.profile.to_json())
+    dumper.write_json("plan.json", record.plan.to_json())
+    dumper.write_json("seconds.json", record.seconds)
+    if record.costs is not None:
+        dumper.write_json("costs.json", _cost_terms(record.costs, record.plan))
+    if record.planning is not None:
+        dumper.write_json(PLANNING_FILE, record.planning.to_json())
+    dumper.write_json(GRAPHS_FILE, {"forward": describe(fw.graph), "backward": describe(bw.graph)})
+
+
+def _cost_terms(costs: CostModel, plan: Plan) -> dict[str, Any]:
+    """The plan's predicted step split into its terms, and what the models read (costs.json of a dump)."""
+    config = Candidate(plan.n_persist, plan.n_buffer, plan.n_swap, plan.n_checkpoint, plan.n_selective)
+    costs = dataclasses.replace(costs, forced_modes=plan.block_modes)
+    return {
+        **costs.phases(config),
+        "activation_peak_bytes": costs.activation_peak(plan.block_modes),
+        "state_bytes": costs.state_bytes(config),
+        "other_bytes": costs.other_bytes,
+        "alpha": costs.alpha,
+        "backward_matmul_share": costs.backward_matmul_share,
+        "matmul_stretch": costs.matmul_stretch,
+        "swap_interval": costs.swap_interval,
+        "block_fwd_s": costs.block_fwd_s,
+        "block_bwd_s": costs.block_bwd_s,
+        "block_saved_bytes": costs.block_saved,
+    }
+
+
+def dump(record: GraphRecord) -> None:
+    """The final forward and backward to the debug log, and with the maps to the dump directory."""
+    log.debug("graph %d forward:\n%s", record.index, record.forward.print_readable(print_output=False))
+    log.debug("graph %d backward:\n%s", record.index, record.backward.print_readable(print_output=False))
+    dumper = record.dumper
+    if not dumper:
+        return
+    dumper.write_text("forward.py", record.forward.print_readable(print_output=False))
+    dumper.write_text("backward.py", record.backward.print_readable(print_output=False))
+    dumper.write_json("params.json", {k: v.to_json() for k, v in record.param_map.items()})
+    dumper.write_json("blocks.json", record.block_map.to_json())
