@@ -55,7 +55,8 @@ OUTSIDE_WARN_SHARE = 0.5
 
 _SOURCE_PREFIX = re.compile(r"^L\[[^\]]+\](\[\d+\])?")
 _SOURCE_TOKEN = re.compile(r"\['([^'\]]+)'\]|\.(\w+)|\[(\d+)\]")
-_CONTAINER_TOKENS = {"_modules", "_parameters", "_buffers"}
+# (Dynamo reaches some submodules through `__dict__['_modules']`)
+_CONTAINER_TOKENS = {"_modules", "_parameters", "_buffers", "__dict__"}
 
 
 def _split_source(source_text: str) -> tuple[str, str]:
@@ -176,11 +177,14 @@ def build_param_map(
     forward = [n for n in joint.graph.nodes if n.op not in ("placeholder", "output") and not is_backward(n)]
     position = {n: i for i, n in enumerate(forward)}
     entries: dict[str, ParamEntry] = {}
+    names = _names_in(roots.model)
     for i, (ph, value, primal) in enumerate(zip(dynamo_phs, example_inputs, primals)):
         if not isinstance(value, nn.Parameter):
             continue
         source = _source_text(ph)
         name = qualified_name(source, roots.paths) if source else ph.name
+        if names.get(id(value)) and name not in names[id(value)]:  # a source form the parser does not know
+            name = names[id(value)][0]
         users = sorted(primal.users, key=order.__getitem__)
         again = ()
         if block_map is not None and block_map.families and block_map.block_of(name) is None:
@@ -197,6 +201,14 @@ def build_param_map(
             read_again_at=again,
         )
     return entries
+
+
+def _names_in(model: nn.Module | None) -> dict[int, list[str]]:
+    """Each parameter of `model` (by id) -> its qualified names (a tied one has several)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False) if model is not None else ():
+        names.setdefault(id(param), []).append(name)
+    return names
 
 
 def _read_again_at(

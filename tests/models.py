@@ -101,11 +101,14 @@ def seq2seq_model(kind: str, layers: int = 2, dropout: float = 0.0) -> nn.Module
 def hf_model(kind: str, layers: int = 2, dropout: float = 0.0, experts: str | None = None) -> nn.Module:
     """A tiny Hugging Face model of `kind`, random weights, no download: a causal LM (gpt2, opt, llama, mistral,
     qwen2: its embedding tied to the head; mixtral: MoE, whose `experts` implementation may be forced, e.g.
-    "eager"), an encoder-decoder (SEQ2SEQ_KINDS), bert (masked LM, a tied bias under two names)."""
+    "eager"), an encoder-decoder (SEQ2SEQ_KINDS), bert (masked LM, a tied bias under two names), an image
+    classifier (VISION_KINDS)."""
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
     if kind in SEQ2SEQ_KINDS:
         return seq2seq_model(kind, layers, dropout)
+    if kind in VISION_KINDS:
+        return vision_model(kind, layers, dropout)
     if kind in ("bert", "mixtral"):
         return _more_hf_model(kind, layers, dropout, experts)
     if kind == "gpt2":
@@ -193,8 +196,31 @@ def _more_hf_model(kind: str, layers: int, dropout: float, experts: str | None) 
     return AutoModelForCausalLM.from_config(cfg)
 
 
+def vision_model(kind: str, layers: int = 2, dropout: float = 0.0) -> nn.Module:
+    """A tiny Hugging Face image classifier of `kind` (swin: `layers` stages of two windowed-attention blocks, the
+    stages the block list) for IMAGE_SIZE images and LABELS classes; random weights, no download."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    assert kind == "swin", kind
+    cfg = SwinConfig(
+        image_size=IMAGE_SIZE,
+        patch_size=4,
+        embed_dim=16,
+        depths=[2] * layers,
+        num_heads=[2] * layers,
+        window_size=4,
+        num_labels=LABELS,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    cfg._attn_implementation = "eager"
+    return SwinForImageClassification(cfg)
+
+
 MODEL_KINDS = ("toy", "gpt2", "opt", "llama", "mistral")
 SEQ2SEQ_KINDS = ("t5", "bart")  # encoder-decoders: a block list in each stack
+VISION_KINDS = ("swin",)  # image classifiers: pixel values in, a label per image
+IMAGE_SIZE, LABELS = 32, 5
 
 
 def build(kind: str, seed: int = 0, **kw) -> nn.Module:
@@ -204,6 +230,9 @@ def build(kind: str, seed: int = 0, **kw) -> nn.Module:
 
 def batch(kind: str, batch_size: int = 2, seq: int = 16, seed: int = 1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
+    if kind in VISION_KINDS:
+        pixels = torch.randn(batch_size, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g)
+        return {"pixel_values": pixels, "labels": torch.randint(0, LABELS, (batch_size,), generator=g)}
     ids = torch.randint(0, VOCAB, (batch_size, seq), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
 

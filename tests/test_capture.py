@@ -28,6 +28,11 @@ def compile_once(kind, **model_kw):
         ("L['self']._modules['model']._modules['embed_tokens']._parameters['weight']", "model.embed_tokens.weight"),
         ("L['self'].blocks.0.mlp", "blocks.0.mlp"),
         ("L['self'].transformer.h[1]", "transformer.h.1"),
+        # a submodule Dynamo reaches through the module's `__dict__` (Swin's layers)
+        (
+            "L['self']._modules['blocks']._modules['0'].__dict__['_modules']['norm']._parameters['weight']",
+            "blocks.0.norm.weight",
+        ),
     ],
 )
 def test_qualified_name(source, name):
@@ -66,7 +71,7 @@ def test_param_map_names_order_and_tied_weight():
     assert by_name["blocks.1.qkv.weight"].shape == (96, 32)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "opt"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "opt", "swin"])
 def test_param_map_matches_named_parameters(kind):
     model, backend = compile_once(kind)
     names = {e.name for g in backend.graphs for e in g.param_map.values()}

@@ -54,7 +54,7 @@ def run(kind, plan, steps=STEPS, exact=True, device="cpu", dtype=torch.float32, 
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=list(PLANS))
-@pytest.mark.parametrize("kind", ["toy", "llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["toy", "llama", "gpt2", "swin"])
 def test_chunked_training_bitwise(kind, plan):
     ref, model, backend = run(kind, PLANS[plan])
     state = protrain_fx.full_state_dict(model)
