@@ -5,7 +5,9 @@ A profiling iteration with `OnDemand` keeps on the device only what the node bei
   first use in a graph and dropped after their last one, in the backward again;
 - activations the forward saves for the backward are dropped after their last forward use and brought back,
   zero-filled, just before the backward first reads them (the values do not matter to a profile: the nodes
-  run the same kernels on them, and zero is a valid value of every dtype, indices included). Views made only
+  run the same kernels on them, and zero is a valid value of every dtype, indices included). A random
+  generator's state saved for a recompute (`run_and_save_rng_state`: a model that checkpoints its own layers
+  with dropout) is held: the backward loads it into the generator, which rejects zeros. Views made only
   for the backward, which AOTAutograd puts at the end of the forward, do not count as uses: what they view is
   brought back for them and dropped again;
 - the backward's gradients are dropped once nothing in the graph reads them any more.
@@ -22,12 +24,14 @@ values appear (views extend it), so no alias analysis of the graph is needed.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch._prims.rng_prims import run_and_save_rng_state
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
@@ -153,6 +157,12 @@ class AbsentCounting:
         self.inner.reset_peak()
 
 
+def _is_rng_state(node: fx.Node) -> bool:
+    """The generator state `run_and_save_rng_state` saves for a recompute: its values matter (module docstring)."""
+    producer = node.args[0] if node.target is operator.getitem else None
+    return getattr(producer, "target", None) is run_and_save_rng_state and node.args[1] == 0
+
+
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A uint8 tensor over the whole storage of `t`."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
@@ -246,6 +256,7 @@ class GraphRun:
             self._read_by(key, node, i)
             if (
                 (node.name in self.drop_names or node.name in self.late_read)
+                and not _is_rng_state(node)
                 and key not in self._inputs
                 and key not in self.on_demand.params
                 and t.untyped_storage().resizable()
