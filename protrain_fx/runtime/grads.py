@@ -28,6 +28,7 @@ wait for the step, as with clipping (`ChunkManager.edits_grads`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import weakref
@@ -81,6 +82,21 @@ def _writes_first(func) -> bool:
     arguments = func._schema.arguments
     alias = arguments[0].alias_info if arguments else None
     return alias is not None and alias.is_write
+
+
+@functools.cache
+def _kind(func) -> str:
+    """How `ParamGrads.run` treats an op (read from its schema once: a clip runs two ops per gradient)."""
+    if func in _ALIASES:
+        return "alias"
+    if func is aten.detach_.default:
+        return "detach_"
+    name = func._schema.name
+    if name.startswith("aten::_foreach_") or name == "aten::_amp_foreach_non_finite_check_and_unscale_":
+        return "foreach"
+    if func in _NORMS:
+        return "norm"
+    return "write" if _writes_first(func) else "read"
 
 
 def _foreach_lists(args: Sequence[Any]) -> list[int]:
@@ -138,19 +154,20 @@ class ParamGrads:
     # ----- ops on ChunkGrads ------------------------------------------------------------------------------
 
     def run(self, func, args: tuple, kwargs: dict) -> Any:
-        if func in _ALIASES:
+        kind = _kind(func)
+        if kind == "alias":
             return ChunkGrad(self, args[0].index)
-        if func is aten.detach_.default:
+        if kind == "detach_":
             return args[0]
-        name = func._schema.name
-        if name.startswith("aten::_foreach_") or name == "aten::_amp_foreach_non_finite_check_and_unscale_":
+        if kind == "foreach":
             return self._foreach(func, args, kwargs)
-        if func in _NORMS and self.mine(args[0]) and self.manager.grad_is_sharded(args[0].index):
-            return self._sharded_norm(func, args, kwargs)
-        if _writes_first(func) and self.mine(args[0]):
+        first = args[0] if args else None
+        if kind == "norm" and self.mine(first):  # (one per gradient in a norm loop: no tree walk)
+            if self.manager.grad_is_sharded(first.index):
+                return self._sharded_norm(func, args, kwargs)
+            return func(self.dense(first.index), *args[1:], **kwargs)
+        if kind == "write" and self.mine(first):
             return self.write(func, args, kwargs)
-        if func in _NORMS and self.mine(args[0]):  # (one per gradient in a norm loop: no tree walk)
-            return func(self.dense(args[0].index), *args[1:], **kwargs)
         dense = pytree.tree_map(lambda t: self.dense(t.index) if self.mine(t) else t, (args, kwargs))
         return func(*dense[0], **dense[1])
 

@@ -57,19 +57,19 @@ class GradAccessMixin:
     def grad_is_sharded(self, i: int) -> bool:
         return self.is_sharded(self.slots[i].chunk)
 
-    def _settle_grads(self, chunk: int) -> None:
-        """Before a gradient of the chunk is read or written outside the graphs: every reduction landed, the copy
-        to the host taken in, what the user did to `.grad` taken into account."""
+    def _settle_grads(self, chunk: int, index: int | None = None) -> None:
+        """Before a gradient of the chunk (parameter `index`'s, or any) is read or written outside the graphs:
+        every reduction landed, the copy to the host taken in, what the user did to that `.grad` taken into account."""
         self.finish_reduction()
         if chunk >= self.n_persist:
             self.wait_for_update(chunk)
-        self._reconcile(chunk)
+        self._reconcile(chunk, None if index is None else (index,))
 
     def grad_piece(self, i: int) -> torch.Tensor | None:
         """Parameter `i`'s gradient as this rank holds it (`_piece`), None where it has none this step."""
         chunk = self.slots[i].chunk
         self.note_read()
-        self._settle_grads(chunk)
+        self._settle_grads(chunk, i)
         if i not in self.params_with_grad:
             return None
         if chunk not in self.grad:
@@ -91,7 +91,7 @@ class GradAccessMixin:
         """Parameter `i`'s gradient piece (`_piece`) for an in-place write outside the graphs (zeros first where it
         has none this step). Its chunk's update must not have started with it (a kept copy undoes it)."""
         chunk = self.slots[i].chunk
-        self._settle_grads(chunk)
+        self._settle_grads(chunk, i)
         self._check_not_started([chunk], f"{what} on the gradient of {self.slots[i].name!r}")
         self.note_edit(what)
         if i not in self.params_with_grad:
@@ -101,7 +101,7 @@ class GradAccessMixin:
     def drop_grad(self, i: int, what: str) -> None:
         """Parameter `i` has no gradient this step any more (`zero_()` of its `.grad`)."""
         chunk = self.slots[i].chunk
-        self._settle_grads(chunk)
+        self._settle_grads(chunk, i)
         if i in self.params_with_grad:
             self._check_not_started([chunk], f"{what} on the gradient of {self.slots[i].name!r}")
             self.note_edit(what)
@@ -121,12 +121,14 @@ class GradAccessMixin:
         self.params_with_grad.add(i)
         self.param_grads.publish([i])
 
-    def _reconcile(self, chunk: int) -> None:
-        """Parameters of the chunk whose `.grad` the user dropped (set to None, or replaced) since it took their
-        gradient leave it: the optimizer skips them, as torch's skips a parameter without a gradient."""
+    def _reconcile(self, chunk: int, indices: Sequence[int] | None = None) -> None:
+        """Parameters of the chunk (those of `indices`, or all) whose `.grad` the user dropped (set to None, or
+        replaced) since it took their gradient leave it: the optimizer skips them, as torch's skips a parameter
+        without a gradient. (A `.grad` op settles its own parameter only: a clip loop would scan each chunk per op.)"""
         if chunk not in self.has_grad:
             return
-        dropped = [i for i in self._chunk_params[chunk] if i in self.params_with_grad and self.param_grads.cleared(i)]
+        candidates = self._chunk_params[chunk] if indices is None else indices
+        dropped = [i for i in candidates if i in self.params_with_grad and self.param_grads.cleared(i)]
         if dropped:
             if chunk >= self.n_persist:
                 self.wait_for_update(chunk)  # (its copy to the host landed)
