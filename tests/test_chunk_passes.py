@@ -292,3 +292,15 @@ def _tagged_copy(gm, shapes: dict, n_persist: int, n_buffer: int):
         persistent = manager.is_persistent(p)
         node.meta[TAG] = ParamTag(manager.handle, manager.index[id(p)], slot.chunk, slot.offset, slot.numel, persistent)
     return graph, types.SimpleNamespace(manager=manager, stage="forward")
+
+
+def test_buffers_needed_of_a_forward_saving_a_view_of_a_parameter():
+    """A forward as first partitioned may return a view of a parameter (saved for the backward, which the rewrite
+    recomputes from the parameter): `buffers_needed` counts the other reads and leaves the view out (one chunk at
+    a time: `w` is released after its matmul, before `v` is gathered)."""
+
+    def saving(w, v, x):
+        return (x @ w.t()) @ v.t(), w.t()
+
+    gm = make_fx(saving)(torch.randn(4, 4), torch.randn(4, 4), torch.randn(2, 4))
+    assert buffers_needed(gm, {"w_1": 0, "v_1": 1}, n_chunk=2) == [1, 1, 0]

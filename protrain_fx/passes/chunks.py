@@ -123,12 +123,15 @@ def _readers(placeholders: list[fx.Node]) -> list[fx.Node]:
     return [u for p in placeholders for u in p.users if u.op != "output"]
 
 
-def _data_readers(node: fx.Node) -> list[fx.Node]:
+def _data_readers(node: fx.Node, *, returned_ok: bool = False) -> list[fx.Node]:
     """The nodes that read `node`'s data: its users, seen through view ops (a view reads nothing; what consumes
-    the view does). A view of a chunk buffer must not leave the graph, since the buffer is reused."""
+    the view does). A view of a chunk buffer must not leave the graph, since the buffer is reused (`returned_ok`:
+    a graph not rewritten yet, which may return one: left out)."""
     readers, todo = [], list(node.users)
     while todo:
         user = todo.pop()
+        if user.op == "output" and returned_ok:
+            continue
         assert user.op != "output", f"{node.name}: a view of a chunk buffer is returned by the graph"
         if is_view(user):
             todo.extend(user.users)
@@ -223,10 +226,10 @@ def _param_view(graph: fx.Graph, buf: fx.Node, placeholder: fx.Node) -> fx.Node:
     return view
 
 
-def _param_readers(placeholder: fx.Node) -> list[fx.Node]:
+def _param_readers(placeholder: fx.Node, *, returned_ok: bool = False) -> list[fx.Node]:
     """The nodes that read a parameter's data, seen through views (the output only passes the parameter on)."""
     users = [u for u in placeholder.users if u.op != "output"]
-    return [r for u in users for r in (_data_readers(u) if is_view(u) else [u])]
+    return [r for u in users for r in (_data_readers(u, returned_ok=returned_ok) if is_view(u) else [u])]
 
 
 def _runs(
@@ -273,7 +276,10 @@ def buffers_needed(gm: fx.GraphModule, chunk_of: dict[str, int], n_chunk: int) -
     for node in gm.graph.find_nodes(op="placeholder"):
         if node.name in chunk_of:
             placeholders[chunk_of[node.name]].append(node)
-    readers = {c: rs for c, phs in placeholders.items() if (rs := [r for ph in phs for r in _param_readers(ph)])}
+    # (a forward as first partitioned may save a view of a parameter for the backward, which the rewrite recomputes
+    # there from the parameter: its reads in the backward are not counted)
+    reads = {c: [r for ph in phs for r in _param_readers(ph, returned_ok=True)] for c, phs in placeholders.items()}
+    readers = {c: rs for c, rs in reads.items() if rs}
     gaps = _gaps(readers, order)
     # a chunk read in one run is gathered before its parameters' first user, a view included
     first_user = {c: min(order[u] for u in _readers(placeholders[c])) for c in readers}
