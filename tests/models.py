@@ -11,9 +11,10 @@ VOCAB = 96
 
 
 class ToyBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, dropout: float):
+    def __init__(self, dim: int, heads: int, dropout: float, graph_break: bool = False):
         super().__init__()
         self.heads = heads
+        self.graph_break = graph_break  # a Dynamo graph break between attention and MLP
         self.norm1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -26,6 +27,8 @@ class ToyBlock(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         x = x + self.dropout(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        if self.graph_break:  # (Dynamo resumes in a frame inside the block: a graph of its own for each block)
+            torch._dynamo.graph_break()
         return x + self.dropout(self.mlp(self.norm2(x)))
 
 
@@ -40,12 +43,13 @@ class ToyTransformer(nn.Module):
         dropout: float = 0.0,
         seq: int = 64,
         graph_break_after: int | None = None,
+        break_in_blocks: bool = False,
     ):
         super().__init__()
         self.graph_break_after = graph_break_after  # a Dynamo graph break after this block
         self.embed = nn.Embedding(VOCAB, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
-        self.blocks = nn.ModuleList(ToyBlock(dim, heads, dropout) for _ in range(layers))
+        self.blocks = nn.ModuleList(ToyBlock(dim, heads, dropout, break_in_blocks) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied
