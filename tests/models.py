@@ -11,9 +11,10 @@ VOCAB = 96
 
 
 class ToyBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, dropout: float):
+    def __init__(self, dim: int, heads: int, dropout: float, graph_break: bool = False):
         super().__init__()
         self.heads = heads
+        self.graph_break = graph_break  # a Dynamo graph break between attention and MLP
         self.norm1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -26,6 +27,8 @@ class ToyBlock(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         x = x + self.dropout(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        if self.graph_break:  # (Dynamo resumes in a frame inside the block: a graph of its own for each block)
+            torch._dynamo.graph_break()
         return x + self.dropout(self.mlp(self.norm2(x)))
 
 
@@ -40,12 +43,13 @@ class ToyTransformer(nn.Module):
         dropout: float = 0.0,
         seq: int = 64,
         graph_break_after: int | None = None,
+        break_in_blocks: bool = False,
     ):
         super().__init__()
         self.graph_break_after = graph_break_after  # a Dynamo graph break after this block
         self.embed = nn.Embedding(VOCAB, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
-        self.blocks = nn.ModuleList(ToyBlock(dim, heads, dropout) for _ in range(layers))
+        self.blocks = nn.ModuleList(ToyBlock(dim, heads, dropout, break_in_blocks) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied
@@ -101,15 +105,15 @@ def seq2seq_model(kind: str, layers: int = 2, dropout: float = 0.0) -> nn.Module
 def hf_model(kind: str, layers: int = 2, dropout: float = 0.0, experts: str | None = None) -> nn.Module:
     """A tiny Hugging Face model of `kind`, random weights, no download: a causal LM (gpt2, opt, llama, mistral,
     qwen2: its embedding tied to the head; mixtral: MoE, whose `experts` implementation may be forced, e.g.
-    "eager"), an encoder-decoder (SEQ2SEQ_KINDS), bert (masked LM, a tied bias under two names), an image
-    classifier (VISION_KINDS)."""
+    "eager"), an encoder-decoder (SEQ2SEQ_KINDS), bert (masked LM, a tied bias under two names), albert (masked
+    LM, its layers sharing one layer's weights), an image classifier (VISION_KINDS)."""
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
     if kind in SEQ2SEQ_KINDS:
         return seq2seq_model(kind, layers, dropout)
     if kind in VISION_KINDS:
         return vision_model(kind, layers, dropout)
-    if kind in ("bert", "mixtral"):
+    if kind in ("bert", "albert", "mixtral"):
         return _more_hf_model(kind, layers, dropout, experts)
     if kind == "gpt2":
         cfg = GPT2Config(
@@ -163,8 +167,29 @@ def hf_model(kind: str, layers: int = 2, dropout: float = 0.0, experts: str | No
 
 
 def _more_hf_model(kind: str, layers: int, dropout: float, experts: str | None) -> nn.Module:
-    from transformers import AutoModelForCausalLM, BertConfig, BertForMaskedLM, MixtralConfig
+    from transformers import (
+        AlbertConfig,
+        AlbertForMaskedLM,
+        AutoModelForCausalLM,
+        BertConfig,
+        BertForMaskedLM,
+        MixtralConfig,
+    )
 
+    if kind == "albert":  # one layer's weights, shared by its `layers` layers
+        cfg = AlbertConfig(
+            vocab_size=VOCAB,
+            embedding_size=16,
+            hidden_size=32,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+        )
+        cfg._attn_implementation = "eager"
+        return AlbertForMaskedLM(cfg)
     if kind == "bert":
         cfg = BertConfig(
             vocab_size=VOCAB,
@@ -223,9 +248,13 @@ VISION_KINDS = ("swin",)  # image classifiers: pixel values in, a label per imag
 IMAGE_SIZE, LABELS = 32, 5
 
 
-def build(kind: str, seed: int = 0, **kw) -> nn.Module:
+def build(kind: str, seed: int = 0, checkpointed: bool = False, **kw) -> nn.Module:
+    """`checkpointed`: a Hugging Face model that checkpoints its own layers (`gradient_checkpointing_enable`)."""
     torch.manual_seed(seed)
-    return ToyTransformer(**kw) if kind == "toy" else hf_model(kind, **kw)
+    model = ToyTransformer(**kw) if kind == "toy" else hf_model(kind, **kw)
+    if checkpointed:
+        model.gradient_checkpointing_enable()
+    return model
 
 
 def batch(kind: str, batch_size: int = 2, seq: int = 16, seed: int = 1) -> dict[str, torch.Tensor]:

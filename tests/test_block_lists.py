@@ -130,6 +130,23 @@ def test_tied_embedding_trains_offloaded_with_as_many_buffers_as_untied(kind, pl
     assert record.costs.regathers == ((tied.chunk, manager.layout.n_chunk - 1),)  # (priced beside the last chunk)
 
 
+def test_a_model_checkpointing_its_own_layers_trains_offloaded_as_eager():
+    """BART checkpointing its own layers (Hugging Face's gradient checkpointing) with dropout: each recomputed
+    dropout saves its generator state, which the decoder's graph (after a graph break: profiled on demand) holds
+    through its profile."""
+    _, _, backend = train_both("bart", ALL_OFFLOADED, steps=2, checkpointed=True, dropout=0.1)
+    assert len([g for g in backend.graphs if g.param_map]) > 1
+
+
+def test_layers_sharing_weights_train_offloaded_with_the_buffers_their_graph_holds():
+    """ALBERT's layers read one layer's chunks again and again: with the embedding persistent, the search gives the
+    offloaded chunks as many buffers as the graphs hold at once (passes/chunks.py `buffers_needed`: more than
+    two), with which the chunk passes rewrite them."""
+    _, model, backend = train_both("albert", {"n_persist": 1}, layers=3)
+    record = backend.graphs[0]
+    assert record.planning.least_buffers[1] > 2 and record.plan.n_buffer >= record.planning.least_buffers[1]
+
+
 def test_a_prepared_model_lays_its_tied_weight_alone():
     """Without a graph to read, `prepare` gives a tied parameter outside the blocks a chunk of its own (one block
     does, and compiles faster)."""

@@ -66,6 +66,22 @@ def test_chunked_training_bitwise(kind, plan):
     assert all(p.grad is None for p in model.parameters())  # gradients live in the chunks
 
 
+def test_blocks_with_a_graph_break_inside_are_each_compiled():
+    """A graph break inside every block, in a loop over a slice of the blocks (Hugging Face's decoders loop so;
+    Wav2Vec2's and M2M100's layers break on LayerDrop's data-dependent branch). Each block's frame is compiled
+    and pinned to its modules, which Dynamo counts per module: no block is left to Python by its recompile limit
+    (lowered here below the blocks). Dynamo gives the model's own frame up (it cannot resume inside the loop) and
+    runs it as Python, which reads the model's own offloaded parameter (`pos`): it is lent from the second step on,
+    as no graph reads it. Training is bitwise eager's."""
+    layers = 3
+    with torch._dynamo.config.patch(recompile_limit=2):
+        _, model, backend = run("toy", ALL_OFFLOADED, steps=3, layers=layers, break_in_blocks=True)
+    # (two graphs a block: before and after its graph break)
+    assert len([g for g in backend.graphs if g.block_map and g.block_map.blocks_in_graph]) == 2 * layers
+    manager = protrain_fx.manager_of(model)
+    assert manager.read_by_no_graph([manager.index[id(model.pos)]]) and not manager.is_persistent(model.pos)
+
+
 @pytest.mark.parametrize(
     "device, plan",
     [*(("cpu", p) for p in PLANS), pytest.param("cuda", "all-persistent", marks=pytest.mark.gpu)],

@@ -1,13 +1,15 @@
 """The chunk passes alone, on a small graph: they rewrite what is tagged, leave an untagged graph unchanged,
 and the rewritten graph computes the same values."""
 
+import copy
 import types
 
+import pytest
 import torch
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from protrain_fx.passes.chunks import TAG, ParamTag, chunk_gather_pass, grad_reduce_pass
+from protrain_fx.passes.chunks import TAG, ParamTag, buffers_needed, chunk_gather_pass, grad_reduce_pass
 from protrain_fx.planner.chunking import ParamInfo, layout_at
 from protrain_fx.runtime.chunks import ChunkManager
 
@@ -246,3 +248,59 @@ def test_release_waits_for_the_reads_of_split_pieces():
     release = next(n for n in nodes if n.target is torch.ops.protrain.release.default)
     matmuls = [n for n in nodes if n.target is torch.ops.aten.mm.default]
     assert len(matmuls) == 2 and nodes.index(release) > max(map(nodes.index, matmuls)), gm.code
+
+
+def _shared_layer(e, w1, w2, w3, x):
+    """An embedding `e` read at the start and the end around a layer of three weights applied twice (weights
+    shared by both applications, as ALBERT's layers share theirs)."""
+    h = x @ e.t()
+    for _ in range(2):
+        h = torch.relu(torch.relu(h @ w1.t()) @ w2.t()) @ w3.t()
+    return h @ e
+
+
+@pytest.mark.parametrize("n_persist", range(4))
+def test_buffers_needed_are_what_the_gather_pass_holds(n_persist):
+    """`buffers_needed` says, for each n_persist, how many chunk buffers chunk_gather_pass's graph holds at once
+    (a chunk each parameter): the layer's three chunks while both applications read them (two once the first is
+    persistent), the embedding gathered again after them. With that many buffers the pass rewrites the graph, with
+    one fewer it refuses it."""
+    torch.manual_seed(0)
+    shapes = {"e": (8, 4), "w1": (8, 8), "w2": (8, 8), "w3": (8, 8)}
+    x = torch.randn(5, 4)
+    gm = make_fx(_shared_layer)(*(torch.randn(s) for s in shapes.values()), x)
+    needed = buffers_needed(gm, {f"{name}_1": i for i, name in enumerate(shapes)}, n_chunk=4)
+    assert needed == [3, 3, 2, 1, 0]
+    for n_buffer in [n for n in (needed[n_persist], needed[n_persist] - 1) if n > 0]:
+        graph, ctx = _tagged_copy(gm, shapes, n_persist, n_buffer)
+        if n_buffer == needed[n_persist]:
+            chunk_gather_pass(graph, ctx)
+        else:
+            with pytest.raises(ValueError, match=f"uses chunks .* at once .*'n_buffer': {needed[n_persist]}"):
+                chunk_gather_pass(graph, ctx)
+
+
+def _tagged_copy(gm, shapes: dict, n_persist: int, n_buffer: int):
+    """A copy of `gm` whose placeholders are parameters of `shapes`, each alone in a chunk of a manager of
+    `n_persist` persistent chunks and `n_buffer` buffers, tagged; and the pass context."""
+    params = [nn.Parameter(torch.randn(s)) for s in shapes.values()]
+    infos = [ParamInfo(name, p.numel(), None, alone=True) for name, p in zip(shapes, params)]
+    manager = ChunkManager(params, layout_at(infos, 64, 4, 1), n_persist=n_persist, n_buffer=n_buffer)
+    graph = copy.deepcopy(gm)
+    for node, p in zip(graph.graph.find_nodes(op="placeholder"), params):
+        slot = manager.slot_of(p)
+        persistent = manager.is_persistent(p)
+        node.meta[TAG] = ParamTag(manager.handle, manager.index[id(p)], slot.chunk, slot.offset, slot.numel, persistent)
+    return graph, types.SimpleNamespace(manager=manager, stage="forward")
+
+
+def test_buffers_needed_of_a_forward_saving_a_view_of_a_parameter():
+    """A forward as first partitioned may return a view of a parameter (saved for the backward, which the rewrite
+    recomputes from the parameter): `buffers_needed` counts the other reads and leaves the view out (one chunk at
+    a time: `w` is released after its matmul, before `v` is gathered)."""
+
+    def saving(w, v, x):
+        return (x @ w.t()) @ v.t(), w.t()
+
+    gm = make_fx(saving)(torch.randn(4, 4), torch.randn(4, 4), torch.randn(2, 4))
+    assert buffers_needed(gm, {"w_1": 0, "v_1": 1}, n_chunk=2) == [1, 1, 0]

@@ -24,6 +24,7 @@ from protrain_fx.planner.search import (
     TIE_REL,
     NoPlanFits,
     brute_force,
+    candidates,
     plan_graph,
     rank,
     search,
@@ -181,6 +182,22 @@ def test_forced_fields_are_held():
     assert best[0].n_persist == 2 and best[0].n_checkpoint == 3
     plan = plan_graph(model, {"n_swap": 1}, None, capacity)
     assert plan.n_swap == 1 and plan.predicted_peak_bytes <= capacity and len(plan.runners_up) == 3
+
+
+def test_no_configuration_has_fewer_buffers_than_the_graphs_hold():
+    """Where the graphs hold more chunks at once than the search's least count (layers sharing weights, a model's
+    own activation checkpointing: passes/chunks.py `buffers_needed`), no configuration has fewer buffers, so
+    buffers above MAX_BUFFER are searched; with n_buffer forced, n_persist is searched among those it runs; with
+    both forced the configuration is kept (the chunk pass says what the graph needs)."""
+    needs = (6, 5, 3, 2, 1, 1, 0)  # the synthetic model's 6 chunks
+    model = dataclasses.replace(synthetic(), least_buffers=needs)
+    configs = [c for row in candidates(model, {}) for c in row]
+    assert all(c.n_buffer >= needs[c.n_persist] for c in configs)
+    assert {c.n_buffer for c in configs if c.n_persist == 0} == {6}
+    assert {c.n_persist for row in candidates(model, {"n_buffer": 3}) for c in row} == {2, 3, 4, 5, 6}
+    assert [c for row in candidates(model, {"n_buffer": 2, "n_persist": 1}) for c in row][0].n_buffer == 2
+    best, _ = search(model, capacities(model)[2])
+    assert best[0].n_buffer >= needs[best[0].n_persist]
 
 
 def test_nothing_fits_says_what_is_needed():

@@ -18,6 +18,7 @@ from torch import fx, nn
 from protrain_fx.backend.record import PLANS_ATTR, GraphCompile, GraphRecord
 from protrain_fx.capture import FrameRoots, ParamEntry
 from protrain_fx.distributed import least_on_every_rank
+from protrain_fx.passes.chunks import buffers_needed
 from protrain_fx.planner.calibrate import calibrated
 from protrain_fx.planner.cost import Candidate, swap_interval
 from protrain_fx.planner.inputs import PlanningInputs, cost_model, settled
@@ -40,16 +41,17 @@ log = logging.getLogger(__name__)
 SHAPES_ATTR = "_protrain_input_shapes"  # on the model: graph's parameter count -> input shapes it was planned for
 
 
-def plan(c: GraphCompile, roots: FrameRoots, manager, bw: fx.GraphModule):
+def plan(c: GraphCompile, roots: FrameRoots, manager, graphs: tuple[fx.GraphModule, fx.GraphModule]):
     """The plan (planner/), and the model's chunks where it gets them: built for the plan at the model's first
-    graph, or a prepared model's placed by it. Returns the model's chunk manager (None: no chunks)."""
+    graph, or a prepared model's placed by it. `graphs`: the forward and backward as first partitioned. Returns
+    the model's chunk manager (None: no chunks)."""
     record, config, params = c.record, c.config, c.params
     if manager is None and (wants_chunks(params) or (c.explain and any(p.requires_grad for p in params))):
         layout = model_layout(roots, record, c.example_inputs, config.plan, every_trainable=c.explain)
         c.config = config = dataclasses.replace(config, plan=with_default_master(config.plan, layout))
-        record.plan = _search(c, config.plan, layout, bw, roots.model, None)
+        record.plan = _search(c, config.plan, layout, graphs, roots.model, None)
         if not c.explain:
-            manager = _build_chunks(c, roots.model, layout, bw)
+            manager = _build_chunks(c, roots.model, layout, graphs)
     else:
         # a graph without parameters (a loss after a graph break) has no chunk or block decisions to check
         unplanned = OUTPUT_FIELDS + CHUNK_FIELDS + (ACTIVATION_FIELDS if not record.block_map.families else ())
@@ -60,7 +62,7 @@ def plan(c: GraphCompile, roots: FrameRoots, manager, bw: fx.GraphModule):
         if c.switching is not None:  # (placed for it: runtime/replan.py)
             record.plan, record.costs = c.switching
         else:
-            record.plan = _search(c, forced, layout, bw, roots.model, manager)
+            record.plan = _search(c, forced, layout, graphs, roots.model, manager)
         if manager is not None and manager.pending_plan is not None and params:
             place_chunks(manager, record.plan)
     log.info(
@@ -80,7 +82,7 @@ def plan(c: GraphCompile, roots: FrameRoots, manager, bw: fx.GraphModule):
     return manager
 
 
-def _build_chunks(c: GraphCompile, model: nn.Module, layout, bw: fx.GraphModule):
+def _build_chunks(c: GraphCompile, model: nn.Module, layout, graphs: tuple[fx.GraphModule, fx.GraphModule]):
     """The model's ChunkManager for the plan; out of memory, under on_oom="replan", searched again under a
     lower capacity and built again (runtime/oom.py)."""
     device, record = c.device, c.record
@@ -95,12 +97,16 @@ def _build_chunks(c: GraphCompile, model: nn.Module, layout, bw: fx.GraphModule)
         if not replanning.lower(record.capacity):
             raise replanning.error("chunk building", record.index, record.plan, record.capacity, state, cause)
         c.config = replanning.config
-        record.plan = _search(c, c.config.plan, layout, bw, model, None)
+        record.plan = _search(c, c.config.plan, layout, graphs, model, None)
 
 
-def _search(c: GraphCompile, forced: dict[str, Any], layout, bw: fx.GraphModule, model, manager) -> Plan:
-    """Search the fields the user did not force, with the cost models of this graph (planner/cost.py)."""
+def _search(
+    c: GraphCompile, forced: dict[str, Any], layout, graphs: tuple[fx.GraphModule, fx.GraphModule], model, manager
+) -> Plan:
+    """Search the fields the user did not force, with the cost models of this graph (planner/cost.py).
+    `graphs`: the forward and backward as first partitioned."""
     record, config, device, n_block = c.record, c.config, c.device, c.record.block_map.n_blocks
+    bw = graphs[1]
     start = time.perf_counter()
     hardware = hardware_profile(device)
     record.seconds["hardware"] = time.perf_counter() - start
@@ -112,6 +118,7 @@ def _search(c: GraphCompile, forced: dict[str, Any], layout, bw: fx.GraphModule,
         layout=layout,
         block_of_param=tuple(record.block_map.block_of(s.name) for s in layout.slots) if layout else (),
         regathers=_regathers(record.param_map, layout, model) if layout else (),
+        least_buffers=_least_buffers(graphs, record.param_map, layout, model) if layout else (),
         grad_outputs=frozenset(a.name for a in output.args[0] if isinstance(a, fx.Node)),
         fused=config.executor == "inductor",
         hardware=hardware,
@@ -172,16 +179,26 @@ def _fixed_by(options_plan: Mapping[str, Any], manager) -> dict[str, str]:
 
 def _regathers(param_map: dict[str, ParamEntry], layout, model) -> tuple[tuple[int, int], ...]:
     """(chunk, block) for each time the forward gathers a chunk again, in or before that block (the last block + 1:
-    after it), where a parameter of it is read again after other blocks ran (capture: `read_again_at`). Slots are
-    matched by parameter: a tied parameter's name in the graph may be another of its names than the layout's."""
+    after it), where a parameter of it is read again after other blocks ran (capture: `read_again_at`)."""
+    chunks = _chunk_of_placeholders(param_map, layout, model)
+    found = {(chunks[ph], block) for ph, entry in param_map.items() if ph in chunks for block in entry.read_again_at}
+    return tuple(sorted(found))
+
+
+def _least_buffers(graphs, param_map: dict[str, ParamEntry], layout, model) -> tuple[int, ...]:
+    """For each n_persist, the fewest chunk buffers the forward and backward run with (passes/chunks.py)."""
+    chunks = _chunk_of_placeholders(param_map, layout, model)
+    per_graph = [buffers_needed(gm, chunks, layout.n_chunk) for gm in graphs]
+    return tuple(max(needs) for needs in zip(*per_graph))
+
+
+def _chunk_of_placeholders(param_map: dict[str, ParamEntry], layout, model) -> dict[str, int]:
+    """Parameter placeholder name -> the chunk of its parameter in `layout`. Slots are matched by parameter: a tied
+    parameter's name in the graph may be another of its names than the layout's."""
     ident = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)} if model is not None else {}
     chunk_of = {ident.get(s.name, s.name): s.chunk for s in layout.slots}
-    found = set()
-    for entry in param_map.values():
-        chunk = chunk_of.get(ident.get(entry.name, entry.name))
-        if chunk is not None:
-            found.update((chunk, block) for block in entry.read_again_at)
-    return tuple(sorted(found))
+    found = {ph: chunk_of.get(ident.get(entry.name, entry.name)) for ph, entry in param_map.items()}
+    return {ph: chunk for ph, chunk in found.items() if chunk is not None}
 
 
 def _nbytes(tensors) -> int:

@@ -80,7 +80,9 @@ def pin_to_frame_modules(dynamo_gm: fx.GraphModule, roots: FrameRoots) -> None:
         source = getattr(node.meta.get("grapharg"), "source", None)
         while source is not None:  # (the chain from a parameter up to the frame's local)
             name = source.name() if callable(source.name) else source.name
-            sources.setdefault(name, source)
+            # the innermost of a name's sources: the local itself, not a wrapper of it (an unspecialized module's),
+            # as Dynamo counts a frame's compiles per module only for an ID_MATCH on a local
+            sources[name] = source
             source = getattr(source, "base", None)
     for prefix in roots.paths:
         if prefix in sources:

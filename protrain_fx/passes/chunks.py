@@ -123,12 +123,15 @@ def _readers(placeholders: list[fx.Node]) -> list[fx.Node]:
     return [u for p in placeholders for u in p.users if u.op != "output"]
 
 
-def _data_readers(node: fx.Node) -> list[fx.Node]:
+def _data_readers(node: fx.Node, *, returned_ok: bool = False) -> list[fx.Node]:
     """The nodes that read `node`'s data: its users, seen through view ops (a view reads nothing; what consumes
-    the view does). A view of a chunk buffer must not leave the graph, since the buffer is reused."""
+    the view does). A view of a chunk buffer must not leave the graph, since the buffer is reused (`returned_ok`:
+    a graph not rewritten yet, which may return one: left out)."""
     readers, todo = [], list(node.users)
     while todo:
         user = todo.pop()
+        if user.op == "output" and returned_ok:
+            continue
         assert user.op != "output", f"{node.name}: a view of a chunk buffer is returned by the graph"
         if is_view(user):
             todo.extend(user.users)
@@ -223,27 +226,89 @@ def _param_view(graph: fx.Graph, buf: fx.Node, placeholder: fx.Node) -> fx.Node:
     return view
 
 
-def _param_readers(placeholder: fx.Node) -> list[fx.Node]:
+def _param_readers(placeholder: fx.Node, *, returned_ok: bool = False) -> list[fx.Node]:
     """The nodes that read a parameter's data, seen through views (the output only passes the parameter on)."""
     users = [u for u in placeholder.users if u.op != "output"]
-    return [r for u in users for r in (_data_readers(u) if is_view(u) else [u])]
+    return [r for u in users for r in (_data_readers(u, returned_ok=returned_ok) if is_view(u) else [u])]
 
 
-def _runs(readers: dict[int, list[fx.Node]], order: dict[fx.Node, int]) -> dict[int, list[list[fx.Node]]]:
+def _runs(
+    readers: dict[int, list[fx.Node]], order: dict[fx.Node, int], offloaded_from: int = 0
+) -> dict[int, list[list[fx.Node]]]:
     """Each chunk's readers in graph order, cut into runs where the whole span of another chunk's readers lies
     between two of them: the chunk is released and gathered again around it, so it holds no buffer meanwhile
     (a tied embedding, read at the start of the forward and by its head at the end; T5's shared embedding, read by
-    the encoder, the decoder and the head). Chunks whose reads overlap or touch stay in one run."""
-    spans = {c: (min(map(order.__getitem__, rs)), max(map(order.__getitem__, rs))) for c, rs in readers.items()}
+    the encoder, the decoder and the head). Chunks whose reads overlap or touch stay in one run. Only the spans of
+    chunks `offloaded_from` and later cut (the others are persistent: never gathered)."""
     runs: dict[int, list[list[fx.Node]]] = {}
-    for chunk, rs in readers.items():
-        rs = sorted(set(rs), key=order.__getitem__)
+    for chunk, (rs, inner) in _gaps(readers, order).items():
         runs[chunk] = [[rs[0]]]
-        for before, after in zip(rs, rs[1:]):
-            if any(order[before] < a and b < order[after] for c, (a, b) in spans.items() if c != chunk):
+        for after, cut_by in zip(rs[1:], inner):
+            if cut_by >= offloaded_from:
                 runs[chunk].append([])
             runs[chunk][-1].append(after)
     return runs
+
+
+def _gaps(readers: dict[int, list[fx.Node]], order: dict[fx.Node, int]) -> dict[int, tuple[list[fx.Node], list[int]]]:
+    """Each chunk's readers in graph order, and for each gap between two of them the last chunk whose whole span
+    of readers lies inside it (-1: none), which cuts the chunk's reads there where it is offloaded (`_runs`)."""
+    spans = {c: (min(map(order.__getitem__, rs)), max(map(order.__getitem__, rs))) for c, rs in readers.items()}
+    gaps = {}
+    for chunk, rs in readers.items():
+        rs = sorted(set(rs), key=order.__getitem__)
+        inner = [
+            max((c for c, (a, b) in spans.items() if c != chunk and order[before] < a and b < order[after]), default=-1)
+            for before, after in zip(rs, rs[1:])
+        ]
+        gaps[chunk] = (rs, inner)
+    return gaps
+
+
+def buffers_needed(gm: fx.GraphModule, chunk_of: dict[str, int], n_chunk: int) -> list[int]:
+    """For each n_persist in 0..n_chunk: the most chunks `gm` holds at once where the chunks from n_persist on are
+    offloaded, as chunk_gather_pass gathers and releases them (a run of reads each, `_runs`) and `_check_buffers`
+    counts them: the fewest chunk buffers it runs with (more than two where a layer's weights are read again while
+    others are held: weights shared by several layers, a model's own activation checkpointing). `chunk_of`:
+    parameter placeholder name -> its chunk."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    placeholders: dict[int, list[fx.Node]] = defaultdict(list)
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if node.name in chunk_of:
+            placeholders[chunk_of[node.name]].append(node)
+    # (a forward as first partitioned may save a view of a parameter for the backward, which the rewrite recomputes
+    # there from the parameter: its reads in the backward are not counted)
+    reads = {c: [r for ph in phs for r in _param_readers(ph, returned_ok=True)] for c, phs in placeholders.items()}
+    readers = {c: rs for c, rs in reads.items() if rs}
+    gaps = _gaps(readers, order)
+    # a chunk read in one run is gathered before its parameters' first user, a view included
+    first_user = {c: min(order[u] for u in _readers(placeholders[c])) for c in readers}
+    needed = []
+    for n_persist in range(n_chunk + 1):
+        spans = []
+        for chunk, (rs, inner) in gaps.items():
+            if chunk >= n_persist:
+                spans += _run_spans(rs, inner, n_persist, order, first_user[chunk])
+        needed.append(_most_at_once(spans))
+    return needed
+
+
+def _run_spans(rs: list[fx.Node], inner: list[int], offloaded_from: int, order: dict[fx.Node, int], first_user: int):
+    """(gather, release) graph positions of each run of a chunk's reads (`_gaps`' readers and gaps): from before
+    its first reader (one run: its first user) to after its readers' outputs (`_tensor_outputs`)."""
+    cuts = [0, *(k + 1 for k, cut_by in enumerate(inner) if cut_by >= offloaded_from), len(rs)]
+    spans = [(order[rs[a]], max(order[n] for n in rs[a:b] + _tensor_outputs(rs[a:b]))) for a, b in zip(cuts, cuts[1:])]
+    return [(first_user, spans[0][1])] if len(spans) == 1 else spans
+
+
+def _most_at_once(spans: list[tuple[int, int]]) -> int:
+    """The most spans (closed intervals) any one of them starts inside."""
+    events = sorted([(a, 0) for a, _ in spans] + [(b, 1) for _, b in spans])  # (a start before an end at one place)
+    most = held = 0
+    for _, end in events:
+        held += -1 if end else 1
+        most = max(most, held)
+    return most
 
 
 def _gather_per_run(graph: fx.Graph, tag: ParamTag, placeholders: list[fx.Node], runs: list[list[fx.Node]]):

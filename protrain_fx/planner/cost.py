@@ -109,6 +109,9 @@ class CostModel(MemoryModel, Timeline, StepBounds):
     # (chunk, the chunk beside whose forward compute it is gathered again): a chunk the forward reads again after
     # other chunks (a tied embedding read by the head), where it is not persistent
     regathers: tuple[tuple[int, int], ...] = ()
+    # for each n_persist, the fewest chunk buffers the graphs run with (passes/chunks.py `buffers_needed`); empty:
+    # not known
+    least_buffers: tuple[int, ...] = ()
     forced_modes: tuple[str, ...] = ()  # the user's block_modes, in place of the interleaved layout
     overlap: bool = True  # copies and host work run beside the compute (False on the CPU: the same cores do all)
     host_budget: int | None = None  # the host memory this rank has for offloaded chunks and swap (None: not budgeted)

@@ -35,6 +35,8 @@ class PlanningInputs:
     regathers: tuple[tuple[int, int], ...]
     grad_outputs: frozenset[str]  # the backward's outputs that are parameter gradients
     fused: bool  # the graphs run under inductor
+    # for each n_persist, the fewest chunk buffers the graphs run with (passes/chunks.py `buffers_needed`)
+    least_buffers: tuple[int, ...] = ()
     # settled by the backend from the cost model built before them (until then CostModel's defaults: `settled`)
     swap_interval: int = 1
     other_bytes: int = 0  # what the device holds besides the activations and the chunk states
@@ -54,6 +56,7 @@ class PlanningInputs:
             "regathers": [list(r) for r in self.regathers],
             "grad_outputs": sorted(self.grad_outputs),
             "fused": self.fused,
+            "least_buffers": list(self.least_buffers),
             "swap_interval": self.swap_interval,
             "other_bytes": self.other_bytes,
             "updates_wait": self.updates_wait,
@@ -72,6 +75,7 @@ class PlanningInputs:
             regathers=tuple(tuple(r) for r in data.get("regathers", ())),  # (a dump written before they were kept)
             grad_outputs=frozenset(data["grad_outputs"]),
             fused=data["fused"],
+            least_buffers=tuple(data.get("least_buffers", ())),  # (a dump written before they were kept)
             swap_interval=data["swap_interval"],
             other_bytes=data["other_bytes"],
             updates_wait=data.get("updates_wait", False),  # (a dump written before it was kept: as then)
@@ -100,9 +104,14 @@ def cost_model(profile: GraphProfile, inputs: PlanningInputs, forced: Mapping[st
 
 def settled(costs: CostModel, inputs: PlanningInputs) -> CostModel:
     """`costs` with the terms the backend settles after building them: the swap interval (from the blocks' saved
-    bytes and forward times), the other bytes (from the chunk states) and whether updates wait."""
+    bytes and forward times), the other bytes (from the chunk states) and whether updates wait; and the chunk
+    buffers the graphs need."""
     return dataclasses.replace(
-        costs, swap_interval=inputs.swap_interval, other_bytes=inputs.other_bytes, updates_wait=inputs.updates_wait
+        costs,
+        swap_interval=inputs.swap_interval,
+        other_bytes=inputs.other_bytes,
+        updates_wait=inputs.updates_wait,
+        least_buffers=inputs.least_buffers,
     )
 
 

@@ -72,7 +72,9 @@ MAX_TIE_REL = 0.05  # ... up to 5%: a noisier profile does not make slower plans
 # between profiles by more than one profile's own timed runs show, and with ties of 2% a small model's plans changed
 CPU_TIE_REL = 0.05
 SAFE_HEADROOM = 0.1  # a plan predicted to leave this share of the capacity free needs no more headroom
-MAX_BUFFER = 4  # buffers searched: one in use, one loading, one recomputed from, one spare (more is forced only)
+# buffers searched: one in use, one loading, one recomputed from, one spare (more where the graphs hold more chunks
+# at once; else forced only)
+MAX_BUFFER = 4
 N_RUNNERS_UP = 3
 BOUND_ROUNDING = 1e-9  # step-time bounds are taken this much lower: where one adds up to the step, it may round above
 
@@ -101,12 +103,15 @@ def candidates(model: CostModel, forced: Mapping[str, Any]):
             yield [Candidate(0, 0, *counts)]
             continue
         # buffers in use at once: the chunk computing and the one loading, and with recompute the chunk the
-        # recomputed block reads (the chunk passes reject a plan with fewer)
+        # recomputed block reads; and at least what the graphs hold at once (the chunk passes reject fewer)
         least = 3 if counts[1] or counts[2] else 2
-        for n_buffer in _values(forced, "n_buffer", range(least, MAX_BUFFER + 1)):
+        both_forced = {"n_buffer", "n_persist"} <= forced.keys()  # (then the chunk pass says what the graph needs)
+        for n_buffer in _values(forced, "n_buffer", range(least, max((MAX_BUFFER, *model.least_buffers)) + 1)):
             row = []
             for n_persist in _values(forced, "n_persist", range(model.n_chunk + 1)):
                 offloaded = model.n_chunk - n_persist
+                if offloaded and n_buffer < _needed(model, n_persist) and not both_forced:
+                    continue
                 if offloaded and n_buffer > offloaded and "n_buffer" not in forced:
                     # (a forced count is the user's: more buffers than chunks only costs memory; so does the least
                     # count where the user's n_persist leaves fewer chunks offloaded)
@@ -114,6 +119,11 @@ def candidates(model: CostModel, forced: Mapping[str, Any]):
                         continue
                 row.append(Candidate(n_persist, n_buffer if offloaded else 0, *counts))
             yield row
+
+
+def _needed(model: CostModel, n_persist: int) -> int:
+    """The fewest chunk buffers the graphs run with, the first `n_persist` chunks persistent (0: not known)."""
+    return model.least_buffers[n_persist] if model.least_buffers else 0
 
 
 class _ByModes:

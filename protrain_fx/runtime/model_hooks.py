@@ -9,7 +9,8 @@ are chunked:
   function under `torch.compiler.disable`): a forward pre-hook gives the module's offloaded parameters their
   current values for the call (`ChunkManager.lend`), and the forward hook takes them back after it, or, where
   autograd may read them in the backward, once the step is over. A compiled model's own hooks run in Python
-  before Dynamo compiles its forward: they lend nothing where that frame will be compiled. Their gradients reach `.grad` through autograd,
+  before Dynamo compiles its forward: they lend nothing where that frame will be compiled, but the parameters
+  no graph read in the first step (`read_by_no_graph`: Dynamo gave up compiling the frame that reads them). Their gradients reach `.grad` through autograd,
   and the chunks take them in at the step (`ChunkManager.fold_plain_grads`). Compiled code never runs these
   hooks: traced into a graph, they return at once; and Dynamo never compiles their own frames (`skip_code`),
   which would make them return at once when a module is called from Python.
@@ -84,16 +85,19 @@ def _compiled_next(module: nn.Module) -> bool:
 
 @_run_in_python
 def _before_forward(ref: weakref.ref, indices: list[int], module: nn.Module, args: Any) -> None:
-    if torch.compiler.is_dynamo_compiling() or _compiled_next(module):
-        return
-    _lend(ref, indices)
+    if not torch.compiler.is_dynamo_compiling():
+        _lend(ref, indices, unread_only=_compiled_next(module))
 
 
 @torch.compiler.disable  # (Python calls it with Dynamo on, for a disabled forward: the manager stays Python)
-def _lend(ref: weakref.ref, indices: list[int]) -> None:
+def _lend(ref: weakref.ref, indices: list[int], *, unread_only: bool) -> None:
+    """`unread_only`: Dynamo is to compile the forward, so only the parameters no graph read in the first step are
+    lent: Dynamo gave up compiling a frame that reads them (a graph break it cannot resume from, inside a block
+    called from a loop) and runs it as Python."""
     manager = ref()
     if manager is not None:
-        manager.lend(indices, for_backward=torch.is_grad_enabled())
+        lent = manager.read_by_no_graph(indices) if unread_only else indices
+        manager.lend(lent, for_backward=torch.is_grad_enabled())
 
 
 @_run_in_python

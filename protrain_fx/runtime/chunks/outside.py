@@ -66,6 +66,10 @@ class OutsideMixin:
         if read and graph is not None:
             self.graphs_reading.add(graph)
 
+    def read_by_no_graph(self, indices: Sequence[int]) -> list[int]:
+        """Those of these parameters that no compiled graph read in the first step (none before it is over)."""
+        return [] if self._first_step else [i for i in indices if i not in self.read_by_graphs]
+
     def lend_to_python(self, indices: Sequence[int], *, for_backward: bool) -> None:
         """A compiled forward ends inside these parameters' modules, whose forward Python goes on with: those no
         compiled graph reads get their values (`lend`)."""
