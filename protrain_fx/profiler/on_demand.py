@@ -83,24 +83,30 @@ class OnDemand:
         return Replay(self, self._learned[id(gm)])
 
     def fetch(self, key: int) -> bool:
-        """Bring a dropped storage back; True if it was a parameter (a synchronous copy from the host)."""
+        """Bring a dropped storage back; True if a chunk's values were read from the host for it (CPU work, and a
+        synchronous copy where the chunk is on the device, during which the GPU's queue runs dry)."""
         t = self.dropped.pop(key)
         nbytes = self.sizes[key] if key in self.params else self.sizes.pop(key)  # a storage's key outlives it
         t.untyped_storage().resize_(nbytes)
         self.absent -= nbytes
+        read = False
         # the host copy and the views taken here are not the graph's memory: the CPU tracker counts `t` alone
         with torch.no_grad(), _disable_current_modes():
             if key in self.params:
                 slot = self.manager.slot_of(t)
-                if self._chunk_values is None or self._chunk_values[0] != slot.chunk:
+                read = self._chunk_values is None or self._chunk_values[0] != slot.chunk
+                if read:
                     self._chunk_values = None  # one chunk's host copy at a time
-                    self._chunk_values = (slot.chunk, self.manager.full_values(slot.chunk))
-                t.copy_(self._chunk_values[1][slot.offset : slot.offset + slot.numel].view(t.shape))
+                    values = self.manager.full_values(slot.chunk)
+                    # pinned, so that each parameter's copy queues behind the GPU's work instead of waiting for it
+                    self._chunk_values = (slot.chunk, values.pin_memory() if t.is_cuda else values)
+                source = self._chunk_values[1][slot.offset : slot.offset + slot.numel].view(t.shape)
+                t.copy_(source, non_blocking=t.is_cuda)
             else:
                 _bytes_of(t).zero_()
         if self.tracker is not None:
             self.tracker.track([t])
-        return key in self.params
+        return read
 
     def drop(self, key: int, t: torch.Tensor) -> None:
         """Free a storage's bytes; `absent` holds them while a full run would."""
@@ -277,7 +283,7 @@ class Replay:
         self.fetch_before, self.drop_after = learned.fetch_before, learned.drop_after
 
     def between(self, drops: tuple[tuple[Any, int], ...], fetches: tuple[tuple[Any, int], ...]) -> bool:
-        """Drop then fetch storages given as (value, tensor leaf); True if a parameter came from the host."""
+        """Drop then fetch storages given as (value, tensor leaf); True if a chunk was read from the host."""
         on_demand, fetched = self.on_demand, False
         for value, leaf in drops:
             t = _tensors(value)[leaf]

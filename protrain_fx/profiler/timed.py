@@ -75,8 +75,8 @@ class TimedGraph:
     boxed arguments (each freed after its last use, as AOTAutograd's runtime does).
 
     With a `Replay` (tensors held on demand) the drops and fetches it learned run between the nodes, each
-    followed by a fresh mark, so that they stay out of the node times; after a copy from the host the GPU's
-    queue is refilled.
+    followed by a fresh mark, so that they stay out of the node times; after a chunk is read from the host the
+    GPU's queue is refilled.
     """
 
     def __init__(
@@ -127,7 +127,7 @@ class TimedGraph:
         self.module = fx.GraphModule(gm, graph)
 
     def _between(self, drops, fetches) -> None:
-        from_host = self.replay.between(drops, fetches)  # a copy from the host leaves the GPU's queue empty
+        from_host = self.replay.between(drops, fetches)  # reading a chunk from the host lets the GPU's queue run dry
         if self.clock.cuda:
             torch.cuda._sleep(_PREFILL_CYCLES if from_host else _REFILL_CYCLES)
 
