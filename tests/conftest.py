@@ -35,4 +35,7 @@ def _hardware_cache(tmp_path_factory):
         base = base.parent
     cache = base / "protrain_cache"
     cache.mkdir(exist_ok=True)
-    os.environ.setdefault("PROTRAIN_CACHE_DIR", str(cache))
+    with pytest.MonkeyPatch.context() as patch:  # (set for the session's tests only, then restored)
+        if "PROTRAIN_CACHE_DIR" not in os.environ:
+            patch.setenv("PROTRAIN_CACHE_DIR", str(cache))
+        yield
