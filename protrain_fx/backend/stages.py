@@ -290,8 +290,9 @@ def _cost_terms(costs: CostModel, plan: Plan) -> dict[str, Any]:
 
 def dump(record: GraphRecord) -> None:
     """The final forward and backward to the debug log, and with the maps to the dump directory."""
-    log.debug("graph %d forward:\n%s", record.index, record.forward.print_readable(print_output=False))
-    log.debug("graph %d backward:\n%s", record.index, record.backward.print_readable(print_output=False))
+    if log.isEnabledFor(logging.DEBUG):  # (printing a large graph takes seconds)
+        log.debug("graph %d forward:\n%s", record.index, record.forward.print_readable(print_output=False))
+        log.debug("graph %d backward:\n%s", record.index, record.backward.print_readable(print_output=False))
     dumper = record.dumper
     if not dumper:
         return
