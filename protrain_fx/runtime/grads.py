@@ -191,9 +191,9 @@ class ParamGrads:
         if func is aten.zero_.default:
             manager.drop_grad(target.index, "zero_()")
             return target
-        if func in _SCALINGS and manager.grad_piece(target.index) is None:
+        piece = manager.editable_grad(target.index, func._schema.name, create=func not in _SCALINGS)
+        if piece is None:
             return target  # (a scaled zero is zero)
-        piece = manager.editable_grad(target.index, func._schema.name)
         sharded = manager.grad_is_sharded(target.index)
         lo, hi = manager.local_range(target.index)
 

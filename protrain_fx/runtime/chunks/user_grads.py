@@ -87,11 +87,15 @@ class GradAccessMixin:
         full[lo:hi] = piece.to(self.device)
         return self.all_reduce(full, dist.ReduceOp.SUM, f"the all-gather of {self.slots[i].name!r}'s gradient")
 
-    def editable_grad(self, i: int, what: str) -> torch.Tensor:
+    def editable_grad(self, i: int, what: str, *, create: bool = True) -> torch.Tensor | None:
         """Parameter `i`'s gradient piece (`_piece`) for an in-place write outside the graphs (zeros first where it
-        has none this step). Its chunk's update must not have started with it (a kept copy undoes it)."""
+        has none this step, or None with `create` False: a scaling leaves no gradient as none). Its chunk's update
+        must not have started with it (a kept copy undoes it)."""
         chunk = self.slots[i].chunk
         self._settle_grads(chunk, i)
+        if not create and i not in self.params_with_grad:
+            self.note_read()
+            return None
         self._check_not_started([chunk], f"{what} on the gradient of {self.slots[i].name!r}")
         self.note_edit(what)
         if i not in self.params_with_grad:
