@@ -176,22 +176,8 @@ def _more_hf_model(kind: str, layers: int, dropout: float, experts: str | None) 
         MixtralConfig,
     )
 
-    if kind == "albert":  # one layer's weights, shared by its `layers` layers
-        cfg = AlbertConfig(
-            vocab_size=VOCAB,
-            embedding_size=16,
-            hidden_size=32,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=64,
-            hidden_dropout_prob=dropout,
-            attention_probs_dropout_prob=dropout,
-        )
-        cfg._attn_implementation = "eager"
-        return AlbertForMaskedLM(cfg)
-    if kind == "bert":
-        cfg = BertConfig(
+    if kind in ("albert", "bert"):  # (albert: one layer's weights, shared by its `layers` layers)
+        sizes = dict(
             vocab_size=VOCAB,
             hidden_size=32,
             num_hidden_layers=layers,
@@ -201,8 +187,9 @@ def _more_hf_model(kind: str, layers: int, dropout: float, experts: str | None) 
             hidden_dropout_prob=dropout,
             attention_probs_dropout_prob=dropout,
         )
+        cfg = AlbertConfig(embedding_size=16, **sizes) if kind == "albert" else BertConfig(**sizes)
         cfg._attn_implementation = "eager"
-        return BertForMaskedLM(cfg)
+        return AlbertForMaskedLM(cfg) if kind == "albert" else BertForMaskedLM(cfg)
     cfg = MixtralConfig(
         vocab_size=VOCAB,
         hidden_size=32,
