@@ -98,6 +98,7 @@ def _block_counts(model: CostModel, forced: Mapping[str, Any]):
 def candidates(model: CostModel, forced: Mapping[str, Any]):
     """Every configuration the search considers, in rows of one block layout and increasing n_persist (so of
     increasing memory)."""
+    both_forced = {"n_buffer", "n_persist"} <= forced.keys()  # (then the chunk pass says what the graph needs)
     for counts in _block_counts(model, forced):
         if model.n_chunk == 0:
             yield [Candidate(0, 0, *counts)]
@@ -105,7 +106,6 @@ def candidates(model: CostModel, forced: Mapping[str, Any]):
         # buffers in use at once: the chunk computing and the one loading, and with recompute the chunk the
         # recomputed block reads; and at least what the graphs hold at once (the chunk passes reject fewer)
         least = 3 if counts[1] or counts[2] else 2
-        both_forced = {"n_buffer", "n_persist"} <= forced.keys()  # (then the chunk pass says what the graph needs)
         for n_buffer in _values(forced, "n_buffer", range(least, max((MAX_BUFFER, *model.least_buffers)) + 1)):
             row = []
             for n_persist in _values(forced, "n_persist", range(model.n_chunk + 1)):

@@ -10,8 +10,9 @@ are chunked:
   current values for the call (`ChunkManager.lend`), and the forward hook takes them back after it, or, where
   autograd may read them in the backward, once the step is over. A compiled model's own hooks run in Python
   before Dynamo compiles its forward: they lend nothing where that frame will be compiled, but the parameters
-  no graph read in the first step (`read_by_no_graph`: Dynamo gave up compiling the frame that reads them). Their gradients reach `.grad` through autograd,
-  and the chunks take them in at the step (`ChunkManager.fold_plain_grads`). Compiled code never runs these
+  no graph read in the first step (`read_by_no_graph`: Dynamo gave up compiling the frame that reads them).
+  Their gradients reach `.grad` through autograd, and the chunks take them in at the step
+  (`ChunkManager.fold_plain_grads`). Compiled code never runs these
   hooks: traced into a graph, they return at once; and Dynamo never compiles their own frames (`skip_code`),
   which would make them return at once when a module is called from Python.
 - **`load_state_dict`**: a pre-hook writes each chunked parameter's entry into its chunk (master and compute
