@@ -347,6 +347,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default="protrain,compile", help=f"comma-separated, from {list(TRAINER_SYSTEMS)}")
     p.add_argument("--system", default="", help=argparse.SUPPRESS)  # (one system's run, in its own process)
     p.add_argument("--output-dir", default="out/trainer", help="the Trainer's output_dir (nothing is saved)")
+    p.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=1.0,
+        help="the Trainer's max_grad_norm (its default, 1.0; 0: no clipping)",
+    )
     p.set_defaults(func=trainer)
     p = sub.add_parser("worker", parents=[_sizes()], help="one system's run (started by compare)")
     p.add_argument("--system", choices=list(SYSTEMS), required=True)

@@ -1,6 +1,7 @@
 """`python -m bench trainer`: tokens/s of Hugging Face's `Trainer` training the bench model, with the model
 compiled by protrain (its AdamW, the plan searched or forced by --plan) or by plain `torch.compile` (torch's fused
-AdamW), each system in its own process, with the Trainer's defaults on (clipping at 1.0, a linear schedule)."""
+AdamW), each system in its own process, with the Trainer's defaults on (clipping at 1.0 unless --max-grad-norm says
+otherwise, a linear schedule)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ LR = 1e-4
 
 def trainer(args: argparse.Namespace) -> int:
     """Each of --systems in its own process (`--system` set: this process runs that one)."""
+    if args.clip:
+        raise SystemExit("the Trainer clips by --max-grad-norm, not --clip")
     if args.system:
         print(RESULT_PREFIX + json.dumps(_run(args.system, args)), flush=True)
         return 0
@@ -104,6 +107,7 @@ def _run(system: str, args: argparse.Namespace) -> dict:
         report_to=[],
         dataloader_num_workers=0,
         seed=args.seed,
+        max_grad_norm=args.max_grad_norm,
         use_cpu=device.type == "cpu",
     )
     timer = _StepTimer()

@@ -323,11 +323,11 @@ def test_fragmentation_is_the_profiled_iterations_own():
     """α (the profile's reserved over its allocated peak: the memory model's fragmentation factor) counts what the
     profiled iteration reserves, not blocks the allocator cached before it: here a freed 4 GiB tensor, more than
     the small model's whole step needs. Training's reserved bytes then stay near α times its allocated peak."""
+    model = models.big_llama(hidden=1024, layers=4)  # (built first: its weights would take the cached block)
     torch.cuda.empty_cache()
     cached = torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda")
     del cached  # (kept by the caching allocator)
     assert torch.cuda.memory_reserved() >= 4 * 2**30
-    model = models.big_llama(hidden=1024, layers=4)
     backend = protrain_fx.ProTrainBackend({"executor": "inductor", **UNCHANGED})
     compiled = torch.compile(model, backend=backend, dynamic=False)
     ids = torch.randint(0, 32000, (4, 512), device="cuda")

@@ -157,12 +157,16 @@ def profile_iteration(
     n_nodes = len(fw.graph.nodes) + len(bw.graph.nodes)
     runs = TIMED_RUNS + (2 if device.type == "cuda" else 1)
     bar = progress(total=runs, desc=f"profiling {n_nodes} nodes", unit="run")
-    if device.type == "cuda":  # on demand, what to drop and fetch is learned here for the timed run
+    if device.type == "cuda":
+        # blocks cached before (the hardware profile's, ...) would take what the first run leaves allocated and
+        # then could not be freed: the fragmentation below would count them
+        torch.cuda.empty_cache()
+        # on demand, what to drop and fetch is learned here for the timed run
         warm = AbsentCounting(CudaMemoryTracker(device), on_demand) if on_demand is not None else None
         _iteration(fw, bw, primals, block_map, device, warm, on_demand, timed_graphs)
         bar.update()
-    if device.type == "cuda":  # so the reserved bytes read after the memory run, over its peak, are the fragmentation
-        torch.cuda.empty_cache()  # of this iteration alone, not blocks cached before it (the hardware profile's, ...)
+        # so that the reserved bytes read after the memory run, over its peak, are the fragmentation of that run
+        torch.cuda.empty_cache()
     tracker = CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()
     if on_demand is not None:
         tracker = AbsentCounting(tracker, on_demand)
