@@ -90,7 +90,7 @@ def _run(system: str, args: argparse.Namespace) -> dict:
     model = build_prepared_model(spec, device, DTYPES[args.dtype], args.seed, init)
     steps = args.warmup + args.steps
     if system == "protrain":
-        options = {"plan": json.loads(args.plan), "executor": args.executor}
+        options = {"plan": json.loads(args.plan), "executor": args.executor, "replan": args.replan}
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=LR)
         model.compile(backend=protrain_fx.ProTrainBackend(options), dynamic=False)
     else:
