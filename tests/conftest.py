@@ -25,6 +25,26 @@ def _fresh_dynamo():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _threads_per_worker():
+    """Under pytest-xdist, each worker's torch gets its share of the cores (as torchrun gives each rank), and so do
+    the processes it starts (gloo ranks, bench workers: OMP_NUM_THREADS): with torch's default, one thread per
+    core in every worker, the workers' threads outnumber the cores and each parallel op waits on a thread that the
+    scheduler has given to another worker (tests of thread counts set their own). Restored after the session."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        yield
+        return
+    threads = torch.get_num_threads()
+    share = max(1, (os.cpu_count() or 1) // workers)
+    torch.set_num_threads(share)
+    with pytest.MonkeyPatch.context() as patch:
+        if "OMP_NUM_THREADS" not in os.environ:
+            patch.setenv("OMP_NUM_THREADS", str(share))
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _hardware_cache(tmp_path_factory):
     """Hardware profiles measured by the tests go to a directory of this session, not the user's cache (spawned
     ranks inherit it). Under pytest-xdist the workers of one run share it (their base directories lie in the

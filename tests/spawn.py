@@ -8,8 +8,23 @@ import tempfile
 import torch.distributed as dist
 
 # ranks start from a fork server that imported these once per test process, not each rank again (seconds of a
-# small machine's CPU per rank); the server imports them only, so it never touches CUDA
-PRELOAD = ["torch", "transformers", "pytest", "protrain_fx", "models", "helpers"]
+# small machine's CPU per rank); the server imports them only, so it never touches CUDA. The torch._inductor and
+# torch.export modules are what a process's first torch.compile imports (AOTAutograd's decompositions and pattern
+# matcher, even under the eager executor): about a second of each rank's first compile
+PRELOAD = [
+    "torch",
+    "transformers",
+    "pytest",
+    "protrain_fx",
+    "models",
+    "helpers",
+    "torch._inductor.compile_fx",
+    "torch._inductor.lowering",
+    "torch._inductor.pattern_matcher",
+    "torch._inductor.decomposition",
+    "torch._functorch.partitioners",
+    "torch.export._trace",
+]
 
 
 def join(backend: str, rank: int, world: int, rendezvous: str) -> None:
