@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from protrain_fx.host_queue import host_threads
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 
@@ -35,7 +37,7 @@ def _threads_per_worker():
         yield
         return
     threads = torch.get_num_threads()
-    share = max(1, (os.cpu_count() or 1) // workers)
+    share = max(1, host_threads() // workers)  # (the cores this process may run on)
     torch.set_num_threads(share)
     with pytest.MonkeyPatch.context() as patch:
         if "OMP_NUM_THREADS" not in os.environ:

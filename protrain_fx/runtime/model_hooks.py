@@ -12,9 +12,9 @@ are chunked:
   before Dynamo compiles its forward: they lend nothing where that frame will be compiled, but the parameters
   no graph read in the first step (`read_by_no_graph`: Dynamo gave up compiling the frame that reads them).
   Their gradients reach `.grad` through autograd, and the chunks take them in at the step
-  (`ChunkManager.fold_plain_grads`). Compiled code never runs these
-  hooks: traced into a graph, they return at once; and Dynamo never compiles their own frames (`skip_code`),
-  which would make them return at once when a module is called from Python.
+  (`ChunkManager.fold_plain_grads`). Compiled code never runs these hooks: traced into a graph, they return at
+  once; and Dynamo never compiles their own frames (`skip_code`), which would make them return at once when a
+  module is called from Python.
 - **`load_state_dict`**: a pre-hook writes each chunked parameter's entry into its chunk (master and compute
   copy) and takes it out of what torch copies in; a post-hook takes those keys out of the missing ones, so
   `strict` works as for any model. `assign=True` cannot give a chunked parameter another tensor: an error.
