@@ -116,12 +116,14 @@ class ClosedLoop:
             log.info("graph %d: no re-plan, nothing fits the calibrated model (%s)", record.index, error)
             return None
         log.info(
-            "graph %d calibrated to training (%s): the search's plan is predicted %.1f%% faster as ranked than "
-            "the plan in force (switches above %.1f%%)",
+            "graph %d calibrated to training (%s): the search's plan is predicted %.1f%% %s as ranked than the plan "
+            "in force (switches where faster by more than %.1f%%): %s",
             record.index,
             self.calibration,
-            replan.gain * 100,
+            abs(replan.gain) * 100,
+            "faster" if replan.gain >= 0 else "slower",
             replan.margin * 100,
+            "switching" if replan.switches else "kept",
         )
         return replan
 
