@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -16,8 +17,6 @@ from pathlib import Path
 
 from bench.model import DTYPES, FAMILIES, PRESET_PARAMS, PRESETS, ModelSpec, preset
 from bench.plot import plot
-from bench.predict import from_dump, predict
-from bench.stability import profile_worker, stability
 from bench.sweep import maxsize, scaling, sweep
 from bench.table import table
 from bench.trainer import TRAINER_SYSTEMS, trainer
@@ -279,6 +278,12 @@ def _sizes() -> argparse.ArgumentParser:
     return sizes
 
 
+def _lazy(module: str, name: str):
+    """`bench.<module>.<name>`, imported when its command runs: predict and stability import protrain_fx, which
+    the other commands' processes (sweep's, scaling's, an eager worker) need not pay for."""
+    return getattr(importlib.import_module(f"bench.{module}"), name)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(required=True)
@@ -290,7 +295,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plans", default="[{}]", help="JSON list of plans forced on protrain-chunks ({} searches)")
     p.add_argument("--out", default="out/predict.json", help="where the JSON report goes ('' for none)")
     p.add_argument("--keep-dumps", default="", help="keep each plan's dump directory here, as plan<i>")
-    p.set_defaults(func=predict)
+    p.set_defaults(func=lambda args: _lazy("predict", "predict")(args))
     p = sub.add_parser("from-dump", help="dumped graphs planned again by the current planner, against their steps")
     p.add_argument("dumps", nargs="+", help="dump directories (every rank<r>/graph<k> below is planned again)")
     p.add_argument("--plan", default="", help="JSON plan fields to force instead of the dumped ones")
@@ -299,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time the dumped plan with the host AdamW as fast as training measured it (where it did)",
     )
-    p.set_defaults(func=from_dump)
+    p.set_defaults(func=lambda args: _lazy("predict", "from_dump")(args))
     p = sub.add_parser(
         "stability", parents=[_sizes()], help="how far a model's plan and predicted step move between its profiles"
     )
@@ -315,10 +320,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--remeasure-hardware", action="store_true", help="each profile measures the hardware again")
     p.add_argument("--keep-dumps", default="", help="keep each profile's dump directory here, as profile<i>")
     p.add_argument("--out", default="out/stability.json", help="where the JSON report goes ('' for none)")
-    p.set_defaults(func=stability)
+    p.set_defaults(func=lambda args: _lazy("stability", "stability")(args))
     p = sub.add_parser("profile", parents=[_sizes()], help="one profile and plan of the model (started by stability)")
     p.add_argument("--remeasure-hardware", action="store_true", help="measure the hardware profile again first")
-    p.set_defaults(func=profile_worker)
+    p.set_defaults(func=lambda args: _lazy("stability", "profile_worker")(args))
     p = sub.add_parser("sweep", parents=[_sizes()], help="tokens/s of each system across batch sizes")
     p.add_argument("--systems", default="protrain,compile,eager", help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--batches", default="4,8,16,32", help="comma-separated batch sizes (default 4,8,16,32)")

@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 from pathlib import Path
@@ -31,19 +32,37 @@ def _threads_per_worker():
     """Under pytest-xdist, each worker's torch gets its share of the cores (as torchrun gives each rank), and so do
     the processes it starts (gloo ranks, bench workers: OMP_NUM_THREADS): with torch's default, one thread per
     core in every worker, the workers' threads outnumber the cores and each parallel op waits on a thread that the
-    scheduler has given to another worker (tests of thread counts set their own). Restored after the session."""
+    scheduler has given to another worker (tests of thread counts set their own). Inductor's compile workers too:
+    with one core a worker, inductor compiles in the process rather than starting (and importing torch in) a pool
+    of compile processes in every worker and rank. Restored after the session."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers <= 1:
         yield
         return
+    from torch._inductor import config as inductor_config
+
     threads = torch.get_num_threads()
     share = max(1, host_threads() // workers)  # (the cores this process may run on)
     torch.set_num_threads(share)
-    with pytest.MonkeyPatch.context() as patch:
+    compile_threads = {} if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ else {"compile_threads": share}
+    with pytest.MonkeyPatch.context() as patch, inductor_config.patch(compile_threads):
         if "OMP_NUM_THREADS" not in os.environ:
             patch.setenv("OMP_NUM_THREADS", str(share))
+        if compile_threads:  # (the started processes read it when they import inductor)
+            patch.setenv("TORCHINDUCTOR_COMPILE_THREADS", str(share))
         yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _imports_frozen():
+    """What the imports and the collection built (most of a worker's objects: torch's, transformers') leaves the
+    garbage collector's generations for the session (gc.freeze): the full collections that each compile sets off,
+    and capture.py's pass over the tracked objects, skip them. None of them is a module with parameters."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True, scope="session")

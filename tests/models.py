@@ -102,11 +102,15 @@ def seq2seq_model(kind: str, layers: int = 2, dropout: float = 0.0) -> nn.Module
     return BartForConditionalGeneration(cfg)
 
 
-def hf_model(kind: str, layers: int = 2, dropout: float = 0.0, experts: str | None = None) -> nn.Module:
+def hf_model(
+    kind: str, layers: int = 2, dropout: float = 0.0, experts: str | None = None, loss_break: bool = False
+) -> nn.Module:
     """A tiny Hugging Face model of `kind`, random weights, no download: a causal LM (gpt2, opt, llama, mistral,
     qwen2: its embedding tied to the head; mixtral: MoE, whose `experts` implementation may be forced, e.g.
     "eager"), an encoder-decoder (SEQ2SEQ_KINDS), bert (masked LM, a tied bias under two names), albert (masked
-    LM, its layers sharing one layer's weights), an image classifier (VISION_KINDS)."""
+    LM, its layers sharing one layer's weights), an image classifier (VISION_KINDS). GPT-2's loss is in its one
+    graph; `loss_break`: as transformers builds it, whose default loss type graph-breaks on a warning (two
+    graphs: the model's and the loss's, for tests of a model compiled as several graphs)."""
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
     if kind in SEQ2SEQ_KINDS:
@@ -163,7 +167,10 @@ def hf_model(kind: str, layers: int = 2, dropout: float = 0.0, experts: str | No
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     cfg._attn_implementation = "eager"
-    return AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg)
+    if kind == "gpt2" and not loss_break:  # (GPT2LMHeadModel's name maps to no loss type: a warning, a break)
+        model.loss_type = "ForCausalLM"
+    return model
 
 
 def _more_hf_model(kind: str, layers: int, dropout: float, experts: str | None) -> nn.Module:

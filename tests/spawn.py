@@ -10,7 +10,8 @@ import torch.distributed as dist
 # ranks start from a fork server that imported these once per test process, not each rank again (seconds of a
 # small machine's CPU per rank); the server imports them only, so it never touches CUDA. The torch._inductor and
 # torch.export modules are what a process's first torch.compile imports (AOTAutograd's decompositions and pattern
-# matcher, even under the eager executor): about a second of each rank's first compile
+# matcher, even under the eager executor): about a second of each rank's first compile. The transformers modules
+# and torch's distributed tensor are what building a LLaMA and tracing it import (lazily): another second
 PRELOAD = [
     "torch",
     "transformers",
@@ -24,6 +25,10 @@ PRELOAD = [
     "torch._inductor.decomposition",
     "torch._functorch.partitioners",
     "torch.export._trace",
+    "torch.distributed.tensor.experimental",
+    "transformers.modeling_utils",
+    "transformers.masking_utils",
+    "transformers.models.llama.modeling_llama",
 ]
 
 
@@ -33,10 +38,15 @@ def join(backend: str, rank: int, world: int, rendezvous: str) -> None:
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
 
-def spawn(target, world: int, *args) -> None:
-    """Run `target(rank, world, rendezvous, *args, errors)` in `world` processes; fail with their errors."""
+def _context():
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def spawn(target, world: int, *args) -> None:
+    """Run `target(rank, world, rendezvous, *args, errors)` in `world` processes; fail with their errors."""
+    ctx = _context()
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="protrain-ranks-") as folder:
         rendezvous = os.path.join(folder, "rendezvous")
@@ -50,6 +60,14 @@ def spawn(target, world: int, *args) -> None:
         messages.append(errors.get())
     assert not messages, messages
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def in_a_process(target, *args, timeout: float = 600) -> int | None:
+    """Run `target(*args)` in a fresh process, started as the ranks are; its exit code (None if still running)."""
+    process = _context().Process(target=target, args=args)
+    process.start()
+    process.join(timeout)
+    return process.exitcode
 
 
 def gloo_rank(rank: int, world: int, rendezvous: str, errors, body) -> None:

@@ -149,7 +149,7 @@ def test_backend_found_by_entry_point_without_import():
 
 def test_dump_dir_files(tmp_path, monkeypatch):
     monkeypatch.setenv("PROTRAIN_DUMP_DIR", str(tmp_path))
-    compiled = torch.compile(models.build("gpt2"), backend="protrain", options={"executor": "eager"})
+    compiled = torch.compile(models.build("gpt2", loss_break=True), backend="protrain", options={"executor": "eager"})
     compiled(**models.batch("gpt2")).loss.backward()
     graphs = sorted(p.name for p in (tmp_path / "rank0").iterdir())
     assert graphs == ["graph0", "graph1"]  # GPT-2: model and loss

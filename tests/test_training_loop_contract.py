@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import copy
 import math
-import multiprocessing
 
 import models
 import pytest
 import torch
+from spawn import in_a_process
 
 import protrain_fx
 
@@ -235,11 +235,9 @@ def test_in_place_init_of_persistent_parameters():
 
 
 def _in_a_process(target, *args) -> None:
-    """Run `target(*args)` in a spawned process: a crash fails the test, not the run."""
-    process = multiprocessing.get_context("spawn").Process(target=target, args=args)
-    process.start()
-    process.join(600)
-    assert process.exitcode == 0, f"{target.__name__}{args} ended with exit code {process.exitcode}"
+    """Run `target(*args)` in a process of its own: a crash fails the test, not the run."""
+    exitcode = in_a_process(target, *args)
+    assert exitcode == 0, f"{target.__name__}{args} ended with exit code {exitcode}"
 
 
 def _eager_uses_and_loads(plan: str) -> None:
