@@ -488,7 +488,7 @@ def test_frames_compiled_for_several_modules_or_run_twice():
     torch.manual_seed(0)
     ref = _BrokenModel()
     model = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)  # (the update protrain runs)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     plan = {"n_persist": 0, "n_buffer": 2, "chunk_bytes": 2**10}
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan}))
