@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import logging
 import os
 import weakref
@@ -137,6 +138,12 @@ def _ordered_params(
     chunked = (lambda p: p.requires_grad) if every_trainable else _in_chunks
     ordered = [(e.name, example_inputs[e.index]) for e in entries if chunked(example_inputs[e.index])]
     seen = {id(p) for _, p in ordered}
+    if roots.model is None and gc.get_freeze_count():  # (frozen objects are not in gc.get_objects())
+        raise ValueError(
+            "protrain found no module holding the compiled model's parameters: gc.freeze() has moved the model out "
+            "of the garbage collector's view, where the backend looks for it. Build the model after gc.freeze(), "
+            "or call gc.unfreeze() before the first compiled step"
+        )
     for name, p in roots.model.named_parameters():
         if chunked(p) and id(p) not in seen:
             ordered.append((name, p))
