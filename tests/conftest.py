@@ -1,4 +1,3 @@
-import gc
 import os
 import sys
 from pathlib import Path
@@ -52,17 +51,6 @@ def _threads_per_worker():
             patch.setenv("TORCHINDUCTOR_COMPILE_THREADS", str(share))
         yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _imports_frozen():
-    """What the imports and the collection built (most of a worker's objects: torch's, transformers') leaves the
-    garbage collector's generations for the session (gc.freeze): the full collections that each compile sets off,
-    and capture.py's pass over the tracked objects, skip them. None of them is a module with parameters."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True, scope="session")

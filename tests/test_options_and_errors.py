@@ -1,6 +1,7 @@
 """Options are validated, and what the backend cannot handle fails with a message that says what to do."""
 
 import copy
+import gc
 import io
 import json
 import subprocess
@@ -255,8 +256,6 @@ def test_graph_of_another_model_of_the_same_class():
 def _compile_a_model_frozen_out_of_gc() -> None:
     """In a process of its own (gc.freeze() is process state): a model built before gc.freeze() is out of the
     collector's view, where the backend finds a frame's model; its chunks are refused with a ValueError."""
-    import gc
-
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
     gc.collect()
     gc.freeze()
