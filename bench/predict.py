@@ -61,7 +61,8 @@ def _graph_files(dump: Path) -> list[dict]:
     return graphs
 
 
-_KEPT = ("plan", "seconds", "costs", "predicted_vs_measured")
+# (replan and replanned_vs_measured: where the closed loop re-planned)
+_KEPT = ("plan", "seconds", "costs", "predicted_vs_measured", "replan", "replanned_vs_measured")
 
 
 def format_table(rows: list[dict]) -> str:

@@ -26,6 +26,26 @@ def available_host_bytes() -> int | None:
     return meminfo_bytes("MemAvailable")
 
 
+def release_cached_pinned() -> int:
+    """Give the pinned blocks torch's caching host allocator keeps unused (`pin_memory()` copies: the hardware
+    profile's, a profile on demand's) back to the OS, so that the host memory read next counts them as available.
+    Returns the bytes it released (0 where torch's version cannot say, or CUDA has not started: nothing pinned)."""
+    if not torch.cuda.is_initialized():
+        return 0
+    before = _cached_pinned_bytes()
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is None:  # (torch before the accelerator API had it)
+        empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+    return max(0, before - _cached_pinned_bytes())
+
+
+def _cached_pinned_bytes() -> int:
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    return int(stats().get("allocated_bytes.current", 0) if stats is not None else 0)
+
+
 def check_host_memory(needed: int, what: str, detail: str, advice: str) -> None:
     """Fail before allocating anything when the host cannot hold `needed` bytes of `what` (made of `detail`)."""
     available = available_host_bytes()

@@ -187,6 +187,18 @@ def test_host_capacity_leaves_room_for_the_rest_of_training(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_pinned_blocks_torch_caches_are_given_back_before_the_host_is_budgeted():
+    """A profile's `pin_memory()` copies stay in torch's caching host allocator once freed; the host capacity the
+    plan reads gives them back first, so a model that fits the host with them freed is not refused."""
+    copy = torch.ones(2**28, dtype=torch.uint8).pin_memory()
+    torch.cuda.synchronize()
+    del copy
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] >= 2**28
+    assert hardware.host_capacity(torch.device("cuda")) is not None
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] < 2**28
+
+
+@pytest.mark.gpu
 def test_hardware_profile_on_gpu(tmp_path):
     """Pinned copies in both directions, the fused AdamW on the GPU and the CPU, the GPU's AdamW beside matmuls
     (partly hidden, and slower than alone), the card's memory from NVML."""

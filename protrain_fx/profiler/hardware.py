@@ -28,7 +28,7 @@ import torch
 
 from protrain_fx.config import default_cache_dir
 from protrain_fx.distributed import least_on_every_rank, rank_and_world_size
-from protrain_fx.host import available_host_bytes
+from protrain_fx.host import available_host_bytes, release_cached_pinned
 from protrain_fx.host_queue import host_threads
 from protrain_fx.profiler.microbench import METHOD, device_facts, measurements
 from protrain_fx.real_tensors import real_tensors
@@ -254,9 +254,15 @@ def host_capacity(device: torch.device) -> int | None:
     per compile worker inductor may start: `TORCHINDUCTOR_COMPILE_THREADS=1` compiles in the process and leaves
     their memory to the model), shared among this machine's ranks (torchrun's LOCAL_WORLD_SIZE; ranks started
     otherwise each count all of it). None on the CPU, where the "device" is the host and the planner does not
-    budget it unless told with `host_memory_bytes`."""
+    budget it unless told with `host_memory_bytes`. The pinned blocks torch caches unused are given back first:
+    the plan's arenas need that memory more than copies made before it."""
+    if device.type != "cuda":
+        return None
+    released = release_cached_pinned()
+    if released:
+        log.info("gave back %.2f GiB of pinned host memory torch kept cached", released / 2**30)
     available = available_host_bytes()
-    if device.type != "cuda" or available is None:
+    if available is None:
         return None
     from torch._inductor import config as inductor_config
 
