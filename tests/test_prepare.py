@@ -96,6 +96,34 @@ def test_prepare_without_a_plan_is_planned_by_the_search():
     assert plan.predicted_reserved_bytes <= small["gpu_memory_bytes"]
 
 
+def test_placing_counts_the_host_masters_it_frees(monkeypatch):
+    """The first plan puts half of the chunks on the device: `place` frees their host masters before AdamW makes
+    the offloaded chunks' states, so a host with room for what training holds once placed is enough, though it
+    could not hold those states beside every master prepare filled (a 14B model on 125 GiB was refused so)."""
+    import weakref
+
+    import protrain_fx.host
+
+    ref = models.build("llama")
+    model = protrain_fx.prepare(copy.deepcopy(ref), device="cpu", plan={"chunk_bytes": 16896})  # (7 chunks)
+    manager = protrain_fx.manager_of(model)
+    n_chunk, shard = manager.layout.n_chunk, manager.layout.shard_elems * 4
+    persist, offloaded = n_chunk // 2, n_chunk - n_chunk // 2
+    assert persist >= 3 and manager.pending_plan is not None
+    prepared = [weakref.ref(m) for m in manager.master.values()]
+    # the simulated host: room for the offloaded masters, their AdamW states and a gradient shard each, less the
+    # masters prepare filled while they live
+    room = shard * offloaded * 4 + shard // 2
+    monkeypatch.setattr(
+        protrain_fx.host,
+        "available_host_bytes",
+        lambda: room - sum(m().untyped_storage().nbytes() for m in prepared if m() is not None),
+    )
+    fields = {"n_persist": persist, "n_buffer": 1, "host_grad_slots": offloaded}
+    _compare(ref, model, "llama", steps=3, options={"plan": fields})
+    assert manager.n_persist == persist and sum(m() is not None for m in prepared) == offloaded
+
+
 def test_a_failed_first_compile_leaves_the_prepared_chunks_waiting(monkeypatch):
     """Profiling runs out of memory (raised here on the CPU): the error reaches the user, the chunks stay as
     prepare left them (offloaded, waiting for a plan), and compiling again trains bitwise like eager."""

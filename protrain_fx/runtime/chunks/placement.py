@@ -71,7 +71,9 @@ class PlacementMixin:
         check_ranks_agree(self.layout, self.n_persist, self.n_buffer)
         self._n_reduce_buffers = self._reduce_buffer_count()
         self.pending_plan = None
-        self._build(grad_slots, device_grad_slots, masters={c: old[c] for c in range(n_persist, n)})
+        # (the host masters of the chunks that go to the device are freed below, before AdamW makes its states)
+        freed = sum(old[c].untyped_storage().nbytes() for c in range(n_persist))
+        self._build(grad_slots, device_grad_slots, masters={c: old[c] for c in range(n_persist, n)}, freed=freed)
         with torch.no_grad():
             for c in range(n_persist):
                 whole = self.gather_shards(old.pop(c)) if self.world_size > 1 else old.pop(c)

@@ -53,18 +53,20 @@ class StorageMixin:
         *,
         kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
         reused: Sequence[torch.Tensor] = (),
+        freed: int = 0,
     ) -> None:
         """The chunks' storage, zero-filled, for `n_persist` and `n_buffer`; `masters`: the offloaded chunks' host
         master shards, already filled (`place`, `place_again`), pinned here where they are not yet. `kept`:
         persistent chunk -> its (flat, master) kept as they are; `reused`: host gradient shards taken again before
-        new ones (`place_again`, which checked the host for what it adds)."""
+        new ones (`place_again`, which checked the host for what it adds); `freed`: host bytes the caller frees
+        before training allocates the AdamW states (`place`: the masters of the chunks it moves to the device)."""
         self.flat: dict[int, torch.Tensor] = {}  # persistent: chunk -> device params
         self.master: dict[int, torch.Tensor] = {}  # chunk -> fp32 master (device: whole chunk; host: shard)
         self.grad: dict[int, torch.Tensor] = {}  # chunk -> fp32 gradient (device: whole chunk; host: shard)
         self.staging: torch.Tensor | None = None  # host fp32 shard a second gradient of one step lands in
         self._build_persistent(kept or {})
         self._build_device_grads(device_grad_slots)
-        self._build_host(grad_slots, masters, reused)
+        self._build_host(grad_slots, masters, reused, freed)
         self._build_buffers()
         self._build_reduce()
         self._build_updates()
@@ -111,11 +113,15 @@ class StorageMixin:
         )
 
     def _build_host(
-        self, grad_slots: int | None, masters: dict[int, torch.Tensor] | None, reused: Sequence[torch.Tensor] = ()
+        self,
+        grad_slots: int | None,
+        masters: dict[int, torch.Tensor] | None,
+        reused: Sequence[torch.Tensor] = (),
+        freed: int = 0,
     ) -> None:
         """The offloaded chunks' master shards and gradient shards (`host_grads`: those `reused` first) on the host,
-        after checking that the host has room for them and for their AdamW states (unless some are reused: the
-        caller checked what it adds)."""
+        after checking that the host has room for them and for their AdamW states, counting the `freed` bytes as
+        available (unless some are reused: the caller checked what it adds)."""
         shard = self.layout.shard_elems
         offloaded = list(range(self.n_persist, self.layout.n_chunk))
         slots = len(offloaded) if grad_slots is None else grad_slots
@@ -125,7 +131,7 @@ class StorageMixin:
         states = 1 if self.pending_plan is not None else HOST_STATES - (1 if masters is not None else 0)
         if not reused:
             package.check_host_memory(
-                shard * self.master_bytes * (states * len(offloaded) + slots),
+                max(0, shard * self.master_bytes * (states * len(offloaded) + slots) - freed),
                 "the offloaded chunks",
                 f"{self.master_dtype_name} master shards and AdamW states, and {slots} gradient shards",
                 "keep more chunks on the GPU (options={'plan': {'n_persist': ...}}), use more ranks",
