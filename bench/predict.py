@@ -75,6 +75,7 @@ def format_table(rows: list[dict]) -> str:
         "pred GiB",
         "meas GiB",
         "err",
+        "after the loop",
         "profile s",
         "search s",
         "bench ms",
@@ -99,6 +100,7 @@ def format_table(rows: list[dict]) -> str:
                     _gib(pvm["predicted_peak_bytes"]),
                     _gib(pvm["measured_peak_bytes"]),
                     _pct(pvm["peak_error"]),
+                    _after_loop(g),
                     f"{sec.get('profile', 0):.1f}",
                     f"{sec.get('search', 0):.2f}",
                     f"{row['result']['step_time_s'] * 1e3:.1f}",
@@ -106,6 +108,21 @@ def format_table(rows: list[dict]) -> str:
                 )
             )
     return table(lines)
+
+
+def _after_loop(graph: dict) -> str:
+    """The closed loop's outcome (`--replan on`): the plan in force predicted again by the calibrated model, or the
+    plan switched to, predicted against measured; "-" where the loop did not run."""
+    replan = graph.get("replan")
+    if not replan or "before" not in replan:
+        return "-"
+    if not replan["switched"]:
+        return f"kept, {replan['before']['predicted_step_s'] * 1e3:.1f} ms"
+    after = graph.get("replanned_vs_measured")
+    if after is None:
+        return f"switched to {_fields(replan['plan'])}"
+    predicted, measured = after["predicted_step_s"] * 1e3, after["measured_step_s"] * 1e3
+    return f"switched to {_fields(replan['plan'])}: {predicted:.1f} / {measured:.1f} ms"
 
 
 TIME_TARGET, PEAK_TARGET, PEAK_UNDER = 0.05, 0.05, 0.02  # issue 5: |time error| and |peak error| under 5%,

@@ -39,6 +39,19 @@ def test_table_shows_the_last_loss_and_a_nan():
     assert "2/3/0/4" in lines[-1] and "-9.1%" in lines[-1]
 
 
+def test_table_shows_what_the_closed_loop_did():
+    """`--replan on`: a kept plan with its calibrated prediction; a switch with the new plan's prediction and step."""
+    kept, switched, off = _row(10.5), _row(10.5), _row(10.5)
+    plan = dict(n_persist=4, n_buffer=0, n_swap=0, n_checkpoint=2, n_selective=0)
+    kept["graphs"][0]["replan"] = {"switched": False, "before": {"predicted_step_s": 0.1094}, "plan": plan}
+    switched["graphs"][0]["replan"] = {"switched": True, "before": {"predicted_step_s": 0.11}, "plan": plan}
+    switched["graphs"][0]["replanned_vs_measured"] = {"predicted_step_s": 0.0951, "measured_step_s": 0.0962}
+    lines = format_table([kept, switched, off]).splitlines()
+    column = [c.strip() for c in lines[0].split("|")].index("after the loop")
+    cells = [[c.strip() for c in line.split("|")][column] for line in lines[-3:]]
+    assert cells == ["kept, 109.4 ms", "switched to 4/0/0/2/0: 95.1 / 96.2 ms", "-"]
+
+
 def test_summary_counts_the_plans_within_the_targets():
     rows = [
         _row(10.5, measured_s=0.102, forced={}),  # searched: -2.0%, 2% slower than the fastest forced

@@ -147,7 +147,13 @@ def test_a_slower_host_switches_the_plan_and_training_stays_eager(monkeypatch, t
     folder = backend.graphs[0].dumper.dir
     assert json.loads((folder / "plan.json").read_text())["n_persist"] == first.n_persist
     replan = json.loads((folder / "replan.json").read_text())
-    assert replan["switched"] and replan["calibration"] == {"host": pytest.approx(SLOWER), "alpha": None}
+    # (the CPU's compute is not fitted: FIT_COMPUTE_ON)
+    fitted = {"host": pytest.approx(SLOWER), "alpha": None, "forward": 1.0, "backward": 1.0, "offset_s": 0.0}
+    assert replan["switched"] and replan["calibration"] == fitted
+    report = json.loads((folder / "predicted_vs_measured.json").read_text())
+    phases = report["measured_forward_s"], report["measured_backward_s"]
+    assert 0 < min(phases) and sum(phases) < report["measured_step_s"]
+    assert report["predicted_forward_s"] > 0 and report["predicted_backward_s"] > 0
     assert replan["plan"]["n_persist"] == last.n_persist and replan["before"]["n_persist"] == first.n_persist
     assert replan["gain"] > replan["margin"]
 
@@ -325,6 +331,66 @@ def test_a_gain_within_the_margin_does_not_switch(recorded_costs):
 def test_replan_option_is_checked():
     with pytest.raises(ValueError, match=r"option 'replan' must be one of \['on', 'off'\], got 'always'"):
         protrain_fx.ProTrainBackend({"replan": "always"})
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_compute_is_fitted_to_the_measured_phases(recorded_costs, overlap):
+    """Phases measured as a cost model with the forward's compute 1.25x and the backward's 1.6x as long would time
+    them: the fit finds both scales, and the calibrated model times the plan's step as that one does. A phase far
+    beyond what the compute can explain keeps its scale at 1."""
+    from protrain_fx.planner.calibrate import compute_scaled, fit_compute, plan_phases
+
+    costs, inputs, everything = recorded_costs
+    costs = dataclasses.replace(costs, overlap=overlap)
+    plan = plan_graph(costs, {}, inputs.layout, int(everything * 0.7), inputs.host_bytes)
+    assert plan.n_persist < plan.n_chunk  # (copies in the phases too)
+    slower = compute_scaled(costs, 1.25, 1.6)
+    t = plan_phases(slower, plan)
+    forward, backward = fit_compute(costs, plan, t["forward_s"] + t["cpu_optim_wait_s"], t["backward_s"])
+    assert forward == pytest.approx(1.25, rel=1e-3) and backward == pytest.approx(1.6, rel=1e-3)
+    again = calibrated(costs, Calibration(forward=forward, backward=backward))
+    assert plan_phases(again, plan)["backward_s"] == pytest.approx(t["backward_s"], rel=1e-3)
+    assert fit_compute(costs, plan, 100 * t["forward_s"], t["backward_s"])[0] == 1.0
+
+
+def test_a_step_offset_moves_every_plan_alike(recorded_costs):
+    """The calibrated time outside the phases (`step_offset_s`, either sign) is added to every plan's step and to
+    the search's bounds of it: the search chooses as without it, each plan predicted that much later."""
+    from protrain_fx.planner.plan import decisions
+
+    costs, inputs, everything = recorded_costs
+    capacity = int(everything * 0.7)
+    plan = plan_graph(costs, {}, inputs.layout, capacity, inputs.host_bytes)
+    for offset in (-0.5 * plan.predicted_step_s, 2.0 * plan.predicted_step_s):
+        shifted = calibrated(costs, Calibration(offset_s=offset))
+        again = plan_graph(shifted, {}, inputs.layout, capacity, inputs.host_bytes)
+        assert decisions(again.to_json()) == decisions(plan.to_json())
+        assert again.predicted_step_s == pytest.approx(plan.predicted_step_s + offset)
+
+
+def test_a_slower_compute_measured_on_the_device_is_calibrated(monkeypatch, tmp_path):
+    """The monitor's phases measured 1.3x as long as the plan's (injected; the fit runs where FIT_COMPUTE_ON names
+    the device): the calibration takes the compute at a little over 1.3x (the phases' copies and launches do not
+    scale with it) and the rest of the measured step as its offset, so that the plan in force is predicted at the
+    step training measured; training stays eager's."""
+    from protrain_fx.runtime import replan as replan_module
+
+    def measured_phases(monitor):
+        t = monitor.phases()
+        return 1.3 * (t["forward_s"] + t["cpu_optim_wait_s"]), 1.3 * t["backward_s"]
+
+    monkeypatch.setattr(StepMonitor, "measured_phases", measured_phases)
+    monkeypatch.setattr(replan_module, "FIT_COMPUTE_ON", ("cuda", "cpu"))
+    _host_measured(monkeypatch, 1.0)
+    options = {"gpu_memory_bytes": GPU_BYTES, "plan": {"n_swap": 0}, "dump_dir": str(tmp_path)}
+    (ref_losses, ref, ref_opt), (losses, model, opt, backend), _ = _eager_and_protrain(options, monkeypatch=monkeypatch)
+    assert losses == ref_losses
+    _assert_bitwise(ref, ref_opt, model, opt)
+    folder = backend.graphs[0].dumper.dir
+    replan = json.loads((folder / "replan.json").read_text())
+    assert 1.3 <= replan["calibration"]["forward"] < 1.35 and 1.3 <= replan["calibration"]["backward"] < 1.35
+    measured = json.loads((folder / "predicted_vs_measured.json").read_text())["measured_step_s"]
+    assert replan["before"]["predicted_step_s"] == pytest.approx(measured, rel=1e-6)
 
 
 def test_calibration_of_a_monitor_report():

@@ -1,26 +1,52 @@
-"""step_mark_pass: with a dump directory, the forward graph marks each training step's start for the StepMonitor
-(runtime/monitor.py), which sets measured step time and peak memory beside the plan's predictions.
+"""step_mark_pass: where the graph has a step monitor (runtime/monitor.py: with a dump directory, or for the closed
+loop), the forward graph marks each training step's start, and the forward and backward graphs their ends, for
+the StepMonitor, which sets measured step time, phases and peak memory beside the plan's predictions.
 
-    before:  x = placeholder; ...
-    after:   x = placeholder; protrain.step_mark(monitor, x); ...
+    forward before:  x = placeholder; ...; output(outs)
+    forward after:   x = placeholder; protrain.step_mark(monitor, x); ...;
+                     protrain.phase_mark(monitor, FORWARD_END, last); output(outs)
+    backward after:  ...; protrain.phase_mark(monitor, BACKWARD_END, last); output(outs)
+
+where `last` (`_last_values`) are the tensors the graph's work ends in, which order the end mark after it.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.utils._pytree import tree_leaves
+
+FORWARD_END, BACKWARD_END = 1, 2  # the phase marks' `phase` (runtime/monitor.py StepMonitor.phase_mark)
 
 
 def step_mark_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    if ctx.stage != "forward" or ctx.monitor is None:
+    if ctx.stage not in ("forward", "backward") or ctx.monitor is None:
         return gm
     graph = gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    first = next((n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)), None)
-    if first is None:
-        return gm
-    with graph.inserting_after(placeholders[-1]):
-        graph.call_function(torch.ops.protrain.step_mark.default, (ctx.monitor.handle, first))
+    if ctx.stage == "forward":
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        first = next((n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)), None)
+        if first is None:
+            return gm
+        with graph.inserting_after(placeholders[-1]):
+            graph.call_function(torch.ops.protrain.step_mark.default, (ctx.monitor.handle, first))
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    phase = FORWARD_END if ctx.stage == "forward" else BACKWARD_END
+    with graph.inserting_before(output):
+        graph.call_function(torch.ops.protrain.phase_mark.default, (ctx.monitor.handle, phase, _last_values(graph)))
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _last_values(graph: fx.Graph) -> list[fx.Node]:
+    """The tensors the graph's work ends in, which the end mark waits for: the outputs, and what the nodes whose
+    result nothing reads take (the gradients `reduce_grads` takes in a backward whose outputs hold none)."""
+    sinks = [n for n in graph.nodes if n.op == "output" or (n.op == "call_function" and not n.users)]
+    found = dict.fromkeys(
+        a
+        for n in sinks
+        for a in tree_leaves((n.args, n.kwargs))
+        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+    )
+    return list(found)

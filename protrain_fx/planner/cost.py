@@ -120,6 +120,9 @@ class CostModel(MemoryModel, Timeline, StepBounds):
     # the persistent chunks share MIN_GRAD_SLOTS gradient buffers (the search's last resort, planner/search.py)
     share_device_grads: bool = False
     timing_noise: float = 0.0  # the profile's (GraphProfile.timing_noise): the search ties step times within it
+    # training's step time outside its forward and backward phases (the loop's own time, the device AdamW's part)
+    # less the model's prediction there, as the closed loop measured it (planner/calibrate.py); the same for every plan
+    step_offset_s: float = 0.0
     master_bytes: int = 4  # bytes per element of masters, gradients and AdamW states (the plan's master_dtype)
     backward_matmul_share: float = 0.0  # of the backward's compute time, the share in matmuls (fusion.is_matmul)
     # the matmuls' time in training over their time at burst clocks, as profiled (`build`; 1: not measured)

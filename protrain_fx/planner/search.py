@@ -196,7 +196,7 @@ def search(
         raise NoPlanFits(smallest[0], smallest[1], capacity_bytes, n_chunk=model.n_chunk, batch=batch)
     fits = _timed(model, fitting, by_modes)
     log.info("timed %d of the %d configurations that fit", len(fits), len(fitting))
-    return rank(fits, capacity_bytes, alpha=model.alpha, tie=tie_rel(model))
+    return rank(fits, capacity_bytes, alpha=model.alpha, tie=tie_rel(model), offset=model.step_offset_s)
 
 
 def tie_rel(model: CostModel) -> float:
@@ -247,7 +247,7 @@ def _timed(
     steps: dict[int, float] = {}
     while heap:
         bound, refined, i = heapq.heappop(heap)
-        if len(times) > N_RUNNERS_UP and bound > max(times[0] * (1 + tie), times[N_RUNNERS_UP]):
+        if len(times) > N_RUNNERS_UP and bound > max(_tied(times[0], tie, model.step_offset_s), times[N_RUNNERS_UP]):
             break
         config = fitting[i][0]
         if not refined:
@@ -259,13 +259,19 @@ def _timed(
 
 
 def rank(
-    fits: list[tuple[Candidate, float, int]], capacity_bytes: int | None, *, alpha: float = 1.0, tie: float = TIE_REL
+    fits: list[tuple[Candidate, float, int]],
+    capacity_bytes: int | None,
+    *,
+    alpha: float = 1.0,
+    tie: float = TIE_REL,
+    offset: float = 0.0,
 ):
-    """(best, runners-up): the fastest; among ties within `tie` (a share of the fastest) the least rewritten plan
-    whose predicted reserved bytes (peak times `alpha`, as `CostModel.reserved_bytes`) leave SAFE_HEADROOM of
-    `capacity_bytes` free (any, with no capacity), else the lowest peak; then by step time."""
+    """(best, runners-up): the fastest; among ties within `tie` (a share of the fastest, less the calibrated
+    `offset` every step has: `_tied`) the least rewritten plan whose predicted reserved bytes (peak times `alpha`,
+    as `CostModel.reserved_bytes`) leave SAFE_HEADROOM of `capacity_bytes` free (any, with no capacity), else the
+    lowest peak; then by step time."""
     fastest = min(step for _, step, _ in fits)
-    ties = [f for f in fits if f[1] <= fastest * (1 + tie)]
+    ties = [f for f in fits if f[1] <= _tied(fastest, tie, offset)]
     safe = [f for f in ties if capacity_bytes is None or f[2] * alpha <= (1 - SAFE_HEADROOM) * capacity_bytes]
     if safe:
         best = min(safe, key=lambda f: (_rewritten(f[0]), -f[0].n_persist, f[1], f[2]))
@@ -280,6 +286,12 @@ def rank(
         best[2] / 2**30,
     )
     return best, rest[:N_RUNNERS_UP]
+
+
+def _tied(fastest: float, tie: float, offset: float) -> float:
+    """The slowest step time tied with `fastest`: within `tie` of it, as a share of its time less the `offset` that
+    calibration adds to every plan's step (`CostModel.step_offset_s`), so that an offset moves no plan's rank."""
+    return fastest + tie * (fastest - offset)
 
 
 def _rewritten(config: Candidate) -> int:

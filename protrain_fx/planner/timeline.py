@@ -97,8 +97,8 @@ class Timeline:
         with gradient clipping (`phases`)."""
         t = self.phases(config, clipped)
         if not self.overlap:
-            return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_s"]
-        return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_wait_s"]
+            return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_s"] + self.step_offset_s
+        return t["forward_s"] + t["backward_s"] + t["gpu_optim_s"] + t["cpu_optim_wait_s"] + self.step_offset_s
 
     def host_adam_mean_s(self, config: Candidate) -> float | None:
         """The host AdamW's mean seconds per parameter over the offloaded chunks' updates of a step of `config`,

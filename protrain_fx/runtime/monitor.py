@@ -16,7 +16,10 @@ and beside copies both ways) the plan was timed with; on CUDA a rate far outside
 warning: the profile, cached and reused, may have been measured while the machine was busy. Given how to time
 the plan again (`retime`: planner/inputs.py `retimed`), also the plan's step time with the host's work scaled by
 the measured over the predicted rate (`host_scale`), and its error: what is left of the error is not the host's
-rate.
+rate. The forward graph's end and the backward graph's end are marked too (`protrain.phase_mark`): the report
+has the median forward phase (its start to its end) and backward phase (the forward's end to the backward's end)
+on the device's clock, beside the plan's predicted ones where given, which the closed loop fits the compute to
+(planner/calibrate.py `fit_compute`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from protrain_fx.config import default_cache_dir
+from protrain_fx.passes.monitor import BACKWARD_END, FORWARD_END
 from protrain_fx.planner.plan import MASTER_BYTES, Plan
 from protrain_fx.runtime import ops
 
@@ -59,18 +63,22 @@ class StepMonitor:
         manager=None,
         hardware: HardwareProfile | None = None,
         retime: Callable[[HardwareProfile], Plan] | None = None,
+        phases: Callable[[], dict[str, float]] | None = None,
         warmup: int = WARMUP_STEPS,
         steps: int = MEASURED_STEPS,
         report_file: str = REPORT_FILE,
     ):
         """`dumper`: where the report is written (None: kept only); `manager`: the model's ChunkManager (held
         weakly), whose host updates are timed; `hardware`: the profile the plan was timed with; `retime`: the plan
-        timed again on another hardware profile."""
+        timed again on another hardware profile; `phases`: the plan's predicted step terms (`Timeline.phases`)."""
         self.device = torch.device(device)
         self.plan, self.dumper, self.hardware, self.retime = plan, dumper, hardware, retime
+        self.phases = phases
         self.manager = weakref.ref(manager) if manager is not None else lambda: None
         self.warmup, self.steps, self.report_file = warmup, steps, report_file
         self.marks: list = []
+        # FORWARD_END, BACKWARD_END -> {step: its mark}, over the measured steps
+        self.phase_marks: dict[int, dict[int, object]] = {FORWARD_END: {}, BACKWARD_END: {}}
         self.report: dict | None = None  # what the measured steps showed, once they are over
         self.handle = ops.register(self)
 
@@ -83,14 +91,23 @@ class StepMonitor:
                 torch.cuda.reset_peak_memory_stats(self.device)
             if (manager := self.manager()) is not None:
                 manager.host_updates.clear()
-        if cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+        self.marks.append(self._now())
         if len(self.marks) == self.warmup + self.steps + 1:
             self._write()
+
+    def phase_mark(self, phase: int) -> None:
+        """The end of this step's forward graph (FORWARD_END) or backward graph (BACKWARD_END), while measuring."""
+        step = len(self.marks) - 1
+        if self.warmup <= step < self.warmup + self.steps:
+            self.phase_marks[phase][step] = self._now()
+
+    def _now(self):
+        """A mark: an event on the current stream (CUDA), or the time."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def measured(self) -> tuple[float, int | None]:
         """(median seconds per step, peak allocated bytes or None) over the measured steps (the median: one step
@@ -101,6 +118,22 @@ class StepMonitor:
             steps = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
             return statistics.median(steps), torch.cuda.max_memory_allocated(self.device)
         return statistics.median(b - a for a, b in zip(marks, marks[1:])), None
+
+    def measured_phases(self) -> tuple[float, float] | None:
+        """(median seconds of the forward graph, median seconds from its end to the backward graph's end) over the
+        measured steps that marked both (None where none did), on the device's clock; after `measured`, which
+        waits for the device."""
+        ends = self.phase_marks
+        steps = [i for i in ends[BACKWARD_END] if i in ends[FORWARD_END]]
+        if not steps:
+            return None
+
+        def seconds(a, b) -> float:
+            return a.elapsed_time(b) / 1e3 if self.device.type == "cuda" else b - a
+
+        forward = [seconds(self.marks[i], ends[FORWARD_END][i]) for i in steps]
+        backward = [seconds(ends[FORWARD_END][i], ends[BACKWARD_END][i]) for i in steps]
+        return statistics.median(forward), statistics.median(backward)
 
     def measured_reserved(self) -> int | None:
         return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else None
@@ -128,6 +161,13 @@ class StepMonitor:
             "measured_reserved_bytes": self.measured_reserved(),
             "reserved_error": error(plan.predicted_reserved_bytes, self.measured_reserved()),
         }
+        phases = self.measured_phases()
+        if phases is not None:
+            report["measured_forward_s"], report["measured_backward_s"] = phases
+        if self.phases is not None:  # as predicted: the forward with its wait for the host's updates
+            t = self.phases()
+            report["predicted_forward_s"] = t["forward_s"] + t["cpu_optim_wait_s"]
+            report["predicted_backward_s"] = t["backward_s"]
         report.update(self._host_adam())
         scale = host_scale(report)
         if scale is not None and self.retime is not None:

@@ -13,6 +13,7 @@
     protrain.swap_prefetch(space, [slot, ...], after)          # backward, a block's tensors ahead of their use,
     t = protrain.swap_in(space, slot, h)                       # backward, before the first use
     protrain.step_mark(monitor, x)                             # forward start: a step (runtime/monitor.py)
+    protrain.phase_mark(monitor, phase, [out, ...])            # forward or backward end, after its outputs
     x2 = protrain.after(x, [values])                           # backward: x, copied once `values` exist
 
 Ordering comes from data dependencies: every read of a parameter goes through its chunk's `gather`
@@ -137,6 +138,17 @@ def _(monitor: int, first: torch.Tensor) -> None:
     return None
 
 
+@torch.library.custom_op("protrain::phase_mark", mutates_args=())
+def phase_mark(monitor: int, phase: int, after: list[torch.Tensor]) -> None:
+    """`after`: the graph's outputs, which order the mark after the graph's work."""
+    _manager(monitor).phase_mark(phase)
+
+
+@phase_mark.register_fake
+def _(monitor: int, phase: int, after: list[torch.Tensor]) -> None:
+    return None
+
+
 @torch.library.custom_op("protrain::swap_settle", mutates_args=())
 def swap_settle(
     space: int, slots: list[int], copies: list[torch.Tensor], sources: list[torch.Tensor], after: torch.Tensor
@@ -186,6 +198,7 @@ def _(x: torch.Tensor, deps: list[torch.Tensor]) -> torch.Tensor:
 has_side_effect(torch.ops.protrain.swap_prefetch.default)
 has_side_effect(torch.ops.protrain.swap_settle.default)
 has_side_effect(torch.ops.protrain.step_mark.default)
+has_side_effect(torch.ops.protrain.phase_mark.default)
 has_side_effect(torch.ops.protrain.prefetch.default)
 has_side_effect(torch.ops.protrain.release.default)
 has_side_effect(torch.ops.protrain.materialize.default)

@@ -1,7 +1,8 @@
 """The closed loop: once a training graph's step monitor has measured its steps (runtime/monitor.py), the cost model
 is calibrated to what training measured (planner/calibrate.py: the host AdamW's rate, and on CUDA the reserved over
-allocated bytes) and searched again under the same forced fields and capacities; a plan predicted faster than the
-plan in force by more than the switch's margin goes into force between two steps, once per graph:
+allocated bytes and the compute's time in the forward and backward phases) and searched again under the same
+forced fields and capacities; a plan predicted faster than the plan in force by more than the switch's margin goes
+into force between two steps, once per graph:
 
     forward of step k          the monitor's report is in (WARMUP_STEPS + MEASURED_STEPS steps after the compile)
     forward of step k + 1      `ClosedLoop.decide`: the calibration (the largest on any rank, so every rank searches
@@ -23,7 +24,17 @@ import logging
 import torch
 
 from protrain_fx.distributed import most_on_every_rank
-from protrain_fx.planner.calibrate import SWITCH_HEADROOM, Calibration, Replan, calibrated, replanned, searches
+from protrain_fx.planner.calibrate import (
+    SWITCH_HEADROOM,
+    Calibration,
+    Replan,
+    calibrated,
+    compute_scaled,
+    fit_compute,
+    plan_step_s,
+    replanned,
+    searches,
+)
 from protrain_fx.planner.cost import CostModel
 from protrain_fx.planner.plan import Plan
 from protrain_fx.planner.search import NoPlanFits
@@ -37,6 +48,9 @@ REPLANNED_REPORT = "replanned_vs_measured.json"  # the step monitor's report of 
 # forwards a switch waits for one that starts between two steps before it is given up: a loop that holds gradients
 # at every forward (zeroing them between forward and backward) never gets there, and each wait is an all-reduce
 MAX_WAITS = 16
+# the devices whose measured phases the compute is fitted to (`compute_of`): on the CPU, the "device" is the host and
+# its profile's timings move between runs by more than a fit would correct
+FIT_COMPUTE_ON = ("cuda",)
 
 
 def calibration_of(report: dict) -> Calibration:
@@ -47,6 +61,18 @@ def calibration_of(report: dict) -> Calibration:
     predicted = report.get("predicted_peak_bytes") or peak
     alpha = reserved / min(peak, predicted) if reserved and peak else None
     return Calibration(host=host_scale(report) or 1.0, alpha=alpha)
+
+
+def compute_of(report: dict, costs: CostModel, plan: Plan, device: torch.device) -> tuple[float, float, float]:
+    """The compute scales (forward, backward) fitted to the phases a step monitor's report measured (`fit_compute`
+    over `costs`, the host and α calibrated already), and the measured step less the plan's predicted then (its
+    `offset_s`); (1.0, 1.0, 0.0) where no phases were measured or the device is not fitted."""
+    forward, backward = report.get("measured_forward_s"), report.get("measured_backward_s")
+    if device.type not in FIT_COMPUTE_ON or not forward or not backward:
+        return 1.0, 1.0, 0.0
+    forward, backward = fit_compute(costs, plan, forward, backward)
+    predicted = plan_step_s(compute_scaled(costs, forward, backward), plan, clipped=report.get("clipped", False))
+    return forward, backward, report["measured_step_s"] - predicted
 
 
 def moves_chunks(plan: Plan, manager) -> bool:
@@ -100,9 +126,16 @@ class ClosedLoop:
 
     def _search(self, record, manager, chunks_may_move: bool) -> Replan | None:
         """The calibrated search's plan beside the plan in force; None where nothing is searched or fits."""
-        mine = calibration_of(record.monitor.report)
+        report = record.monitor.report
+        mine = calibration_of(report)
         host, alpha = most_on_every_rank([mine.host, mine.alpha or 0.0], self.device)
-        self.calibration = Calibration(host=host, alpha=alpha or None)
+        measured = calibrated(record.costs, Calibration(host=host, alpha=alpha or None))
+        forward, backward, offset = most_on_every_rank(
+            list(compute_of(report, measured, record.plan, self.device)), self.device
+        )
+        self.calibration = Calibration(
+            host=host, alpha=alpha or None, forward=forward, backward=backward, offset_s=offset
+        )
         forced = dict(record.planning.forced)
         if manager is not None and not chunks_may_move:
             forced = plan_fields_of(manager, forced)
@@ -116,10 +149,13 @@ class ClosedLoop:
             log.info("graph %d: no re-plan, nothing fits the calibrated model (%s)", record.index, error)
             return None
         log.info(
-            "graph %d calibrated to training (%s): the search's plan is predicted %.1f%% %s as ranked than the plan "
-            "in force (switches where faster by more than %.1f%%): %s",
+            "graph %d calibrated to training (%s; the plan in force now predicted at %.1f ms a step, measured "
+            "%.1f ms): the search's plan is predicted %.1f%% %s as ranked than the plan in force (switches where "
+            "faster by more than %.1f%%): %s",
             record.index,
             self.calibration,
+            replan.before.predicted_step_s * 1e3,
+            report["measured_step_s"] * 1e3,
             abs(replan.gain) * 100,
             "faster" if replan.gain >= 0 else "slower",
             replan.margin * 100,
