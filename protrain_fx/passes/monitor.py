@@ -40,13 +40,17 @@ def step_mark_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
 
 def _last_values(graph: fx.Graph) -> list[fx.Node]:
-    """The tensors the graph's work ends in, which the end mark waits for: the outputs, and what the nodes whose
-    result nothing reads take (the gradients `reduce_grads` takes in a backward whose outputs hold none)."""
-    sinks = [n for n in graph.nodes if n.op == "output" or (n.op == "call_function" and not n.users)]
-    found = dict.fromkeys(
-        a
-        for n in sinks
-        for a in tree_leaves((n.args, n.kwargs))
-        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
-    )
+    """The tensors the end mark waits for, none of which it keeps alive longer than the graph does: the outputs,
+    and the last tensor a node computes (a chunked backward's outputs may hold none: its gradients go to
+    `reduce_grads`). Not what the side-effecting ops take: the mark would keep a swapped activation or a
+    gradient on the device to the graph's end."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    found = dict.fromkeys(a for a in tree_leaves(output.args) if _is_tensor(a))
+    last = next((n for n in reversed(graph.nodes) if n.op == "call_function" and _is_tensor(n)), None)
+    if last is not None:
+        found[last] = None
     return list(found)
+
+
+def _is_tensor(node) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
