@@ -5,6 +5,7 @@ Tolerance: bitwise, as in test_chunk_parity (fp32 on the CPU, the same fused Ada
 """
 
 import copy
+import gc
 import os
 import re
 
@@ -338,6 +339,25 @@ def test_prepared_cpu_model_trains_on_gpu(plan):
     compiled = torch.compile(model, backend="protrain", dynamic=False)
     train_against_autocast(ref, ref_opt, compiled, opt)
     assert manager.pending_plan is None and manager.n_persist == protrain_fx.plan_of(model).n_persist
+
+
+@pytest.mark.gpu
+def test_a_waiting_managers_host_arena_is_let_go_when_placed():
+    """A model prepared with no plan holds a gradient shard in a host arena until the first compile places its
+    chunks; `place` builds the placed chunks' own, and the waiting one is freed (not pinned, which would hold it
+    until the model is freed: host memory the plan counted as reused)."""
+    import weakref
+
+    model = protrain_fx.prepare(models.build("llama", layers=4).to(torch.bfloat16))
+    manager = protrain_fx.manager_of(model)
+    waiting = weakref.ref(manager.arena)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="protrain", dynamic=False)
+    compiled(**{k: v.cuda() for k, v in models.batch("llama").items()}).loss.backward()
+    opt.step()
+    assert manager.pending_plan is None and manager.arena is not waiting()
+    gc.collect()
+    assert waiting() is None
 
 
 @pytest.mark.gpu

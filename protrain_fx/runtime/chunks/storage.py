@@ -148,7 +148,10 @@ class StorageMixin:
                 if masters is not None and pin and not self.master[c].is_pinned():  # (kept by `place_again`)
                     self._pinned[self.master[c].data_ptr()] = pin_in_place(self.master[c], self)
             reused = list(reused[:slots])
-            self.arena = pinned_arena(shard * self.master_bytes * (slots - len(reused)), self, pin=pin)
+            # (a pending manager's, which no training step uses, is not pinned: pinning would hold it until the
+            # manager is collected, and `place` replaces it)
+            waits = self.pending_plan is not None
+            self.arena = pinned_arena(shard * self.master_bytes * (slots - len(reused)), self, pin=pin and not waits)
             parts = [*reused, *(self.arena.view(self.master_dtype).split(shard) if slots > len(reused) else ())]
             if masters is None:
                 for c in offloaded:
