@@ -30,7 +30,7 @@ from protrain_fx.backend.record import RUNTIME_ATTR, GraphCompile, GraphRecord
 from protrain_fx.capture import FrameRoots, build_block_map, build_param_map, find_frame_roots
 from protrain_fx.debug.dump import GRAPHS_FILE, PLANNING_FILE, Dumper
 from protrain_fx.passes.pipeline import GRAPH_PASSES, JOINT_PASSES, PassContext, run_passes
-from protrain_fx.planner.calibrate import plan_phases
+from protrain_fx.planner.calibrate import device_phases
 from protrain_fx.planner.cost import Candidate, CostModel
 from protrain_fx.planner.inputs import retimed
 from protrain_fx.planner.plan import Plan
@@ -183,7 +183,7 @@ def _monitor(c: GraphCompile, roots: FrameRoots, manager) -> StepMonitor | None:
         if record.costs is not None and record.planning is not None
         else None
     )
-    phases = functools.partial(plan_phases, record.costs, record.plan) if record.costs is not None else None
+    phases = functools.partial(device_phases, record.costs, record.plan) if record.costs is not None else None
     report = REPLANNED_REPORT if loop is not None and loop.switched else REPORT_FILE
     record.monitor = StepMonitor(
         c.device,

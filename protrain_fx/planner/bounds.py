@@ -5,6 +5,7 @@ times configurations in the order of these and stops once they pass the times it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -14,10 +15,21 @@ if TYPE_CHECKING:
     from protrain_fx.planner.cost import Candidate, ModeTerms
 
 
-class StepBounds:
-    """Lower bounds of `Timeline.step_s`: a base of `CostModel`, whose fields and timelines these read. Both add the
-    calibrated time outside the phases (`step_offset_s`) that `step_s` adds."""
+def _plus_step_offset(bound):
+    """A bound as its body computes it plus the calibrated time outside the phases that `step_s` adds to every plan
+    (`CostModel.step_offset_s`)."""
 
+    @functools.wraps(bound)
+    def with_offset(self, *args, **kwargs) -> float:
+        return bound(self, *args, **kwargs) + self.step_offset_s
+
+    return with_offset
+
+
+class StepBounds:
+    """Lower bounds of `Timeline.step_s`: a base of `CostModel`, whose fields and timelines these read."""
+
+    @_plus_step_offset
     def step_floor_s(
         self,
         config: Candidate,
@@ -25,30 +37,6 @@ class StepBounds:
         *,
         host_scales: Sequence[float] = (1.0,),
         clip_weight: float = 0.0,
-    ) -> float:
-        """`_step_floor_s` with the calibrated time outside the phases (`step_offset_s`), as `step_s` has it."""
-        return self._step_floor_s(config, terms, host_scales=host_scales, clip_weight=clip_weight) + self.step_offset_s
-
-    def step_bound_s(
-        self,
-        config: Candidate,
-        terms: ModeTerms | None = None,
-        *,
-        host_scales: Sequence[float] = (1.0,),
-        clip_weight: float = 0.0,
-    ) -> float:
-        """`_step_bound_s` with the calibrated time outside the phases (`step_offset_s`), as `step_s` has it."""
-        if self.n_chunk == 0:  # (no chunk: nothing waits for a clip)
-            return self.step_s(config)
-        return self._step_bound_s(config, terms, host_scales=host_scales, clip_weight=clip_weight) + self.step_offset_s
-
-    def _step_floor_s(
-        self,
-        config: Candidate,
-        terms: ModeTerms | None,
-        *,
-        host_scales: Sequence[float],
-        clip_weight: float,
     ) -> float:
         """A lower bound of `step_bound_s(config)`, so of `step_s`, in a few operations (no copy laid out). The
         forward takes no less than its compute, the uploads of the chunks it loads one after another (each at least
@@ -89,13 +77,14 @@ class StepBounds:
         clipped = backward + self._gpu_optim_s(config, early=False) + max(forward, work + waits if offloaded else 0.0)
         return (1 - clip_weight) * unclipped + clip_weight * clipped
 
-    def _step_bound_s(
+    @_plus_step_offset
+    def step_bound_s(
         self,
         config: Candidate,
-        terms: ModeTerms | None,
+        terms: ModeTerms | None = None,
         *,
-        host_scales: Sequence[float],
-        clip_weight: float,
+        host_scales: Sequence[float] = (1.0,),
+        clip_weight: float = 0.0,
     ) -> float:
         """A lower bound of `step_s(config)` at a fraction of its cost: the first pass of the timelines alone
         (every copy at its idle rate, which no copy beats beside other work); and the host's AdamW at its fastest
@@ -106,6 +95,8 @@ class StepBounds:
         as profiled (`step_s(config, clipped=0)`): the device's AdamW adds all its time after the backward (which
         ends no sooner than that pass has it), the host's starts only then, and the next forward's upload of the
         chunk last stepped and the last chunk's compute follow it (on the CPU the host's work adds, as unclipped)."""
+        if self.n_chunk == 0:  # (no chunk: nothing waits for a clip; the offset is added back)
+            return self.step_s(config) - self.step_offset_s
         per = terms.per_chunk if terms is not None and terms.per_chunk is not None else self._per_chunk(config)
         link = Link(self.hardware)
         forward, backward = self._forward_timeline(config, per, link), self._backward_timeline(config, per, link)

@@ -105,16 +105,13 @@ def fit_compute(costs: CostModel, plan: Plan, forward_s: float, backward_s: floa
     the host's updates, which a forward sits through on the device) at `forward_s` and its backward at
     `backward_s`, as training measured them; 1.0 for a phase the compute does not explain (module docstring)."""
 
-    def forward(scale: float, bwd: float) -> float:
-        t = plan_phases(compute_scaled(costs, scale, bwd), plan)
-        return t["forward_s"] + t["cpu_optim_wait_s"]
+    def phases(fwd: float, bwd: float) -> tuple[float, float]:
+        return device_phases(compute_scaled(costs, fwd, bwd), plan)
 
     fwd = bwd = 1.0
     for _ in range(FIT_ROUNDS):  # (the forward's wait for the host depends on when the backward's updates ran)
-        fwd = _fit(lambda scale, bwd=bwd: forward(scale, bwd), forward_s)
-        bwd = _fit(
-            lambda scale, fwd=fwd: plan_phases(compute_scaled(costs, fwd, scale), plan)["backward_s"], backward_s
-        )
+        fwd = _fit(lambda scale: phases(scale, bwd)[0], forward_s)  # noqa: B023 (called at once, in the loop)
+        bwd = _fit(lambda scale: phases(fwd, scale)[1], backward_s)  # noqa: B023
     return fwd, bwd
 
 
@@ -165,6 +162,13 @@ def plan_phases(costs: CostModel, plan: Plan) -> dict[str, float]:
     """The terms of the plan's step time (`Timeline.phases`: forward, backward, optimizer, the wait for the host),
     its block modes and gradient slots held."""
     return _held(costs, plan).phases(_candidate(plan))
+
+
+def device_phases(costs: CostModel, plan: Plan) -> tuple[float, float]:
+    """The plan's forward and backward phases as the step monitor measures them on the device: the forward with the
+    wait for the host's updates it sits through, and the backward (runtime/monitor.py `measured_phases`)."""
+    t = plan_phases(costs, plan)
+    return t["forward_s"] + t["cpu_optim_wait_s"], t["backward_s"]
 
 
 def _held(costs: CostModel, plan: Plan) -> CostModel:

@@ -63,14 +63,15 @@ class StepMonitor:
         manager=None,
         hardware: HardwareProfile | None = None,
         retime: Callable[[HardwareProfile], Plan] | None = None,
-        phases: Callable[[], dict[str, float]] | None = None,
+        phases: Callable[[], tuple[float, float]] | None = None,
         warmup: int = WARMUP_STEPS,
         steps: int = MEASURED_STEPS,
         report_file: str = REPORT_FILE,
     ):
         """`dumper`: where the report is written (None: kept only); `manager`: the model's ChunkManager (held
         weakly), whose host updates are timed; `hardware`: the profile the plan was timed with; `retime`: the plan
-        timed again on another hardware profile; `phases`: the plan's predicted step terms (`Timeline.phases`)."""
+        timed again on another hardware profile; `phases`: the plan's predicted forward and backward phases
+        (planner/calibrate.py `device_phases`)."""
         self.device = torch.device(device)
         self.plan, self.dumper, self.hardware, self.retime = plan, dumper, hardware, retime
         self.phases = phases
@@ -164,10 +165,8 @@ class StepMonitor:
         phases = self.measured_phases()
         if phases is not None:
             report["measured_forward_s"], report["measured_backward_s"] = phases
-        if self.phases is not None:  # as predicted: the forward with its wait for the host's updates
-            t = self.phases()
-            report["predicted_forward_s"] = t["forward_s"] + t["cpu_optim_wait_s"]
-            report["predicted_backward_s"] = t["backward_s"]
+        if self.phases is not None:
+            report["predicted_forward_s"], report["predicted_backward_s"] = self.phases()
         report.update(self._host_adam())
         scale = host_scale(report)
         if scale is not None and self.retime is not None:
