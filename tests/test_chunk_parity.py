@@ -263,6 +263,38 @@ def test_offloaded_chunks_share_the_host_gradient_shards_of_the_plan(monkeypatch
     assert len(manager._free_grads) == 1 and not manager.grad
 
 
+@pytest.mark.parametrize("plan", [PLANS["in-between"], SHARED_GRADIENTS], ids=["own-shards", "shared-shards"])
+def test_zero_grad_after_the_step_leaves_the_host_updates_running(monkeypatch, plan):
+    """`optimizer.zero_grad()` after the step returns while the offloaded chunks' host updates still run (each
+    slowed here): the next forward waits for a chunk's update only as it gathers the chunk, so it starts beside
+    them. Training stays bitwise eager's, with the host gradient shards each chunk's own or shared in turn."""
+    import time
+
+    from protrain_fx.host_queue import HostQueue
+
+    submit = HostQueue.submit
+
+    def slow_submit(self, chunk, copied, fn):
+        return submit(self, chunk, copied, lambda: (time.sleep(0.02), fn()))
+
+    monkeypatch.setattr(HostQueue, "submit", slow_submit)
+    running, holder = [], {}
+
+    def after_step(step):  # just after zero_grad: how many host updates of the step are still queued or running
+        manager = protrain_fx.manager_of(holder["model"])
+        running.append(sum(not f.done() for f in manager._pending.values()))
+
+    ref = models.build("gpt2")
+    model = holder["model"] = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan}))
+    assert train(compiled, "gpt2", 4, opt=opt, after_step=after_step) == train(ref, "gpt2", 4, opt=ref_opt)
+    state = protrain_fx.full_state_dict(model)
+    assert all(torch.equal(state[name], value) for name, value in ref.state_dict().items())
+    assert max(running) > 0, running
+
+
 # plan (gpt2), the error where the memory for a step's gradients is not there, and the one for a
 # backward adding to the gradients of a step already taken
 SHARING = {

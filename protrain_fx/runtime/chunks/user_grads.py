@@ -134,7 +134,7 @@ class GradAccessMixin:
         candidates = self._chunk_params[chunk] if indices is None else indices
         dropped = [i for i in candidates if i in self.params_with_grad and self.param_grads.cleared(i)]
         if dropped:
-            if chunk >= self.n_persist:
+            if chunk >= self.n_persist and not self._update_gives_back(chunk, dropped):
                 self.wait_for_update(chunk)  # (its copy to the host landed)
             what = f"dropping the gradient of {self.slots[dropped[0]].name!r}"
             self._check_not_started([chunk], what)
@@ -146,6 +146,14 @@ class GradAccessMixin:
     def reconcile_all(self) -> None:
         for chunk in sorted(self.has_grad):
             self._reconcile(chunk)
+
+    def _update_gives_back(self, chunk: int, dropped: Sequence[int]) -> bool:
+        """Whether the offloaded chunk's whole gradient is dropped while its queued update still reads it and gives
+        its host shard back itself (or the shard is the chunk's own): then dropping it need not wait for the update,
+        which the next forward's gather of the chunk waits for (`zero_grad` after `step()` would otherwise hold the
+        loop until every host update of the step has run, and the next forward would not start beside them)."""
+        whole = len(dropped) == sum(1 for i in self._chunk_params[chunk] if i in self.params_with_grad)
+        return whole and (not self.host_grads.shared or chunk in self.host_grads.giving)
 
     def _drop(self, chunk: int, indices: Sequence[int]) -> None:
         """The parameters' gradients leave the chunk; a chunk left without any forgets its gradient (a shared
