@@ -278,14 +278,13 @@ def test_zero_grad_after_the_step_leaves_the_host_updates_running(monkeypatch, p
         return submit(self, chunk, copied, lambda: (time.sleep(0.02), fn()))
 
     monkeypatch.setattr(HostQueue, "submit", slow_submit)
-    running, holder = [], {}
+    ref = models.build("gpt2")
+    model = copy.deepcopy(ref)
+    running = []
 
     def after_step(step):  # just after zero_grad: how many host updates of the step are still queued or running
-        manager = protrain_fx.manager_of(holder["model"])
-        running.append(sum(not f.done() for f in manager._pending.values()))
+        running.append(sum(not f.done() for f in protrain_fx.manager_of(model)._pending.values()))
 
-    ref = models.build("gpt2")
-    model = holder["model"] = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan}))
