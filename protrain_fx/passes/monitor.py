@@ -33,18 +33,19 @@ def step_mark_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     phase = FORWARD_END if ctx.stage == "forward" else BACKWARD_END
     with graph.inserting_before(output):
-        graph.call_function(torch.ops.protrain.phase_mark.default, (ctx.monitor.handle, phase, _last_values(graph)))
+        graph.call_function(
+            torch.ops.protrain.phase_mark.default, (ctx.monitor.handle, phase, _last_values(graph, output))
+        )
     graph.lint()
     gm.recompile()
     return gm
 
 
-def _last_values(graph: fx.Graph) -> list[fx.Node]:
+def _last_values(graph: fx.Graph, output: fx.Node) -> list[fx.Node]:
     """The tensors the end mark waits for, none of which it keeps alive longer than the graph does: the outputs,
     and the last tensor a node computes (a chunked backward's outputs may hold none: its gradients go to
     `reduce_grads`). Not what the side-effecting ops take: the mark would keep a swapped activation or a
     gradient on the device to the graph's end."""
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
     found = dict.fromkeys(a for a in tree_leaves(output.args) if _is_tensor(a))
     last = next((n for n in reversed(graph.nodes) if n.op == "call_function" and _is_tensor(n)), None)
     if last is not None:

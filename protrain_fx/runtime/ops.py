@@ -13,7 +13,7 @@
     protrain.swap_prefetch(space, [slot, ...], after)          # backward, a block's tensors ahead of their use,
     t = protrain.swap_in(space, slot, h)                       # backward, before the first use
     protrain.step_mark(monitor, x)                             # forward start: a step (runtime/monitor.py)
-    protrain.phase_mark(monitor, phase, [out, ...])            # forward or backward end, after its outputs
+    protrain.phase_mark(monitor, phase, [out, ...])            # forward or backward end, after its last values
     x2 = protrain.after(x, [values])                           # backward: x, copied once `values` exist
 
 Ordering comes from data dependencies: every read of a parameter goes through its chunk's `gather`
@@ -140,7 +140,8 @@ def _(monitor: int, first: torch.Tensor) -> None:
 
 @torch.library.custom_op("protrain::phase_mark", mutates_args=())
 def phase_mark(monitor: int, phase: int, after: list[torch.Tensor]) -> None:
-    """`after`: the graph's outputs, which order the mark after the graph's work."""
+    """`after`: the graph's outputs and the last tensor it computes (passes/monitor.py), which order the mark after
+    the graph's work."""
     _manager(monitor).phase_mark(phase)
 
 
