@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import importlib
 import json
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +92,9 @@ def runnable(systems: list[str]) -> list[str]:
 
 
 def worker(args: argparse.Namespace) -> int:
+    # `kill -USR1 <pid>` (or `timeout -s USR1`): every thread's stack to stderr, also from inside a compile or a wait
+    # in native code, where an interrupt prints nothing
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     spec = ModelSpec.from_args(args)
     try:
         names = (
@@ -295,6 +300,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plans", default="[{}]", help="JSON list of plans forced on protrain-chunks ({} searches)")
     p.add_argument("--out", default="out/predict.json", help="where the JSON report goes ('' for none)")
     p.add_argument("--keep-dumps", default="", help="keep each plan's dump directory here, as plan<i>")
+    p.add_argument("--nproc", type=int, default=1, help="ranks under torchrun, one GPU each; rank 0's graphs report")
     p.set_defaults(func=lambda args: _lazy("predict", "predict")(args))
     p = sub.add_parser("from-dump", help="dumped graphs planned again by the current planner, against their steps")
     p.add_argument("dumps", nargs="+", help="dump directories (every rank<r>/graph<k> below is planned again)")

@@ -1,6 +1,7 @@
 """`python -m bench predict`: the planner's predicted step time and peak memory against the measured ones.
 
     python -m bench predict --preset 1b --batch 8 --plans '[{}, {"n_checkpoint": 8}, {"n_persist": 4}]'
+    python -m bench predict --preset 5.5b --nproc 2 --plans '[{}]'     # two ranks under torchrun
 
 Each plan (fields forced on `protrain-chunks`; `{}` is the searched plan) trains in its own worker process with a
 dump directory, so that the backend's step monitor writes `predicted_vs_measured.json` (runtime/monitor.py:
@@ -40,7 +41,7 @@ def predict(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="protrain-predict-") as tmp:
             dump = Path(args.keep_dumps) / f"plan{i}" if args.keep_dumps else Path(tmp)
             run = argparse.Namespace(**{**vars(args), "plan": json.dumps(plan), "dump_dir": str(dump)})
-            result = _run_worker("protrain-chunks", run)
+            result = _run_worker("protrain-chunks", run, nproc=args.nproc)
             rows.append({"forced": plan, "result": result, "graphs": _graph_files(dump)})
     print(format_table(rows))
     print(summary(rows))
