@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from protrain_fx.planner.chunking import ALIGN, ParamInfo, layout_at, search_layout
+from protrain_fx.planner.chunking import ALIGN, WASTE_TIE, ParamInfo, layout_at, search_layout
 
 
 def toy_params(blocks=3, per_block=(1000, 3000, 500), embed=2000, head=1500):
@@ -45,6 +45,25 @@ def test_search_minimizes_waste_over_its_grid():
     # every aligned size of the search range: from the largest parameter (3000) to twice the largest block (9000)
     for elems in range(ALIGN * 47, 2 * 4500 + 1, ALIGN):
         assert best.waste_bytes <= layout_at(params, elems, 2, 1).waste_bytes
+
+
+def test_sizes_wasting_a_hair_more_count_as_tied_and_the_largest_wins():
+    """Many blocks of two equal parameters: chunks of one parameter waste least (only beside the embedding and the
+    head), block-sized or larger ones a few thousand bytes more, under WASTE_TIE of the parameters' bytes: the
+    search takes the larger chunks, half as many or fewer."""
+    half = 8 * ALIGN
+    params = [ParamInfo("embed", half // 2, None)]
+    params += [ParamInfo(f"blocks.{b}.p{i}", half, b) for b in range(200) for i in range(2)]
+    params += [ParamInfo("head", half // 2, None)]
+    tight = layout_at(params, half, 2, 1)  # the grid's smallest size: the largest parameter
+    best = search_layout(params, element_size=2)
+    assert best.waste_bytes > tight.waste_bytes  # (a near tie, not a tie)
+    assert best.waste_bytes <= tight.waste_bytes + WASTE_TIE * sum(p.numel for p in params) * 2
+    assert best.chunk_elems >= 2 * half and best.n_chunk <= tight.n_chunk // 2
+    # with three blocks any difference is over the tie (it is a multiple of ALIGN elements): the least waste wins
+    few = params[:7] + params[-1:]
+    least = search_layout(few, element_size=2)
+    assert all(least.waste_bytes <= layout_at(few, e, 2, 1).waste_bytes for e in range(half, 4 * half + 1, ALIGN))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

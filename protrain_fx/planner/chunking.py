@@ -7,7 +7,9 @@ embedding, which the head reads at the end) gets a chunk of its own: the graph g
 reads and releases it between (passes/chunks.py), so it holds a buffer only while read, and gathering it again loads
 that parameter alone, not the first block with it. Parameters of different groups (the optimizers stepping them) never
 share a chunk. The chunk size is chosen by a grid search that simulates the layout at each candidate size and keeps the
-one wasting the fewest bytes (ties: the larger size, for fewer transfers). Every chunk is padded to a multiple of
+one wasting the fewest bytes; sizes wasting at most WASTE_TIE of the parameters' bytes more count as tied, and the
+largest of them wins: fewer chunks mean fewer transfers and fewer persistent counts for the search to time (a
+GPT-NeoX of 5.5B wastes 3 MiB less in 41 chunks of 262 MiB than in 14 of 768 MiB). Every chunk is padded to a multiple of
 `world_size * ALIGN` elements, so each rank's shard of a chunk has the same size for any world size.
 
 Search range: from the largest parameter (a parameter is never split) to twice the largest block (so that
@@ -23,6 +25,7 @@ from typing import Any
 
 ALIGN = 64  # elements; shards start on 128-byte (bf16) / 256-byte (fp32) boundaries
 GRID_POINTS = 48
+WASTE_TIE = 0.005  # share of the parameters' bytes within which two sizes' waste counts as equal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +123,8 @@ def layout_at(params: Sequence[ParamInfo], chunk_elems: int, element_size: int, 
 def search_layout(
     params: Sequence[ParamInfo], element_size: int, world_size: int = 1, *, chunk_bytes: int | None = None
 ) -> ChunkLayout:
-    """The least wasteful layout (see the module docstring); `chunk_bytes` forces the size instead."""
+    """The least wasteful layout, of the largest chunks among near ties (module docstring); `chunk_bytes` forces the
+    size instead."""
     if not params:
         raise ValueError("the model has no trainable parameters to lay out in chunks")
     align = world_size * ALIGN
@@ -138,4 +142,5 @@ def search_layout(
     ratio = (hi / lo) ** (1 / (GRID_POINTS - 1)) if hi > lo else 1.0
     candidates = sorted({_round_up(math.ceil(lo * ratio**i), align) for i in range(GRID_POINTS)})
     layouts = [layout_at(params, c, element_size, world_size) for c in candidates]
-    return min(layouts, key=lambda layout: (layout.waste_bytes, -layout.chunk_elems))
+    tied = min(layout.waste_bytes for layout in layouts) + WASTE_TIE * sum(p.numel for p in params) * element_size
+    return max((layout for layout in layouts if layout.waste_bytes <= tied), key=lambda layout: layout.chunk_elems)
