@@ -157,3 +157,19 @@ def test_each_command_keeps_its_own_run_defaults():
     assert all(
         (runs[c].steps, runs[c].warmup) == (RUN_FLAGS["steps"], RUN_FLAGS["warmup"]) for c in ("predict", "compare")
     )
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_predict_runs_each_plan_on_nproc_ranks(monkeypatch, tmp_path, nproc):
+    """`--nproc N` starts each plan's worker under torchrun with N ranks (one process without it)."""
+    import bench.cli
+
+    commands = []
+    monkeypatch.setattr(bench.cli, "run_for_result", lambda cmd, system: commands.append(cmd) or {"error": "none"})
+    argv = ["predict", "--plans", '[{}, {"n_persist": 1}]', "--out", "", "--nproc", str(nproc)]
+    assert bench.cli.main(argv) == 1  # (every plan "failed": no worker ran)
+    assert len(commands) == 2
+    for cmd in commands:
+        launched = "torch.distributed.run" in cmd and f"--nproc_per_node={nproc}" in cmd
+        assert launched == (nproc > 1), cmd
+        assert cmd[cmd.index("--system") + 1] == "protrain-chunks"
