@@ -151,7 +151,6 @@ class Timeline:
         n = self.n_chunk
         recompute, swapped = self._block_extras(config)
         fwd_c, bwd_c, rec_c, out_c, in_c = ([0.0] * n for _ in range(5))
-        again = [sum(1 for chunk, at in self.regathers if at == c and chunk >= config.n_persist) for c in range(n)]
         fwd_c[0] += self.other_fwd_s[0]
         fwd_c[n - 1] += self.other_fwd_s[1]
         bwd_c[0] += self.other_bwd_s[0]
@@ -172,8 +171,15 @@ class Timeline:
             "recompute": rec_c,
             "swap_out": out_c,
             "swap_in": in_c,
-            "regather": again,
+            "regather": self._regathered(config),
         }
+
+    def _regathered(self, config: Candidate) -> list[int]:
+        """Per chunk, the offloaded chunks the forward gathers again beside it (`regathers`): with `n_persist`, not
+        the block modes alone."""
+        return [
+            sum(1 for chunk, at in self.regathers if at == c and chunk >= config.n_persist) for c in range(self.n_chunk)
+        ]
 
     def _forward_timeline(
         self, config: Candidate, per: dict[str, list[float]], link: Link, ready: Sequence[float] | None = None
