@@ -160,7 +160,7 @@ def test_each_command_keeps_its_own_run_defaults():
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_predict_runs_each_plan_on_nproc_ranks(monkeypatch, tmp_path, nproc):
+def test_predict_runs_each_plan_on_nproc_ranks(monkeypatch, nproc):
     """`--nproc N` starts each plan's worker under torchrun with N ranks (one process without it)."""
     import bench.cli
 

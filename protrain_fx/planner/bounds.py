@@ -99,7 +99,7 @@ class StepBounds:
             return self.step_s(config) - self.step_offset_s
         if terms is None or terms.per_chunk is None:
             per = self._per_chunk(config)
-        else:  # (the terms are the block layout's: the chunks gathered again are this configuration's)
+        else:  # (the terms are the block layout's; the chunks gathered again, this configuration's)
             per = {**terms.per_chunk, "regather": self._regathered(config)}
         link = Link(self.hardware)
         forward, backward = self._forward_timeline(config, per, link), self._backward_timeline(config, per, link)

@@ -76,8 +76,7 @@ class ModeTerms:
     activation_peak: int  # `CostModel.activation_peak` of its modes
     recompute_s: float  # seconds its blocks recompute in the backward
     swapped_bytes: int  # bytes its swapped blocks keep on the host
-    # `CostModel._per_chunk` but its `regather` counts, which depend on `n_persist` (None without chunks)
-    per_chunk: dict[str, list[float]] | None
+    per_chunk: dict[str, list[float]] | None  # `CostModel._per_chunk_of_modes` (None without chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,10 +303,5 @@ class CostModel(MemoryModel, Timeline, StepBounds):
             activation_peak=self.activation_peak(modes) if chunks else 0,
             recompute_s=sum(self.recompute_s(b, m) for b, m in enumerate(modes)),
             swapped_bytes=sum(self.saving(b, m) for b, m in enumerate(modes) if m == "swap"),
-            per_chunk=_without_regathers(self._per_chunk(config)) if chunks and self.n_chunk else None,
+            per_chunk=self._per_chunk_of_modes(config) if chunks and self.n_chunk else None,
         )
-
-
-def _without_regathers(per: dict[str, list]) -> dict[str, list]:
-    """`CostModel._per_chunk`'s parts that the block modes alone set (`ModeTerms.per_chunk`)."""
-    return {k: v for k, v in per.items() if k != "regather"}

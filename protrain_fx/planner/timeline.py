@@ -145,9 +145,13 @@ class Timeline:
         return recompute, swapped
 
     def _per_chunk(self, config: Candidate) -> dict[str, list[float]]:
-        """Each chunk's share of the work: seconds of forward and backward compute and of recompute, bytes of the
-        swap-out copies (forward) and swap-in copies (backward) that run beside it, and the offloaded chunks the
-        forward gathers again beside it (`regathers`)."""
+        """Each chunk's share of the work (`_per_chunk_of_modes`) and the offloaded chunks the forward gathers again
+        beside it (`_regathered`)."""
+        return {**self._per_chunk_of_modes(config), "regather": self._regathered(config)}
+
+    def _per_chunk_of_modes(self, config: Candidate) -> dict[str, list[float]]:
+        """What of each chunk's share of the work the block modes alone set: seconds of forward and backward compute
+        and of recompute, bytes of the swap-out copies (forward) and swap-in copies (backward) that run beside it."""
         n = self.n_chunk
         recompute, swapped = self._block_extras(config)
         fwd_c, bwd_c, rec_c, out_c, in_c = ([0.0] * n for _ in range(5))
@@ -171,7 +175,6 @@ class Timeline:
             "recompute": rec_c,
             "swap_out": out_c,
             "swap_in": in_c,
-            "regather": self._regathered(config),
         }
 
     def _regathered(self, config: Candidate) -> list[int]:
