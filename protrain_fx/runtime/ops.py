@@ -208,12 +208,14 @@ has_side_effect(torch.ops.protrain.reduce_grads.default)
 
 def register_inductor_lowering() -> None:
     """Lower `gather` and `swap_out` as fallback kernels whose outputs inductor never reuses for another buffer:
-    they are a chunk buffer and a host swap slot, whose contents must survive until read again. And keep the
-    attention's stride rule where a checkpointed block recomputes it (`_dense_recomputed_attention`)."""
+    they are a chunk buffer and a host swap slot, whose contents must survive until read again; the other ops as
+    plain fallbacks (`_explicit_fallbacks`). And keep the attention's stride rule where a checkpointed block
+    recomputes it (`_dense_recomputed_attention`)."""
     from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
     from torch._inductor.virtualized import V
 
     _dense_recomputed_attention(lowerings)
+    _explicit_fallbacks(lowerings)
 
     for op in (torch.ops.protrain.gather.default, torch.ops.protrain.swap_out.default):
         if op in lowerings:
@@ -226,6 +228,36 @@ def register_inductor_lowering() -> None:
             return out
 
         register_lowering(op, type_promotion_kind=None)(lowering)
+
+
+_PLAIN_FALLBACKS = (
+    "prefetch",
+    "release",
+    "materialize",
+    "reduce_grads",
+    "step_mark",
+    "phase_mark",
+    "swap_settle",
+    "swap_prefetch",
+    "swap_in",
+    "after",
+)
+
+
+def _explicit_fallbacks(lowerings: dict) -> None:
+    """Every protrain op but `gather` and `swap_out` lowered as a fallback kernel, with the layout rule inductor's
+    implicit fallback would give it. The implicit path logs the op's arguments, and torch 2.11 formats that
+    message even where the log is off: an argument's unrealized IR prints as a tree, which grows exponentially
+    where subexpressions are shared (GPT-NeoX's parallel residual) and stalled a 5.5B compile for minutes."""
+    from torch._inductor.lowering import make_fallback, tag_to_layout_constraint
+    from torch._library.utils import get_layout_constraint_tag
+
+    for name in _PLAIN_FALLBACKS:
+        op = getattr(torch.ops.protrain, name).default
+        if op in lowerings:
+            continue
+        constraint = tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        make_fallback(op, layout_constraint=constraint, warn=False)
 
 
 _ATTENTION = (
