@@ -32,6 +32,17 @@ H100_LIKE = HardwareProfile(
 )
 
 
+# H100_LIKE on two ranks, for the gloo tests to plan with in place of the profile measured under whatever load they
+# run with (its collectives of small chunks move by several times between runs): ring collectives (an all-reduce
+# takes as long as a reduce-scatter and an all-gather) and the host's AdamW ten times the device's, so that
+# offloading a chunk always costs more than keeping it on the device
+RING = [(2**20, 1e-4), (2**30, 0.1)]  # a reduce-scatter's or an all-gather's (message bytes, seconds)
+TWO_RANKS = dataclasses.replace(
+    H100_LIKE,
+    collectives={"all_gather": RING, "reduce_scatter": RING, "all_reduce": [(b, 2 * s) for b, s in RING]},
+)
+
+
 def synthetic(n_block=8, n_chunk=6, seed=0, block_saved=1 * GiB, chunk_elems=2**28) -> CostModel:
     """A transformer-like model: activations pile up over the forward and drain over the backward."""
     rng = random.Random(seed)
