@@ -3,8 +3,8 @@ is calibrated to what training measured and searched again; a plan enough faster
 its chunks and their AdamW states moved where its chunk fields differ.
 
 On the CPU the host AdamW is a small share of a step, and its rate against the compute's varies with the machine
-and its load: the tests set the hardware profile's host rates so that the model's whole update takes HOST_SHARE of
-the graph's profiled forward (the balance of a machine whose host work weighs as a GPU machine's does), plan under
+and its load: the tests plan with a fixed hardware profile (cost_models.H100_LIKE, TWO_RANKS on two ranks), its
+host rates set so that the model's whole update takes HOST_SHARE of the graph's profiled forward (the balance of a machine whose host work weighs as a GPU machine's does), plan under
 a GPU budget where the search offloads, and inject training's host rate SLOWER times the plan's prediction (the
 monitor's `_host_adam`). Tolerance: bitwise, as in test_chunk_parity (fp32 on the CPU, the same fused AdamW kernel
 on views), across the switch and after it.
@@ -20,7 +20,7 @@ from unittest import mock
 import models
 import pytest
 import torch
-from cost_models import TWO_RANKS
+from cost_models import H100_LIKE, TWO_RANKS
 from test_chunk_distributed import spawn_gloo
 from test_search_recorded import RECORDED
 
@@ -63,13 +63,12 @@ def _llama() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def _host_weighing(monkeypatch, backend, params: int) -> None:
-    """The hardware profile the backend plans with: its host rates such that `params` parameters' update takes
-    HOST_SHARE of the forward of the graph being planned."""
-    real = planning_module.hardware_profile
+def _host_weighing(monkeypatch, backend, params: int, hardware=H100_LIKE) -> None:
+    """The hardware profile the backend plans with: `hardware` (not the one measured under the tests' load, whose
+    copy, collective and device AdamW rates move between runs), its host rates such that `params` parameters'
+    update takes HOST_SHARE of the forward of the graph being planned."""
 
     def hardware_profile(device):
-        hardware = real(device)
         seconds = HOST_SHARE * backend.graphs[-1].profile.forward_s
         return hardware.host_slower(seconds / (params * hardware.host_adam_s_per_param))
 
@@ -153,7 +152,8 @@ def test_a_slower_host_switches_the_plan_and_training_stays_eager(monkeypatch, t
     assert replan["switched"] and replan["calibration"] == fitted
     report = json.loads((folder / "predicted_vs_measured.json").read_text())
     phases = report["measured_forward_s"], report["measured_backward_s"]
-    assert 0 < min(phases) and sum(phases) < report["measured_step_s"]
+    # (parts of the step; each a median of its own series, so their sum can pass the step's median by a hair)
+    assert 0 < min(phases) and sum(phases) < 1.1 * report["measured_step_s"]
     assert report["predicted_forward_s"] > 0 and report["predicted_backward_s"] > 0
     assert replan["plan"]["n_persist"] == last.n_persist and replan["before"]["n_persist"] == first.n_persist
     assert replan["gain"] > replan["margin"]
@@ -233,7 +233,7 @@ def _ranks_switch_alike(rank: int, world: int) -> None:
     )
     calibration = Calibration(host=RANKS_SLOWER, alpha=1.0 + 0.05 * rank)
     trained = mock.patch.object(replan_module, "calibration_of", lambda report: calibration)
-    with _planned_for_two_ranks(), profiled, trained, pytest.MonkeyPatch.context() as monkeypatch:
+    with profiled, trained, pytest.MonkeyPatch.context() as monkeypatch:
         options = {"gpu_memory_bytes": RANKS_GPU_BYTES, "plan": KEEP_ACTIVATIONS}
         first, last = _ranks_train(rank, world, options, prepared=True, monkeypatch=monkeypatch)
     assert last.n_persist > first.n_persist, f"rank {rank}: {first} then {last}"
@@ -258,7 +258,7 @@ def _ranks_train(rank: int, world: int, options: dict, *, prepared: bool = False
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     backend = protrain_fx.ProTrainBackend({"executor": "eager", **options})
     if monkeypatch is not None:
-        _host_weighing(monkeypatch, backend, sum(p.numel() for p in ref.parameters()) // world)
+        _host_weighing(monkeypatch, backend, sum(p.numel() for p in ref.parameters()) // world, TWO_RANKS)
     plans = []
     losses = _train(torch.compile(model, backend=backend, dynamic=False), opt, STEPS, plans)
     assert losses == _train(ref, ref_opt, STEPS), f"rank {rank}"
