@@ -36,7 +36,7 @@ from protrain_fx.debug.from_dump import read_dump
 from protrain_fx.planner.cost import Candidate, CostModel
 from protrain_fx.planner.inputs import PlanningInputs, cost_model
 from protrain_fx.planner.plan import Plan
-from protrain_fx.planner.search import SEARCHED, brute_force, plan_graph
+from protrain_fx.planner.search import SEARCHED, candidates, plan_graph
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile
 
@@ -184,7 +184,7 @@ def capacities(dumped: _Dumped, fractions: list[float]) -> list[int]:
     needs (predicted reserved bytes, by `dumped`'s profile)."""
     costs = dumped.costs({})
     everything = costs.reserved_bytes(Candidate(costs.n_chunk))
-    least = min(costs.reserved_bytes(config, peak) for config, _, peak in brute_force(costs, None))
+    least = min(costs.reserved_bytes(row[0]) for row in candidates(costs, {}) if row)  # (rows grow in memory)
     return [int(least + (everything - least) * f) for f in fractions]
 
 
