@@ -13,7 +13,7 @@ from cost_models import H100_LIKE, GiB, beside_matmuls, capacities, linked, on_t
 import protrain_fx
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Candidate, CostModel
-from protrain_fx.planner.link import HostRates
+from protrain_fx.planner.link import HostRates, Link
 from protrain_fx.planner.plan import HOST_STATES, MIN_GRAD_SLOTS
 from protrain_fx.planner.search import (
     CLIP_WEIGHT,
@@ -455,7 +455,9 @@ def test_copies_beside_the_host_optimizer_run_slower():
     model = synthetic(n_chunk=6)
     offloaded, persistent = Candidate(n_persist=2, n_buffer=2), Candidate(n_persist=6, n_buffer=0)
     fast, slow = linked(model), linked(model, h2d_beside_host=1e9, both_beside_host=1e9)
-    assert slow.phases(offloaded)["backward_s"] > fast.phases(offloaded)["backward_s"] + model.shard_elems * 4 / 2e9
+    longer = slow.phases(offloaded)["backward_s"] - fast.phases(offloaded)["backward_s"]
+    upload = model.shard_elems * 4 * (1 / 1e9 - 1 / 50e9)  # what one upload takes longer wholly beside the host
+    assert 0.1 * upload < longer <= 2 * upload  # (the backward's 2 uploads, in part beside the host's AdamW)
     assert slow.step_s(persistent) == fast.step_s(persistent)
 
 
@@ -562,6 +564,19 @@ def test_host_optimizer_rate_follows_the_copies_beside_it():
     # from 3: 0.5 params beside uploads until 4, 0.5 beside both until 6, 2/3 beside downloads until 8, then 1
     # idle until 9 (the empty span is no copy)
     assert rates.end(3.0, 0.5 + 0.5 + 2 / 3 + 1.0) == pytest.approx(9.0)
+
+
+def test_a_copy_runs_at_the_rates_beside_what_runs_during_it():
+    """A copy to the device at 2 B/s alone and 1 B/s beside the host's AdamW (busy from 1 s to 2 s) runs at each
+    moment at the rate then, so its time moves smoothly with its start, as two profiles of one model move it."""
+    hardware = linked(synthetic(), rate=2.0, h2d_beside_host=1.0).hardware
+    link = Link(hardware, host=[(1.0, 2.0)])
+    assert link.seconds("h2d", 2.0, 0.0) == 1.0  # before the host's work
+    assert link.seconds("h2d", 3.0, 0.5) == pytest.approx(2.0)  # 0.5 s alone, 1 s beside it, 0.5 s alone
+    assert link.seconds("h2d", 1.0, 1.5) == pytest.approx(0.75)  # 0.5 s beside it, then 0.25 s alone
+    before, after = link.seconds("h2d", 3.0, 1.0 - 1e-6), link.seconds("h2d", 3.0, 1.0 + 1e-6)
+    assert after == pytest.approx(before, abs=1e-5)  # (at its start's rate alone: 1.5 s against 3.0 s)
+    assert link.seconds("d2h", 3.0, 0.5) == pytest.approx(1.5)  # (this profile's downloads run alike beside it)
 
 
 def test_copies_beside_the_host_optimizer_slow_offloaded_plans():

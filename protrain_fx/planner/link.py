@@ -76,12 +76,21 @@ class _Busy:
         i = bisect.bisect_right(self.starts, t) - 1
         return i >= 0 and t < self.ends[i]
 
+    def next_change(self, t: float) -> float:
+        """The first moment after `t` at which whether something runs changes (inf: none)."""
+        i = bisect.bisect_right(self.starts, t) - 1
+        if i >= 0 and t < self.ends[i]:
+            return self.ends[i]
+        return self.starts[i + 1] if i + 1 < len(self.starts) else math.inf
+
 
 class Link:
-    """Copy times over the host link: each copy runs at the rate measured beside what runs where it starts
+    """Copy times over the host link: a copy runs at each moment at the rate measured beside what runs then
     (HardwareProfile.link_bytes_per_s), as an earlier pass of the step's timelines found it: copies the other
     way (`forward`, `backward`: those timelines), the host's AdamW (`host`: its busy spans), both or neither;
-    on the step's clock (`step_clock`). Without an earlier pass every copy runs at the idle rate."""
+    on the step's clock (`step_clock`). Without an earlier pass every copy runs at the idle rate. (At the rate
+    where it starts alone, a shift of a fraction of a millisecond across a span's edge would change a copy's whole
+    time: two profiles of one model would predict apart.)"""
 
     def __init__(
         self,
@@ -102,8 +111,13 @@ class Link:
         if not nbytes:
             return 0.0
         at = start + self.next_forward if forward else start
-        other = self.busy["d2h" if way == "h2d" else "h2d"]
-        return nbytes / self.hardware.link_bytes_per_s(way, at in other, at in self.host)
+        other, t, left = self.busy["d2h" if way == "h2d" else "h2d"], at, float(nbytes)
+        while True:
+            rate = self.hardware.link_bytes_per_s(way, t in other, t in self.host)
+            until = min(other.next_change(t), self.host.next_change(t))
+            if t + left / rate <= until:
+                return t + left / rate - at
+            left, t = left - (until - t) * rate, until
 
     def copy(self, way: str, nbytes: float, start: float, spans: list, *, forward: bool = False) -> float:
         """When a copy begun at `start` ends (as `seconds`), its (start, end) added to a timeline's `spans`."""

@@ -36,7 +36,7 @@ each is laid out chunk by chunk on three lanes, the compute and the link's two w
   a chunk gathered again at the forward's end is in fact one of the backward's buffered ones, and the one it
     displaced is uploaded: as many uploads;
   with one buffer a chunk's load cannot overlap the compute of the chunk before it (one buffer, in use).
-Each copy runs at the rate measured beside what runs where it starts: copies the other way, the host's AdamW
+Each copy runs at each moment at the rate measured beside what runs then: copies the other way, the host's AdamW
 (which slows copies to the device), both or neither (`Link`, from an earlier pass of the
 timelines). On the CPU (no overlap) everything runs in line.
 A node's compute belongs to the chunk of its block (pre-block nodes, and those between two block lists, to the
@@ -336,7 +336,7 @@ class Timeline:
         others' wait for the end of the backward.
 
         The timelines are laid out twice: first with every copy at the link's idle rate, then with each at the
-        rate beside what the first found running where it starts (copies the other way, the host's AdamW). The
+        rates beside what the first found running during it (copies the other way, the host's AdamW). The
         next forward is laid out once more with each chunk's upload waiting for its host update: the time that
         adds is the wait. Where every update waits for `AdamW.step()` (`updates_wait`), `clipped` is 0 whatever
         is asked."""
