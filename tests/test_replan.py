@@ -4,9 +4,9 @@ its chunks and their AdamW states moved where its chunk fields differ.
 
 On the CPU the host AdamW is a small share of a step, and its rate against the compute's varies with the machine
 and its load: the tests plan with a fixed hardware profile (cost_models.H100_LIKE, TWO_RANKS on two ranks), its
-host rates set so that the model's whole update takes HOST_SHARE of the graph's profiled forward (the balance of a machine whose host work weighs as a GPU machine's does), plan under
-a GPU budget where the search offloads, and inject training's host rate SLOWER times the plan's prediction (the
-monitor's `_host_adam`). Tolerance: bitwise, as in test_chunk_parity (fp32 on the CPU, the same fused AdamW kernel
+host rates set so that the model's whole update takes HOST_SHARE of the graph's profiled forward (the balance of a
+machine whose host work weighs as a GPU machine's does), plan under a GPU budget where the search offloads, and
+inject training's host rate SLOWER times the plan's prediction (the monitor's `_host_adam`). Tolerance: bitwise, as in test_chunk_parity (fp32 on the CPU, the same fused AdamW kernel
 on views), across the switch and after it.
 """
 
