@@ -66,7 +66,7 @@ def test_search_over_a_recorded_profile_is_brute_force_and_monotone(recorded):
 
 GPU_PROFILES = Path(__file__).parent / "data" / "llama5b_h200"
 # where the two GPU profiles chose apart while each copy ran at the rate where it started (planner/link.py)
-GPU_FRACTIONS = (0.2, 0.4, 0.75)
+GPU_FRACTIONS = (0.2, 0.75)
 
 
 def _gpu_profiles(tmp_path) -> list[tuple]:
