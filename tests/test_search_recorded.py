@@ -20,13 +20,18 @@ RECORDED = Path(__file__).parent / "data" / "llama4_cpu"
 FRACTIONS = (1.2, 1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)  # from all chunks persistent to the least
 
 
+def _unpacked(packed_files, folder: Path) -> Path:
+    """`folder` holding the gzipped `packed_files` unpacked."""
+    for packed in packed_files:
+        with gzip.open(packed) as src, open(folder / packed.stem, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return folder
+
+
 @pytest.fixture
 def recorded(tmp_path) -> Path:
     """The recorded graph folder, unpacked."""
-    for packed in RECORDED.glob("*.json.gz"):
-        with gzip.open(packed) as src, open(tmp_path / packed.stem, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    return tmp_path
+    return _unpacked(RECORDED.glob("*.json.gz"), tmp_path)
 
 
 def _config(plan) -> Candidate:
@@ -73,12 +78,8 @@ def _gpu_profiles(tmp_path) -> list[tuple]:
     """The two recorded GPU profiles of the 5.5B LLaMA-style model (tests/data/README.md), read back."""
     read = []
     for folder in sorted(GPU_PROFILES.glob("profile*")):
-        out = tmp_path / folder.name
-        out.mkdir()
-        for packed in [*folder.glob("*.json.gz"), GPU_PROFILES / "graphs.json.gz"]:
-            with gzip.open(packed) as src, open(out / packed.stem, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        read.append(read_dump(out))
+        (out := tmp_path / folder.name).mkdir()
+        read.append(read_dump(_unpacked([*folder.glob("*.json.gz"), GPU_PROFILES / "graphs.json.gz"], out)))
     return read
 
 

@@ -97,10 +97,7 @@ class StepBounds:
         chunk last stepped and the last chunk's compute follow it (on the CPU the host's work adds, as unclipped)."""
         if self.n_chunk == 0:  # (no chunk: nothing waits for a clip; the offset is added back)
             return self.step_s(config) - self.step_offset_s
-        if terms is None or terms.per_chunk is None:
-            per = self._per_chunk(config)
-        else:  # (the terms are the block layout's; the chunks gathered again, this configuration's)
-            per = {**terms.per_chunk, "regather": self._regathered(config)}
+        per = self._per_chunk(config, terms.per_chunk if terms is not None else None)
         link = Link(self.hardware)
         forward, backward = self._forward_timeline(config, per, link), self._backward_timeline(config, per, link)
         bound = forward["end"] + backward["end"] + self._gpu_optim_s(config)

@@ -144,10 +144,11 @@ class Timeline:
         swapped = [self.block_saved[b] if m == "swap" else 0 for b, m in enumerate(modes)]
         return recompute, swapped
 
-    def _per_chunk(self, config: Candidate) -> dict[str, list[float]]:
-        """Each chunk's share of the work (`_per_chunk_of_modes`) and the offloaded chunks the forward gathers again
-        beside it (`_regathered`)."""
-        return {**self._per_chunk_of_modes(config), "regather": self._regathered(config)}
+    def _per_chunk(self, config: Candidate, of_modes: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+        """Each chunk's share of the work (`_per_chunk_of_modes`, unless given as `of_modes`: the block layout's)
+        and the offloaded chunks the forward gathers again beside it (`_regathered`)."""
+        of_modes = self._per_chunk_of_modes(config) if of_modes is None else of_modes
+        return {**of_modes, "regather": self._regathered(config)}
 
     def _per_chunk_of_modes(self, config: Candidate) -> dict[str, list[float]]:
         """What of each chunk's share of the work the block modes alone set: seconds of forward and backward compute
