@@ -138,11 +138,13 @@ def test_a_model_checkpointing_its_own_layers_trains_offloaded_as_eager():
     assert len([g for g in backend.graphs if g.param_map]) > 1
 
 
-def test_layers_sharing_weights_train_offloaded_with_the_buffers_their_graph_holds():
+@pytest.mark.parametrize("prepared", [False, True])
+def test_layers_sharing_weights_train_offloaded_with_the_buffers_their_graph_holds(prepared):
     """ALBERT's layers read one layer's chunks again and again: with the embedding persistent, the search gives the
     offloaded chunks as many buffers as the graphs hold at once (passes/chunks.py `buffers_needed`: more than
-    two), with which the chunk passes rewrite them."""
-    _, model, backend = train_both("albert", {"n_persist": 1}, layers=3)
+    two), with which the chunk passes rewrite them; also where `prepare` is given n_persist alone (its chunks then
+    wait for the first compile's n_buffer)."""
+    _, model, backend = train_both("albert", {"n_persist": 1}, layers=3, prepared=prepared)
     record = backend.graphs[0]
     assert record.planning.least_buffers[1] > 2 and record.plan.n_buffer >= record.planning.least_buffers[1]
 

@@ -400,7 +400,8 @@ def _check_buffers(graph: fx.Graph, ctx) -> None:
     if worst[0] > ctx.manager.n_buffer:
         raise ValueError(
             f"the plan has n_buffer={ctx.manager.n_buffer} chunk buffers, but the {ctx.stage} graph uses chunks "
-            f"{worst[2]} at once (at {worst[1]}); force options={{'plan': {{'n_buffer': {worst[0]}}}}} or more"
+            f"{worst[2]} at once (at {worst[1]}); force n_buffer={worst[0]} or more (in options['plan'], or in "
+            f"protrain_fx.prepare's plan for a prepared model), or leave n_buffer to the search"
         )
 
 

@@ -290,8 +290,9 @@ def prepare(
     on the GPU needs no `prepare`.
 
     - `plan`: chunk fields, as in `options={"plan": ...}` (`n_persist`, `n_buffer`, `chunk_bytes`,
-      `master_dtype`); those given are held, the rest searched at the first compile (with `n_persist` given,
-      the chunks are placed here). The compile's options need not repeat them.
+      `master_dtype`); those given are held, the rest searched at the first compile (with `n_persist` given, and
+      `n_buffer` too where chunks are offloaded, the chunks are placed here). The compile's options need not
+      repeat them.
     - `init(module)`: for a model built under `torch.device("meta")`: called on each module after its own
       parameters and buffers are allocated on `device` (the parameter objects stay the same) to fill them,
       just before they are copied into the chunks; so neither the host nor the device holds the whole model
@@ -326,9 +327,13 @@ def prepare(
     alone = {n for n, p in ordered if names[id(p)] > 1 and block_of(n) is None}
     plan = dict(plan or {})
     layout = _layout(ordered, block_of, plan, alone)
-    pending = "n_persist" not in plan  # (then every chunk waits offloaded for the first compile's search)
-    fields = {**plan, "n_persist": 0, "n_buffer": plan.get("n_buffer", 1)} if pending else plan
-    chosen = make_plan(sum(f.n_blocks for f in families), with_default_master(fields, layout), layout)
+    n_blocks = sum(f.n_blocks for f in families)
+    given = make_plan(n_blocks, with_default_master(plan, layout), layout)  # (the user's fields, checked)
+    # every chunk waits offloaded for the first compile's search unless the plan leaves it nothing to place: how
+    # many buffers offloaded chunks need is known only from the graphs (passes/chunks.py `buffers_needed`)
+    pending = "n_persist" not in plan or ("n_buffer" not in plan and given.n_persist < layout.n_chunk)
+    fields = {**plan, "n_persist": 0, "n_buffer": plan.get("n_buffer", 1)}
+    chosen = make_plan(n_blocks, with_default_master(fields, layout), layout) if pending else given
     owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
 
     def source(p: nn.Parameter) -> torch.Tensor:
