@@ -229,6 +229,8 @@ def vision_model(kind: str, layers: int = 2, dropout: float = 0.0) -> nn.Module:
         num_heads=[2] * layers,
         window_size=4,
         num_labels=LABELS,
+        # (as the first loss would set it: a config changed by the first step fails Dynamo's guards, a recompile)
+        problem_type="single_label_classification",
         hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout,
     )
