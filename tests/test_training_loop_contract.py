@@ -320,6 +320,7 @@ def test_layout_optimization_under_inductor():
         num_attention_heads=4,
         intermediate_size=64,
         num_labels=10,
+        problem_type="single_label_classification",  # (unset, the first loss sets it: a recompile at the next step)
     )
     torch.manual_seed(0)
     ref = ViTForImageClassification(cfg)
