@@ -31,7 +31,7 @@ def _compiled(kind, plan, **kw):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
-@pytest.mark.parametrize("kind", ["toy", "llama", "mistral", "opt"])
+@pytest.mark.parametrize("kind", ["toy", "llama", "opt"])
 def test_checkpointed_training_equals_eager_with_dropout(kind, layout):
     ref, model, backend, compiled = _compiled(kind, LAYOUTS[layout], dropout=0.1)
     assert train(compiled, kind, 3) == train(ref, kind, 3)

@@ -49,10 +49,10 @@ def test_selective_training_equals_eager_with_dropout(kind, layout):
     assert plan.n_selective == plan.block_modes.count("selective") > 0
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_selective_with_offloaded_chunks(kind):
+def test_selective_with_offloaded_chunks():
     """Every chunk offloaded, two buffers: a selective block's recompute reads its norm weights in the backward,
     which the backward gathers first; a checkpointed block beside it needs a third buffer."""
+    kind = "llama"
     for modes, buffers in ((["selective", "selective", "none"], 2), (["selective", "checkpoint", "selective"], 3)):
         ref = models.build(kind, layers=3, dropout=0.1)
         model = copy.deepcopy(ref)
