@@ -101,28 +101,43 @@ def _saved(kind, plan, executor="eager"):
     return saved_activation_bytes(compiled, model, batch), backend.graphs[0]
 
 
+@pytest.fixture(scope="module")
+def saved():
+    """`_saved(kind, plan)`, each (kind, plan) compiled once in the module: its tests read what it measured and
+    the record's graphs, profile and cost model, and change none of them."""
+    done = {}
+
+    def get(kind, plan):
+        key = kind, repr(sorted(plan.items()))
+        if key not in done:
+            done[key] = _saved(kind, plan)
+        return done[key]
+
+    return get
+
+
 @pytest.mark.parametrize("kind", ["toy", "llama", "gpt2", "opt"])
-def test_a_selective_block_keeps_what_the_cost_model_says(kind):
+def test_a_selective_block_keeps_what_the_cost_model_says(kind, saved):
     """Without dropout (a recomputed random op also keeps its RNG state, which the cost model leaves out), the
     bytes a selective block saves less than the same block unoptimized are the cost model's `saving`, to the
     byte, for one block and for all."""
-    full, record = _saved(kind, {})
+    full, record = saved(kind, {})
     costs = record.costs
     assert costs.prices_selective and 0 < costs.saving(1, "selective") < costs.block_saved[1]
-    middle, _ = _saved(kind, {"block_modes": ["none", "selective", "none"]})
+    middle, _ = saved(kind, {"block_modes": ["none", "selective", "none"]})
     assert full - middle == costs.saving(1, "selective"), (full, middle, costs.block_saved, costs.block_kept)
-    everywhere, _ = _saved(kind, {"n_selective": 3})
+    everywhere, _ = saved(kind, {"n_selective": 3})
     assert full - everywhere == sum(costs.saving(b, "selective") for b in range(3))
 
 
-def test_marks_are_what_the_partitioner_does():
+def test_marks_are_what_the_partitioner_does(saved):
     """`profiler/selective.py` says which forward nodes a selective block keeps and recomputes before any
     partition is made: the re-cut graphs save the kept nodes of the block (or views of them) and nothing else of
     it, and the backward recomputes exactly the marked ones."""
     from protrain_fx.passes.views import view_base
 
-    _, plain = _saved("llama", {})
-    _, record = _saved("llama", {"block_modes": ["none", "selective", "none"]})
+    _, plain = saved("llama", {})
+    _, record = saved("llama", {"block_modes": ["none", "selective", "none"]})
     nodes = [n for n in plain.profile.nodes if n.graph == "forward" and n.block == 1]
     in_block = {n.name for n in nodes}
     forward = {n.name: n for n in record.forward.graph.nodes}
