@@ -151,6 +151,24 @@ def test_too_little_host_gives_the_host_needed_and_a_batch_that_fits():
     assert "- more GPUs: each rank holds its shard of the offloaded chunks" in message
 
 
+def test_compiling_in_the_process_is_a_lever_only_where_compile_workers_kept_host_memory():
+    """TORCHINDUCTOR_COMPILE_THREADS=1 is named only where the host capacity kept memory for inductor's compile
+    workers, with how much, and whether that alone is enough."""
+    model = synthetic()
+    capacity = capacities(model)[3]
+    host = min(model.least_host_bytes(c) for c, _, _ in brute_force(model, capacity)) - GiB
+
+    def message(workers: int) -> str:
+        with pytest.raises(NoPlanFits) as err:
+            plan_graph(model, {}, _layout(model), capacity, host, compile_workers_bytes=workers)
+        return str(err.value)
+
+    assert "TORCHINDUCTOR_COMPILE_THREADS" not in message(0)
+    lever = "- set TORCHINDUCTOR_COMPILE_THREADS=1: inductor then compiles in this process, and the 8.00 GiB of host"
+    assert f"{lever} memory kept for its compile workers go to the model (enough)" in message(8 * GiB)
+    assert "go to the model (not enough alone: 1.00 GiB are missing)" in message(GiB // 2)
+
+
 def test_fixed_block_modes_are_named_by_their_counts_and_searched_with_the_rest():
     model = synthetic()
     layout, capacity = _layout(model), capacities(model)[2]

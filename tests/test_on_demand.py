@@ -165,6 +165,23 @@ def test_fetch_gives_the_chunk_values_and_drop_frees():
     assert p.untyped_storage().nbytes() == 0 and on_demand.absent == total
 
 
+def test_each_graph_run_reads_a_chunk_from_the_host_once(monkeypatch):
+    """A chunk's whole values are a host copy (a collective when sharded), so a profile reads each chunk at most
+    once per run of a graph, also where a block's parameters lie in two chunks that its nodes read in turn."""
+    model = protrain_fx.prepare(models.build("llama", layers=8), device="cpu")
+    manager = protrain_fx.manager_of(model)
+    reads, runs = [], []
+    full_values, graph_run, replay = type(manager).full_values, OnDemand.graph_run, OnDemand.replay
+    monkeypatch.setattr(
+        type(manager), "full_values", lambda self, chunk: reads.append(chunk) or full_values(self, chunk)
+    )
+    monkeypatch.setattr(OnDemand, "graph_run", lambda self, gm, **kw: runs.append(gm) or graph_run(self, gm, **kw))
+    monkeypatch.setattr(OnDemand, "replay", lambda self, gm: runs.append(gm) or replay(self, gm))
+    _compiled(model, "llama")
+    assert manager.layout.n_chunk > 4 and len(set(reads)) == manager.layout.n_chunk
+    assert max(reads.count(chunk) for chunk in set(reads)) <= len(runs), reads
+
+
 def test_explain_a_prepared_model():
     """The plan in force for a prepared model, as the unprepared model with the same chunk fields forced
     would get it (times aside: they are measured)."""

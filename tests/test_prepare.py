@@ -148,6 +148,33 @@ def test_a_failed_first_compile_leaves_the_prepared_chunks_waiting(monkeypatch):
     _compare(ref, model, "llama")
 
 
+def test_chunks_that_fit_nowhere_are_told_before_the_profile(monkeypatch):
+    """No placement of a waiting model's chunks fits even with no activations (too little GPU; or too little host
+    for what the GPU cannot keep): NoPlanFits at the first compile, before the graph is profiled on demand (which
+    takes minutes for the largest models). The chunks stay waiting, and with room the model trains like eager."""
+    import protrain_fx.backend.stages as stages_module
+
+    ref = models.build("llama")
+    model = protrain_fx.prepare(copy.deepcopy(ref), device="cpu")
+    manager = protrain_fx.manager_of(model)
+    real, profiled = stages_module.profile_iteration, []
+    monkeypatch.setattr(stages_module, "profile_iteration", lambda *a, **k: profiled.append(1) or real(*a, **k))
+    param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    too_small = {
+        "no plan fits the GPU: ": {"gpu_memory_bytes": 2**16},
+        "no plan fits the host memory: ": {"gpu_memory_bytes": 2 * param_bytes, "host_memory_bytes": 2**16},
+    }
+    for head, options in too_small.items():
+        failed = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", **options}))
+        with pytest.raises(Exception, match=head) as raised:
+            failed(**models.batch("llama"))
+        assert "even with no activations" in str(raised.value.inner_exception)
+        assert not profiled and manager.pending_plan == {}
+        torch._dynamo.reset()
+    _compare(ref, model, "llama", options={"gpu_memory_bytes": 20 * param_bytes})
+    assert profiled
+
+
 def test_no_plan_fits_names_the_fields_fixed_and_the_n_persist_that_fits():
     """Every chunk kept persistent by prepare's plan, under a GPU too small for that: the error names n_persist as
     fixed by the chunks already built, and the n_persist the search finds instead, which then trains under that

@@ -14,7 +14,7 @@ from torch import fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from protrain_fx.backend.planning import plan
+from protrain_fx.backend.planning import check_states_fit, plan
 from protrain_fx.backend.record import GraphCompile
 from protrain_fx.backend.stages import (
     attach_runtime,
@@ -60,6 +60,7 @@ class Partitioner(CustomPartitionerFn):
         fw, bw = cut(joint)
         manager = chunks_built(c, roots)
         if record.profile is None:  # (a re-plan after running out of memory reuses the graph's profile)
+            check_states_fit(c, manager)
             profile(c, joint, fw, bw, manager)
         manager = plan(c, roots, manager, (fw, bw))
         if dumper and c.switching is None:  # (a re-plan's plan goes to replan.json, beside the first)

@@ -20,11 +20,19 @@ from protrain_fx.capture import FrameRoots, ParamEntry
 from protrain_fx.distributed import least_on_every_rank
 from protrain_fx.passes.chunks import buffers_needed
 from protrain_fx.planner.calibrate import calibrated
-from protrain_fx.planner.cost import Candidate, swap_interval
+from protrain_fx.planner.cost import Candidate, CostModel, swap_interval
 from protrain_fx.planner.inputs import PlanningInputs, cost_model, settled
-from protrain_fx.planner.plan import ACTIVATION_FIELDS, CHUNK_FIELDS, OUTPUT_FIELDS, Plan, with_default_master
-from protrain_fx.planner.search import plan_graph
-from protrain_fx.profiler.hardware import device_capacity, hardware_profile, host_capacity
+from protrain_fx.planner.nofit import states_alone
+from protrain_fx.planner.plan import (
+    ACTIVATION_FIELDS,
+    CHUNK_FIELDS,
+    OUTPUT_FIELDS,
+    Plan,
+    master_bytes,
+    with_default_master,
+)
+from protrain_fx.planner.search import FIXABLE, plan_graph
+from protrain_fx.profiler.hardware import compile_workers_bytes, device_capacity, hardware_profile, host_capacity
 from protrain_fx.profiler.on_demand import storage_key
 from protrain_fx.runtime.adopt import (
     build_manager,
@@ -155,14 +163,51 @@ def _search(
         costs = calibrated(costs, loop.calibration)
     record.costs = costs
     start = time.perf_counter()
-    host = config.host_memory_bytes or host_capacity(device)
-    if host is not None and manager is not None and not config.host_memory_bytes:
-        host += manager.pending_host_bytes  # (the masters of chunks waiting for this plan, which it reuses)
-    record.capacity, host = least_on_every_rank([config.gpu_memory_bytes or device_capacity(device), host], device)
-    found = plan_graph(costs, forced, layout, record.capacity, host, fixed_by=_fixed_by(config.plan, manager))
+    record.capacity, host, workers = _capacities(c, manager)
+    found = plan_graph(
+        costs,
+        forced,
+        layout,
+        record.capacity,
+        host,
+        fixed_by=_fixed_by(config.plan, manager),
+        compile_workers_bytes=workers,
+    )
     record.seconds["search"] = time.perf_counter() - start
     record.planning = dataclasses.replace(inputs, capacity_bytes=record.capacity, host_bytes=host)
     return found
+
+
+def check_states_fit(c: GraphCompile, manager) -> None:
+    """Before a prepared model waiting for its plan is profiled (on demand: minutes for the largest models):
+    NoPlanFits at once where no placement of its chunks fits the GPU and the host even with no activations."""
+    if manager is None or manager.pending_plan is None:
+        return
+    forced = plan_fields_of(manager, c.config.plan)
+    if "n_persist" in forced:  # (its chunks' host memory is the user's to give: not budgeted)
+        return
+    capacity, host, workers = _capacities(c, manager)
+    error = states_alone(CostModel.of_states(manager.layout, master_bytes(forced)), capacity, host)
+    if error is not None:
+        log.info("graph %d: no placement of the chunks fits even with no activations; not profiled", c.record.index)
+        fixed = {k: forced[k] for k in FIXABLE if k in forced}
+        raise error.told(
+            fixed=fixed, fixed_by=_fixed_by(c.config.plan, manager), released=None, compile_workers_bytes=workers
+        )
+
+
+def _capacities(c: GraphCompile, manager) -> tuple[int | None, int | None, int]:
+    """The GPU and host bytes this graph is planned under (the least of every rank's; None: not budgeted), and
+    the host bytes kept out of them for inductor's compile workers, where the host capacity was measured."""
+    config, device = c.config, c.device
+    host = config.host_memory_bytes or host_capacity(device)
+    workers = 0
+    if host is not None and not config.host_memory_bytes:
+        workers = compile_workers_bytes()
+        if manager is not None:
+            host += manager.pending_host_bytes  # (the masters of chunks waiting for this plan, which it reuses)
+    gpu, host = least_on_every_rank([config.gpu_memory_bytes or device_capacity(device), host], device)
+    return gpu, host, workers
 
 
 def _fixed_by(options_plan: Mapping[str, Any], manager) -> dict[str, str]:

@@ -278,6 +278,36 @@ class CostModel(MemoryModel, Timeline, StepBounds):
 
     # ----- block modes -------------------------------------------------------------------------------
 
+    @classmethod
+    def of_states(cls, layout: ChunkLayout, master_bytes: int) -> CostModel:
+        """The model of a chunk layout's states alone, before any profile: no blocks, no activations, no times
+        (`hardware` None: its memory methods only), the persistent chunks sharing gradient buffers as the search's
+        last resort does. What it needs is the least any plan of the layout needs."""
+        chunk_params = [0] * layout.n_chunk
+        for slot in layout.slots:
+            chunk_params[slot.chunk] += slot.numel
+        return cls(
+            n_block=0,
+            swap_interval=0,
+            block_fwd_s=(),
+            block_bwd_s=(),
+            block_saved=(),
+            block_output=(),
+            block_transient=(),
+            other_fwd_s=(0.0, 0.0),
+            other_bwd_s=(0.0, 0.0),
+            segments=(),
+            hardware=None,
+            n_chunk=layout.n_chunk,
+            chunk_elems=layout.chunk_elems,
+            shard_elems=layout.shard_elems,
+            element_size=layout.element_size,
+            world_size=layout.world_size,
+            chunk_params=tuple(chunk_params),
+            master_bytes=master_bytes,
+            share_device_grads=True,
+        )
+
     def modes(self, config: Candidate) -> tuple[str, ...]:
         return self.forced_modes or interleaved_modes(
             self.n_block, config.n_swap, config.n_checkpoint, config.n_selective

@@ -93,6 +93,25 @@ def batch_share(
     return dataclasses.replace(best, least_bytes=least_bytes, host_checked=host_bytes is not None)
 
 
+def states_alone(model: CostModel, capacity_bytes: int | None, host_bytes: int | None) -> NoPlanFits | None:
+    """Where no chunk placement fits the GPU and the host even with no activations and nothing else held (`model`:
+    `CostModel.of_states`), the error the search would give once the graph is profiled; None where one may fit."""
+    configs = [Candidate(p, 1 if p < model.n_chunk else 0) for p in range(model.n_chunk + 1)]
+    batch = batch_share(model, configs, capacity_bytes, host_bytes)
+    if batch.share > 0:
+        return None
+    none = ModeTerms(0, 0.0, 0, None)
+    fits_gpu = [c for c in configs if capacity_bytes is None or model.state_bytes(c) <= capacity_bytes]
+    if not fits_gpu:
+        smallest = min(configs, key=model.state_bytes)
+        return NoPlanFits(model.state_bytes(smallest), smallest, capacity_bytes, n_chunk=model.n_chunk, batch=batch)
+    least = min(fits_gpu, key=lambda c: model.least_host_bytes(c, none))
+    host_needed = model.least_host_bytes(least, none)
+    return NoPlanFits(
+        model.state_bytes(least), least, capacity_bytes, host_needed, host_bytes, n_chunk=model.n_chunk, batch=batch
+    )
+
+
 class NoPlanFits(ValueError):
     """No configuration fits. Either even the one needing the least GPU memory does not fit the GPU (`peak_bytes`:
     its reserved bytes), or every one that fits the GPU needs more host memory than this rank has (`host_needed`:
@@ -112,15 +131,25 @@ class NoPlanFits(ValueError):
         fixed: Mapping[str, Any] | None = None,
         fixed_by: Mapping[str, str] | None = None,
         released: Released | None = None,
+        compile_workers_bytes: int = 0,
     ):
         self.peak_bytes, self.config, self.capacity_bytes = peak_bytes, config, capacity_bytes
         self.host_needed, self.host_bytes = host_needed, host_bytes
         self.n_chunk, self.batch, self.released = n_chunk, batch, released
+        self.compile_workers_bytes = compile_workers_bytes
         self.fixed, self.fixed_by = dict(fixed or {}), dict(fixed_by or {})
         super().__init__(self._message())
 
-    def told(self, *, fixed: Mapping[str, Any], fixed_by: Mapping[str, str], released: Released | None):
-        """The same error, also naming the fields held fixed and what searching them would give."""
+    def told(
+        self,
+        *,
+        fixed: Mapping[str, Any],
+        fixed_by: Mapping[str, str],
+        released: Released | None,
+        compile_workers_bytes: int = 0,
+    ):
+        """The same error, also naming the fields held fixed, what searching them would give, and the host memory
+        kept for inductor's compile workers (`compile_workers_bytes`)."""
         return NoPlanFits(
             self.peak_bytes,
             self.config,
@@ -132,6 +161,7 @@ class NoPlanFits(ValueError):
             fixed=fixed,
             fixed_by=fixed_by,
             released=released,
+            compile_workers_bytes=compile_workers_bytes,
         )
 
     def _message(self) -> str:
@@ -162,11 +192,22 @@ class NoPlanFits(ValueError):
             levers += [
                 "more GPUs: each rank holds its shard of the offloaded chunks",
                 "free host memory or use a machine with more, or use a smaller model",
-                "set TORCHINDUCTOR_COMPILE_THREADS=1 (inductor then compiles in this process, and the memory kept for "
-                "its compile workers goes to the model)",
+                self._workers_text(),
                 "if the host capacity is wrong, set options={'host_memory_bytes': ...}",
             ]
         return head + " What would make it fit:\n" + "\n".join(f"- {lever}" for lever in levers if lever)
+
+    def _workers_text(self) -> str:
+        """The host memory kept for inductor's compile workers, where some was: compiling in the process frees it."""
+        if not self.compile_workers_bytes:
+            return ""
+        short = self.host_needed - self.host_bytes
+        enough = "enough" if self.compile_workers_bytes >= short else f"not enough alone: {_gib(short)} are missing"
+        return (
+            f"set TORCHINDUCTOR_COMPILE_THREADS=1: inductor then compiles in this process, and the "
+            f"{_gib(self.compile_workers_bytes)} of host memory kept for its compile workers go to the model "
+            f"({enough})"
+        )
 
     def _fixed_text(self) -> str:
         """', with n_persist=14 fixed by ...' (the fields grouped by where they came from)."""

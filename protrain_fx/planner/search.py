@@ -373,13 +373,15 @@ def plan_graph(
     host_bytes: int | None = None,
     *,
     fixed_by: Mapping[str, str] | None = None,
+    compile_workers_bytes: int = 0,
 ) -> Plan:
     """The plan of one graph: the forced fields as given (checked by make_plan), the rest searched, with the
     predictions and the runners-up. Fully forced plans are not searched; one predicted over capacity is kept,
     with a warning. The host memory (`host_bytes`) is budgeted only where `n_persist` is searched: a forced one
     is the user's or that of the model's chunks, already built (their host memory is in use, not available).
     Where none fits, NoPlanFits names the forced fields (`fixed_by`: where each came from, as "options['plan']";
-    default: nofit.GENERIC_ORIGIN) and what searching them instead gives."""
+    default: nofit.GENERIC_ORIGIN), what searching them instead gives, and the host memory kept out of
+    `host_bytes` for inductor's compile workers (`compile_workers_bytes`), which compiling in the process frees."""
     forced, given = dict(forced), costs
     make_plan(costs.n_block, forced, layout, swap_interval=costs.swap_interval)  # the user's fields, checked
     held = {k: forced[k] for k in SEARCHED if k in forced}
@@ -418,7 +420,9 @@ def plan_graph(
         except NoPlanFits as error:
             fixed = {k: forced[k] for k in FIXABLE if k in forced}
             released = _released(given, fixed, layout, capacity_bytes, host_bytes) if fixed else None
-            raise error.told(fixed=fixed, fixed_by=fixed_by or {}, released=released) from None
+            raise error.told(
+                fixed=fixed, fixed_by=fixed_by or {}, released=released, compile_workers_bytes=compile_workers_bytes
+            ) from None
         if costs.share_device_grads:
             log.warning(
                 "no plan with a gradient buffer for each persistent chunk fits this machine: the %d "

@@ -264,13 +264,18 @@ def host_capacity(device: torch.device) -> int | None:
     available = available_host_bytes()
     if available is None:
         return None
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    reserve = HOST_RESERVE_BYTES + compile_workers_bytes()  # (each rank's process)
+    return max(0, available - reserve * ranks) // ranks
+
+
+def compile_workers_bytes() -> int:
+    """The host memory `host_capacity` keeps for the compile workers inductor may start in each rank's process
+    (COMPILE_WORKER_BYTES each); 0 where inductor compiles in the process (`TORCHINDUCTOR_COMPILE_THREADS=1`)."""
     from torch._inductor import config as inductor_config
 
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     threads = inductor_config.compile_threads
     if threads is None:  # (inductor decides it at its first compile on some builds: as it will)
         decide = getattr(inductor_config, "decide_compile_threads", None)
         threads = decide() if decide is not None else 1
-    workers = threads if threads > 1 else 0
-    reserve = HOST_RESERVE_BYTES + COMPILE_WORKER_BYTES * workers  # (each rank's process)
-    return max(0, available - reserve * ranks) // ranks
+    return COMPILE_WORKER_BYTES * threads if threads > 1 else 0

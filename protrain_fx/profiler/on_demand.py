@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 CALL_OPS = ("call_function", "call_method", "call_module")  # the nodes that run an op
+# chunks whose whole values a profile keeps on the host at once: reading one is a host copy (a collective when
+# sharded), and the nodes of a block whose parameters lie in two chunks read them in turn
+HELD_CHUNKS = 2
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -62,7 +66,9 @@ class OnDemand:
         self.dropped: dict[int, torch.Tensor] = {}  # storage -> a tensor on it, while it holds 0 bytes
         self.absent = 0  # bytes dropped that a run holding everything holds now
         self.tracker = None
-        self._chunk_values: tuple[int, torch.Tensor] | None = None  # the host values of the last chunk read
+        # chunk -> its whole values on the host, the last HELD_CHUNKS read (a block's parameters can lie in two
+        # chunks, which its nodes then read in turn)
+        self._chunk_values: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._learned: dict[int, GraphRun] = {}  # id of a graph -> its last run's hooks
         for key, p in self.params.items():
             assert p.untyped_storage().nbytes() == 0, f"offloaded parameter {p.shape} still holds its values"
@@ -94,13 +100,15 @@ class OnDemand:
         with torch.no_grad(), _disable_current_modes():
             if key in self.params:
                 slot = self.manager.slot_of(t)
-                read = self._chunk_values is None or self._chunk_values[0] != slot.chunk
+                read = slot.chunk not in self._chunk_values
                 if read:
-                    self._chunk_values = None  # one chunk's host copy at a time
+                    while len(self._chunk_values) >= HELD_CHUNKS:
+                        self._chunk_values.popitem(last=False)  # (before the next chunk's copy is made)
                     values = self.manager.full_values(slot.chunk)
                     # pinned, so that each parameter's copy queues behind the GPU's work instead of waiting for it
-                    self._chunk_values = (slot.chunk, values.pin_memory() if t.is_cuda else values)
-                source = self._chunk_values[1][slot.offset : slot.offset + slot.numel].view(t.shape)
+                    self._chunk_values[slot.chunk] = values.pin_memory() if t.is_cuda else values
+                self._chunk_values.move_to_end(slot.chunk)
+                source = self._chunk_values[slot.chunk][slot.offset : slot.offset + slot.numel].view(t.shape)
                 t.copy_(source, non_blocking=t.is_cuda)
             else:
                 _bytes_of(t).zero_()
