@@ -82,7 +82,10 @@ def plan_of(compiled_model: nn.Module) -> Plan:
     if not plans:
         raise ValueError(
             "no protrain plan for this model yet: compile it with torch.compile(model, backend='protrain') and run "
-            "one training step (forward and backward) first"
+            "one training step (forward and backward) first. If it ran one compiled, Dynamo ran its forward "
+            "uncompiled: it does so, warning 'hit config.recompile_limit', once one function was compiled "
+            "torch._dynamo.config.recompile_limit times in the process (for models built one after another, say); "
+            "call torch._dynamo.reset() before compiling each new model"
         )
     return _main(plans, lambda entry: entry)
 

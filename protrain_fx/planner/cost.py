@@ -228,19 +228,12 @@ class CostModel(MemoryModel, Timeline, StepBounds):
         chunks = {}
         if layout is not None:
             block_chunk = [layout.n_chunk - 1] * n_block
-            chunk_params = [0] * layout.n_chunk
             for slot, block in zip(layout.slots, block_of_param):
-                chunk_params[slot.chunk] += slot.numel
                 if block is not None and block < n_block:
                     block_chunk[block] = min(block_chunk[block], slot.chunk)
             chunks = dict(
-                n_chunk=layout.n_chunk,
-                chunk_elems=layout.chunk_elems,
-                shard_elems=layout.shard_elems,
-                element_size=layout.element_size,
-                world_size=layout.world_size,
+                **_layout_fields(layout),
                 block_chunk=tuple(block_chunk),
-                chunk_params=tuple(chunk_params),
                 regathers=tuple(
                     (chunk, block_chunk[b] if b < n_block else layout.n_chunk - 1) for chunk, b in regathers
                 ),
@@ -283,9 +276,6 @@ class CostModel(MemoryModel, Timeline, StepBounds):
         """The model of a chunk layout's states alone, before any profile: no blocks, no activations, no times
         (`hardware` None: its memory methods only), the persistent chunks sharing gradient buffers as the search's
         last resort does. What it needs is the least any plan of the layout needs."""
-        chunk_params = [0] * layout.n_chunk
-        for slot in layout.slots:
-            chunk_params[slot.chunk] += slot.numel
         return cls(
             n_block=0,
             swap_interval=0,
@@ -298,12 +288,7 @@ class CostModel(MemoryModel, Timeline, StepBounds):
             other_bwd_s=(0.0, 0.0),
             segments=(),
             hardware=None,
-            n_chunk=layout.n_chunk,
-            chunk_elems=layout.chunk_elems,
-            shard_elems=layout.shard_elems,
-            element_size=layout.element_size,
-            world_size=layout.world_size,
-            chunk_params=tuple(chunk_params),
+            **_layout_fields(layout),
             master_bytes=master_bytes,
             share_device_grads=True,
         )
@@ -335,3 +320,18 @@ class CostModel(MemoryModel, Timeline, StepBounds):
             swapped_bytes=sum(self.saving(b, m) for b, m in enumerate(modes) if m == "swap"),
             per_chunk=self._per_chunk_of_modes(config) if chunks and self.n_chunk else None,
         )
+
+
+def _layout_fields(layout: ChunkLayout) -> dict:
+    """The CostModel fields a chunk layout gives: its sizes, and each chunk's parameter elements (padding excluded)."""
+    chunk_params = [0] * layout.n_chunk
+    for slot in layout.slots:
+        chunk_params[slot.chunk] += slot.numel
+    return dict(
+        n_chunk=layout.n_chunk,
+        chunk_elems=layout.chunk_elems,
+        shard_elems=layout.shard_elems,
+        element_size=layout.element_size,
+        world_size=layout.world_size,
+        chunk_params=tuple(chunk_params),
+    )
