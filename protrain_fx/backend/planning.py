@@ -31,7 +31,7 @@ from protrain_fx.planner.plan import (
     master_bytes,
     with_default_master,
 )
-from protrain_fx.planner.search import FIXABLE, plan_graph
+from protrain_fx.planner.search import plan_graph
 from protrain_fx.profiler.hardware import compile_workers_bytes, device_capacity, hardware_profile, host_capacity
 from protrain_fx.profiler.on_demand import storage_key
 from protrain_fx.runtime.adopt import (
@@ -188,12 +188,9 @@ def check_states_fit(c: GraphCompile, manager) -> None:
         return
     capacity, host, workers = _capacities(c, manager)
     error = states_alone(CostModel.of_states(manager.layout, master_bytes(forced)), capacity, host)
-    if error is not None:
+    if error is not None:  # (true whatever other fields are forced: it holds none of them)
         log.info("graph %d: no placement of the chunks fits even with no activations; not profiled", c.record.index)
-        fixed = {k: forced[k] for k in FIXABLE if k in forced}
-        raise error.told(
-            fixed=fixed, fixed_by=_fixed_by(c.config.plan, manager), released=None, compile_workers_bytes=workers
-        )
+        raise error.told(fixed={}, fixed_by={}, released=None, compile_workers_bytes=workers)
 
 
 def _capacities(c: GraphCompile, manager) -> tuple[int | None, int | None, int]:
