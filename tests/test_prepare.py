@@ -175,6 +175,40 @@ def test_chunks_that_fit_nowhere_are_told_before_the_profile(monkeypatch):
     assert profiled
 
 
+def test_deepcopy_of_a_chunked_model_is_the_eager_models_copy():
+    """copy.deepcopy of a trained chunked model (offloaded chunks) or of one of its modules, as a reference model
+    is made: plain parameters holding the current values, none of protrain's hooks or state, a forward equal to the
+    eager model's; the model itself goes on training bitwise like eager, its hooks as they were."""
+    ref = models.build("llama")
+    model = protrain_fx.prepare(copy.deepcopy(ref), plan={"n_persist": 1, "n_buffer": 2}, device="cpu")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=False)
+    assert train(compiled, "llama", 2, opt=opt) == train(ref, "llama", 2, opt=ref_opt)
+    hooks = {m: (dict(m._forward_pre_hooks), dict(m._state_dict_hooks)) for m in model.modules()}
+    manager = protrain_fx.manager_of(model)
+    # (else the default deepcopy would clone an offloaded parameter's absent storage: a crash, not a failure)
+    assert all("__deepcopy__" in m.__dict__ for m in model.modules() if any(map(manager.holds, m._parameters.values())))
+
+    copied = copy.deepcopy(model)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(copied.state_dict()[name], value), name
+    assert protrain_fx.manager_of(copied) is None and "_ddp_params_and_buffers_to_ignore" not in copied.__dict__
+    for m in copied.modules():
+        assert not [k for k in m.__dict__ if k.startswith("_protrain") or k in ("_apply", "__deepcopy__")]
+        assert not m._forward_pre_hooks and not m._state_dict_hooks
+        assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in m.parameters())
+    batch = models.batch("llama", seed=7)
+    with torch.no_grad():
+        assert torch.equal(copied(**batch).logits, ref(**batch).logits)
+    layer = model.model.layers[1]
+    assert all(torch.equal(a, b) for a, b in zip(copy.deepcopy(layer).parameters(), ref.model.layers[1].parameters()))
+
+    assert {m: (dict(m._forward_pre_hooks), dict(m._state_dict_hooks)) for m in model.modules()} == hooks
+    losses = train(compiled, "llama", 2, opt=opt, first_step=2)
+    assert losses == train(ref, "llama", 2, opt=ref_opt, first_step=2)
+
+
 def test_no_plan_fits_names_the_fields_fixed_and_the_n_persist_that_fits():
     """Every chunk kept persistent by prepare's plan, under a GPU too small for that: the error names n_persist as
     fixed by the chunks already built, and the n_persist the search finds instead, which then trains under that

@@ -21,6 +21,8 @@ are chunked:
 - **`_apply`** (`.to()`, `.half()`, `.cuda()`, `.float()`, ...): where it would change a chunked parameter's
   dtype or device, an error saying what to do; where it changes nothing for them (`model.to(its device)`), it
   runs as usual.
+- **`copy.deepcopy`** (runtime/deep_copy.py): a module of plain parameters holding the current values, without
+  protrain's hooks and state, as the eager model's copy is.
 - **`DistributedDataParallel`**: the chunked parameters are on the model's list of those DDP ignores, so DDP
   built over it later does not broadcast them (an offloaded one holds no storage: reading it would crash the
   process); with nothing left to reduce, torch refuses it ("DistributedDataParallel is not needed"). DDP built
@@ -39,6 +41,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from protrain_fx.runtime import deep_copy
+
 if TYPE_CHECKING:
     from protrain_fx.runtime.chunks import ChunkManager
 
@@ -53,13 +57,19 @@ def install(manager: ChunkManager, model: nn.Module) -> None:
         if not own:
             continue
         indices = sorted(set(own.values()))
-        module.register_forward_pre_hook(functools.partial(_before_forward, ref, indices))
-        module.register_forward_hook(functools.partial(_after_forward, ref, indices), always_call=True)
-        module.register_load_state_dict_pre_hook(functools.partial(_load_into_chunks, ref, own))
-        module.register_load_state_dict_post_hook(functools.partial(_not_missing, own))
+        handles = (
+            module.register_forward_pre_hook(functools.partial(_before_forward, ref, indices)),
+            module.register_forward_hook(functools.partial(_after_forward, ref, indices), always_call=True),
+            module.register_load_state_dict_pre_hook(functools.partial(_load_into_chunks, ref, own)),
+            module.register_load_state_dict_post_hook(functools.partial(_not_missing, own)),
+        )
+        deep_copy.note_hooks(module, *handles)
         module._apply = functools.partial(_guarded_apply, ref, indices, module._apply)
+        deep_copy.install(ref, module)
     chunked = [name for name, p in model.named_parameters(remove_duplicate=False) if manager.holds(p)]
     ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    model.__dict__[deep_copy.DDP_IGNORED_BEFORE] = ignored
+    deep_copy.install(ref, model)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [*ignored, *chunked])
 
 

@@ -74,7 +74,7 @@ from protrain_fx.distributed import check_ranks_agree, rank_and_world_size
 from protrain_fx.host import check_host_memory
 from protrain_fx.planner.chunking import ChunkLayout, Slot
 from protrain_fx.planner.plan import MASTER_BYTES
-from protrain_fx.runtime import model_hooks, ops
+from protrain_fx.runtime import deep_copy, model_hooks, ops
 from protrain_fx.runtime.chunks.common import (
     DDP_ATTR,
     HOST_UPDATES_KEPT,
@@ -208,7 +208,8 @@ class ChunkManager(
             p.__dict__[MANAGER_ATTR] = self
         self._param_versions = self._persistent_versions()
         if model is not None:
-            model.register_state_dict_post_hook(functools.partial(_full_values_into_state_dict, self))
+            hook = model.register_state_dict_post_hook(functools.partial(_full_values_into_state_dict, self))
+            deep_copy.note_hooks(model, hook)
             model_hooks.install(self, model)
         self.handle = ops.register(self)
 
