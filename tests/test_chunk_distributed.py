@@ -118,8 +118,10 @@ def _meta_worker(rank, world, rendezvous, errors):
         plan = protrain_fx.plan_of(model)
         assert plan.n_persist < plan.n_chunk and manager.n_persist == plan.n_persist, plan
         state = protrain_fx.full_state_dict(model)  # a collective: every rank calls it
+        copied = copy.deepcopy(model).state_dict()  # (so is a deep copy, where chunks are sharded)
         for name, value in ref.state_dict().items():
             assert torch.equal(state[name], value), f"rank {rank}: {name} differs"
+            assert torch.equal(copied[name], value), f"rank {rank}: {name} of the deep copy differs"
     except BaseException as e:
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
@@ -131,7 +133,7 @@ def _meta_worker(rank, world, rendezvous, errors):
 def test_meta_model_prepared_without_a_plan_across_ranks():
     """A meta-device model prepared with no plan on 2 ranks: each rank fills only its own master shards, the ranks
     search one plan at the first compile (every chunk persistent with memory to spare, some offloaded under the
-    smaller GPU), and train bitwise like eager."""
+    smaller GPU), and train bitwise like eager; a deep copy holds the same values."""
     spawn(_meta_worker, 2)
 
 
