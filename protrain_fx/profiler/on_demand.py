@@ -128,8 +128,10 @@ class OnDemand:
 
     def end_iteration(self) -> None:
         """After the backward: dropped activations the backward never read are gone in a full run too, and every
-        parameter is dropped again (the runtime expects offloaded parameters to hold no bytes)."""
+        parameter is dropped again (the runtime expects offloaded parameters to hold no bytes), and the chunks' host
+        copies go (pinned: the host budget after the profile counts them free)."""
         self.tracker = None
+        self._chunk_values.clear()
         for key in [k for k in self.dropped if k not in self.params]:
             self.dropped.pop(key)
             self.absent -= self.sizes.pop(key)
