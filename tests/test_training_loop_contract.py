@@ -167,6 +167,27 @@ def test_frozen_parameters_and_several_optimizers(case, plan):
 
 
 @pytest.mark.parametrize("plan", PLANS)
+def test_freezing_during_training_and_unfreezing_after_the_chunks(plan):
+    """Freezing a module after some steps (its parameters in chunks) trains on as eager PyTorch does. Unfreezing one
+    frozen when the chunks were built, which they left out, is an error naming it and what to do instead."""
+    ref, ref_opts, model, opts, compiled = _pair(
+        "llama", plan, edit=lambda m: m.model.embed_tokens.requires_grad_(False)
+    )
+    for step in range(4):
+        if step == 2:
+            for m in (ref, model):
+                m.model.layers[0].mlp.requires_grad_(False)
+        for m, (opt,) in ((ref, ref_opts), (compiled, opts)):
+            _loss(m, "llama", step).backward()
+            opt.step()
+            opt.zero_grad()
+    _assert_same_weights(ref, model)
+    model.model.embed_tokens.requires_grad_(True)
+    with pytest.raises(Exception, match="'model.embed_tokens.weight' was frozen .requires_grad=False. when the model"):
+        _loss(compiled, "llama", 4).backward()
+
+
+@pytest.mark.parametrize("plan", PLANS)
 def test_tied_weight_under_another_name(plan):
     """BERT's decoder bias is tied to `cls.predictions.bias` (T5's embedding has three names: the loop test):
     protrain_fx.optim.AdamW takes the model whichever name the graph reads it by."""

@@ -34,11 +34,13 @@ from protrain_fx.planner.plan import Plan, make_plan, with_default_master
 from protrain_fx.real_tensors import real_tensors
 from protrain_fx.runtime.chunks import (
     DDP_ATTR,
+    FROZEN_OUT_ATTR,
     MANAGER_ATTR,
     NO_SYNC_ATTR,
     ChunkManager,
     replaced_param_error,
     skips_nonfinite,
+    unfrozen_param_error,
 )
 from protrain_fx.runtime.optim import OPTIMIZER_ATTR
 from protrain_fx.runtime.weights import ModuleFiller
@@ -236,12 +238,15 @@ def place_chunks(manager: ChunkManager, plan: Plan) -> None:
 
 def check_params_managed(manager: ChunkManager, param_map: Mapping, example_inputs: Sequence[Any]) -> None:
     """A graph compiled after the chunks were built may read the parameters they hold, and plain ones (frozen, or
-    stepped by another optimizer); not a parameter put where a chunked one was, or given to a protrain_fx AdamW
-    after the chunks were built."""
-    for name, entry in param_map.items():
+    stepped by another optimizer); not a parameter put where a chunked one was, given to a protrain_fx AdamW after
+    the chunks were built, or unfrozen since they were."""
+    for entry in param_map.values():
         p = example_inputs[entry.index]
-        if not manager.holds(p) and (name in manager.names or _in_chunks(p)):
-            raise replaced_param_error(name)
+        if manager.holds(p) or not (entry.name in manager.names or _in_chunks(p)):
+            continue
+        if FROZEN_OUT_ATTR in p.__dict__ and entry.name not in manager.names:
+            raise unfrozen_param_error(entry.name)
+        raise replaced_param_error(entry.name)
 
 
 def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str, Any]:

@@ -44,7 +44,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 
 | module | owns |
 | --- | --- |
-| `common.py` | the attributes set on parameters and models, `skips_nonfinite`, `replaced_param_error` |
+| `common.py` | the attributes set on parameters and models, `skips_nonfinite`, `replaced_param_error`, `unfrozen_param_error` |
 | `storage.py` | the chunks' memory (`flat`, `master`, `grad`, the host arena) and where each parameter sits in it |
 | `slots.py` | `SlotPool`: the gradient buffers (device) or shards (host) a group of chunks shares in turn |
 | `placement.py` | the parameters moved into the chunks; `place` for a pending manager, `place_again` (a re-plan) |
@@ -77,6 +77,7 @@ from protrain_fx.planner.plan import MASTER_BYTES
 from protrain_fx.runtime import deep_copy, model_hooks, ops
 from protrain_fx.runtime.chunks.common import (
     DDP_ATTR,
+    FROZEN_OUT_ATTR,
     HOST_UPDATES_KEPT,
     LOADED_MASTER_ATTR,
     MANAGER_ATTR,
@@ -84,6 +85,7 @@ from protrain_fx.runtime.chunks.common import (
     OPTIMIZER_ATTR,
     replaced_param_error,
     skips_nonfinite,
+    unfrozen_param_error,
 )
 from protrain_fx.runtime.chunks.edits import EditsMixin
 from protrain_fx.runtime.chunks.gather import GatherMixin
@@ -96,6 +98,7 @@ from protrain_fx.runtime.chunks.user_grads import GradAccessMixin
 
 __all__ = [
     "DDP_ATTR",
+    "FROZEN_OUT_ATTR",
     "HOST_UPDATES_KEPT",
     "LOADED_MASTER_ATTR",
     "MANAGER_ATTR",
@@ -106,6 +109,7 @@ __all__ = [
     "check_host_memory",
     "replaced_param_error",
     "skips_nonfinite",
+    "unfrozen_param_error",
 ]
 
 # a clipped model's host updates during the backward keep each shard's master and AdamW states as they were
@@ -206,6 +210,9 @@ class ChunkManager(
         self._adopt(source or (lambda p: p.detach()))
         for p in self.params:
             p.__dict__[MANAGER_ATTR] = self
+        for p in model.parameters() if model is not None else ():
+            if not self.holds(p) and not p.requires_grad:
+                p.__dict__[FROZEN_OUT_ATTR] = True
         self._param_versions = self._persistent_versions()
         if model is not None:
             hook = model.register_state_dict_post_hook(functools.partial(_full_values_into_state_dict, self))

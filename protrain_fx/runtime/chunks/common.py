@@ -1,5 +1,6 @@
 """What the chunk modules and the rest of the runtime share: the attributes the chunks set on parameters and models,
-and two rules read outside the manager (which optimizers skip a non-finite step, the error for a replaced parameter).
+and rules read outside the manager (which optimizers skip a non-finite step, the errors for a replaced or unfrozen
+parameter).
 
 Kept apart from the manager's parts so that each of them, and runtime/adopt.py and runtime/optim.py, import these
 without importing the manager.
@@ -15,6 +16,8 @@ NO_SYNC_ATTR = "_protrain_no_sync"  # on the model: how many `protrain_fx.no_syn
 DDP_ATTR = "_protrain_ddp"  # on the model: weak reference to the DistributedDataParallel passing it through
 # on a parameter loaded before its chunks were built: its fp32 values (the master; the parameter may be bf16)
 LOADED_MASTER_ATTR = "_protrain_loaded_master"
+# on a parameter of the model frozen when its chunks were built, which they left out
+FROZEN_OUT_ATTR = "_protrain_frozen_out"
 
 HOST_UPDATES_KEPT = 64  # host AdamW timings kept (ChunkManager.host_updates)
 
@@ -32,4 +35,14 @@ def replaced_param_error(name: str) -> ValueError:
         f"parameter {name!r} was created or replaced after the model's chunks were built (at its first compile, "
         "or by protrain_fx.prepare), so no chunk holds it; create and replace parameters before that, then build "
         "the optimizer and compile"
+    )
+
+
+def unfrozen_param_error(name: str) -> ValueError:
+    return ValueError(
+        f"parameter {name!r} was frozen (requires_grad=False) when the model's chunks were built (at its first "
+        "compile, or by protrain_fx.prepare) and needs a gradient now: frozen parameters stay out of the chunks, "
+        "which cannot take one in later. Unfreeze it before the first step (one to train only later can stay "
+        "trainable with lr=0 in a parameter group of its own until then; its AdamW states then count from the "
+        "first step), or load protrain_fx.full_state_dict(model) into the model built anew and compile that"
     )
