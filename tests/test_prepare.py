@@ -162,7 +162,7 @@ def test_chunks_that_fit_nowhere_are_told_before_the_profile(monkeypatch):
     param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     too_small = {
         "no plan fits the GPU: ": {"gpu_memory_bytes": 2**16},
-        "no plan fits the host memory: ": {"gpu_memory_bytes": 2 * param_bytes, "host_memory_bytes": 2**16},
+        "no plan fits the host memory: ": {"gpu_memory_bytes": 3 * param_bytes, "host_memory_bytes": 2**16},
     }
     for head, options in too_small.items():
         failed = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", **options}))

@@ -22,7 +22,6 @@ from protrain_fx.passes.chunks import buffers_needed
 from protrain_fx.planner.calibrate import calibrated
 from protrain_fx.planner.cost import Candidate, CostModel, swap_interval
 from protrain_fx.planner.inputs import PlanningInputs, cost_model, settled
-from protrain_fx.planner.nofit import states_alone
 from protrain_fx.planner.plan import (
     ACTIVATION_FIELDS,
     CHUNK_FIELDS,
@@ -31,7 +30,7 @@ from protrain_fx.planner.plan import (
     master_bytes,
     with_default_master,
 )
-from protrain_fx.planner.search import plan_graph
+from protrain_fx.planner.search import NoPlanFits, plan_graph, states_alone
 from protrain_fx.profiler.hardware import compile_workers_bytes, device_capacity, hardware_profile, host_capacity
 from protrain_fx.profiler.on_demand import storage_key
 from protrain_fx.runtime.adopt import (
@@ -186,11 +185,12 @@ def check_states_fit(c: GraphCompile, manager) -> None:
     forced = plan_fields_of(manager, c.config.plan)
     if "n_persist" in forced:  # (its chunks' host memory is the user's to give: not budgeted)
         return
-    capacity, host, workers = _capacities(c, manager)
-    error = states_alone(CostModel.of_states(manager.layout, master_bytes(forced)), capacity, host)
-    if error is not None:  # (true whatever other fields are forced: it holds none of them)
+    capacity, host, workers = _capacities(c, manager)  # (the search measures them again, after the profile)
+    try:
+        states_alone(CostModel.of_states(manager.layout, master_bytes(forced)), capacity, host)
+    except NoPlanFits as error:  # (true whatever other fields are forced: it holds none of them)
         log.info("graph %d: no placement of the chunks fits even with no activations; not profiled", c.record.index)
-        raise error.told(fixed={}, fixed_by={}, released=None, compile_workers_bytes=workers)
+        raise error.told(fixed={}, fixed_by={}, released=None, compile_workers_bytes=workers) from None
 
 
 def _capacities(c: GraphCompile, manager) -> tuple[int | None, int | None, int]:

@@ -278,7 +278,7 @@ class CostModel(MemoryModel, Timeline, StepBounds):
         last resort does. What it needs is the least any plan of the layout needs."""
         return cls(
             n_block=0,
-            swap_interval=0,
+            swap_interval=1,
             block_fwd_s=(),
             block_bwd_s=(),
             block_saved=(),

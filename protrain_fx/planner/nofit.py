@@ -93,25 +93,6 @@ def batch_share(
     return dataclasses.replace(best, least_bytes=least_bytes, host_checked=host_bytes is not None)
 
 
-def states_alone(model: CostModel, capacity_bytes: int | None, host_bytes: int | None) -> NoPlanFits | None:
-    """Where no chunk placement fits the GPU and the host even with no activations and nothing else held (`model`:
-    `CostModel.of_states`), the error the search would give once the graph is profiled; None where one may fit."""
-    configs = [Candidate(p, 1 if p < model.n_chunk else 0) for p in range(model.n_chunk + 1)]
-    batch = batch_share(model, configs, capacity_bytes, host_bytes)
-    if batch.share > 0:
-        return None
-    none = ModeTerms(0, 0.0, 0, None)
-    fits_gpu = [c for c in configs if capacity_bytes is None or model.state_bytes(c) <= capacity_bytes]
-    if not fits_gpu:
-        smallest = min(configs, key=model.state_bytes)
-        return NoPlanFits(model.state_bytes(smallest), smallest, capacity_bytes, n_chunk=model.n_chunk, batch=batch)
-    least = min(fits_gpu, key=lambda c: model.least_host_bytes(c, none))
-    host_needed = model.least_host_bytes(least, none)
-    return NoPlanFits(
-        model.state_bytes(least), least, capacity_bytes, host_needed, host_bytes, n_chunk=model.n_chunk, batch=batch
-    )
-
-
 class NoPlanFits(ValueError):
     """No configuration fits. Either even the one needing the least GPU memory does not fit the GPU (`peak_bytes`:
     its reserved bytes), or every one that fits the GPU needs more host memory than this rank has (`host_needed`:

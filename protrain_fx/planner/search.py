@@ -140,6 +140,27 @@ class _ByModes:
         return self.known[key]
 
 
+def states_alone(model: CostModel, capacity_bytes: int | None, host_bytes: int | None) -> None:
+    """NoPlanFits where no configuration of a chunk layout fits the GPU and the host with its model states alone
+    (`model`: `CostModel.of_states`, no activations and nothing else held), as the search will say once the graph
+    is profiled."""
+    model = dataclasses.replace(model, host_budget=host_bytes)
+    fitting, smallest, least_host = _scan(model, capacity_bytes, {}, host_bytes, _ByModes(model))
+    if not fitting:
+        raise _no_fit(model, {}, smallest, least_host, capacity_bytes, host_bytes)
+
+
+def _no_fit(model: CostModel, forced, smallest, least_host, capacity_bytes, host_bytes) -> NoPlanFits:
+    """The error where `_scan` found no configuration that fits: the GPU's or, where some fit it, the host's."""
+    assert smallest is not None, "no configuration to search"
+    batch = batch_share(model, itertools.chain.from_iterable(candidates(model, forced)), capacity_bytes, host_bytes)
+    if least_host is not None:
+        return NoPlanFits(
+            smallest[0], least_host[1], capacity_bytes, least_host[0], host_bytes, n_chunk=model.n_chunk, batch=batch
+        )
+    return NoPlanFits(smallest[0], smallest[1], capacity_bytes, n_chunk=model.n_chunk, batch=batch)
+
+
 def _scan(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, Any], host_bytes: int | None, by_modes):
     """The configurations that fit the GPU and the host, as (config, peak); the one of least GPU memory, as
     (reserved, config); and of those that fit the GPU but not the host, the one of least host memory, as (host
@@ -181,19 +202,7 @@ def search(
     by_modes = _ByModes(model)
     fitting, smallest, least_host = _scan(model, capacity_bytes, forced, host_bytes, by_modes)
     if not fitting:
-        assert smallest is not None, "no configuration to search"
-        batch = batch_share(model, itertools.chain.from_iterable(candidates(model, forced)), capacity_bytes, host_bytes)
-        if least_host is not None:
-            raise NoPlanFits(
-                smallest[0],
-                least_host[1],
-                capacity_bytes,
-                least_host[0],
-                host_bytes,
-                n_chunk=model.n_chunk,
-                batch=batch,
-            )
-        raise NoPlanFits(smallest[0], smallest[1], capacity_bytes, n_chunk=model.n_chunk, batch=batch)
+        raise _no_fit(model, forced, smallest, least_host, capacity_bytes, host_bytes)
     fits = _timed(model, fitting, by_modes)
     log.info("timed %d of the %d configurations that fit", len(fits), len(fitting))
     return rank(fits, capacity_bytes, alpha=model.alpha, tie=tie_rel(model), offset=model.step_offset_s)

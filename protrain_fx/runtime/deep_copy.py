@@ -59,8 +59,8 @@ def deep_copy(manager_ref: weakref.ref, module_ref: weakref.ref, memo: dict[int,
         for m, (state, hooks) in set_aside.items():
             for key in state:
                 del m.__dict__[key]
+            ours = set(state.get(HOOK_IDS, ()))
             for name, entries in hooks.items():
-                ours = set(state[HOOK_IDS])
                 getattr(m, name).clear()
                 getattr(m, name).update((k, v) for k, v in entries if k not in ours)
         copied = copy.deepcopy(module, memo)
