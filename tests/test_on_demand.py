@@ -168,7 +168,7 @@ def test_fetch_gives_the_chunk_values_and_drop_frees():
 def test_each_graph_run_reads_a_chunk_from_the_host_once(monkeypatch):
     """A chunk's whole values are a host copy (a collective when sharded), so a profile reads each chunk at most
     once per run of a graph, also where a block's parameters lie in two chunks that its nodes read in turn."""
-    model = protrain_fx.prepare(models.build("llama", layers=8), device="cpu")
+    model = protrain_fx.prepare(models.build("llama", layers=4), device="cpu")
     manager = protrain_fx.manager_of(model)
     reads, runs = [], []
     full_values, graph_run, replay = type(manager).full_values, OnDemand.graph_run, OnDemand.replay
