@@ -30,6 +30,7 @@ from protrain_fx.debug.from_dump import read_dump
 from protrain_fx.planner.calibrate import Calibration, Replan, calibrated, replanned
 from protrain_fx.planner.cost import Candidate
 from protrain_fx.planner.inputs import cost_model
+from protrain_fx.planner.plan import decisions
 from protrain_fx.planner.search import plan_graph
 from protrain_fx.runtime.adopt import model_manager
 from protrain_fx.runtime.monitor import MEASURED_STEPS, WARMUP_STEPS, StepMonitor
@@ -324,6 +325,17 @@ def test_a_measured_alpha_replans_with_headroom(recorded_costs):
     inputs = dataclasses.replace(inputs, capacity_bytes=capacity)
     spare = replanned(calibrated(costs, Calibration(alpha=1.0)), inputs, plan, {}, headroom=SWITCH_HEADROOM)
     assert spare.plan.predicted_reserved_bytes <= (1 - SWITCH_HEADROOM) * capacity < tight.plan.predicted_reserved_bytes
+
+
+def test_where_nothing_else_fits_the_calibrated_model_the_plan_in_force_is_kept(recorded_costs):
+    """Training reserves far more than profiled (α 3): no plan fits the calibrated model under the capacity, but the
+    plan in force runs, so it is kept, and timed by the calibrated model (the loop reports it, not nothing)."""
+    costs, inputs, everything = recorded_costs
+    plan, replan = _replanned(costs, inputs, int(everything * 0.7), Calibration(alpha=3.0, host=1.5))
+    assert replan.alone and not replan.switches and replan.gain == 0.0
+    assert replan.plan == replan.before and decisions(replan.before.to_json()) == decisions(plan.to_json())
+    assert replan.before.predicted_step_s > plan.predicted_step_s  # the host 1.5x as long
+    assert replan.to_json()["alone"]
 
 
 def test_a_gain_within_the_margin_does_not_switch(recorded_costs):

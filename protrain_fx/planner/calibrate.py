@@ -31,6 +31,7 @@ timed by the calibrated model; the best replaces the plan in force only where it
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -38,10 +39,12 @@ from typing import Any
 from protrain_fx.planner.cost import Candidate, CostModel
 from protrain_fx.planner.inputs import PlanningInputs, retimed
 from protrain_fx.planner.plan import Plan, decisions
-from protrain_fx.planner.search import SEARCHED, plan_graph, ranked_step_s, tie_rel
+from protrain_fx.planner.search import SEARCHED, NoPlanFits, plan_graph, ranked_step_s, tie_rel
 
 # a switch recompiles the graph and may move chunks and their optimizer states between device and host: a plan
 # predicted less than this much faster (or within the search's ties, where that is more) does not pay for it
+log = logging.getLogger(__name__)
+
 SWITCH_MARGIN = 0.03
 # where training measured α, a re-plan is searched under this share of the capacity less: α was measured under
 # another plan, and a switch that moves chunks can neither be undone nor re-planned by on_oom if it runs out of memory
@@ -193,6 +196,7 @@ class Replan:
     ranked_s: float  # the best's step as ranked
     before_ranked_s: float
     margin: float  # `switch_margin`
+    alone: bool = False  # no other plan fits the calibrated model: the plan in force (which runs) is the best
 
     @property
     def gain(self) -> float:
@@ -209,6 +213,7 @@ class Replan:
             "switches": self.switches,
             "gain": self.gain,
             "margin": self.margin,
+            "alone": self.alone,
             "ranked_s": self.ranked_s,
             "before_ranked_s": self.before_ranked_s,
             "plan": self.plan.to_json(),
@@ -220,9 +225,13 @@ def replanned(
     costs: CostModel, inputs: PlanningInputs, plan: Plan, forced: Mapping[str, Any], *, headroom: float = 0.0
 ) -> Replan:
     """Search `costs` (calibrated) again with the fields `forced` under the capacities of `inputs` (the GPU's less
-    the share `headroom`), and time the plan in force on it. Raises NoPlanFits where nothing fits the calibrated
-    model."""
+    the share `headroom`), and time the plan in force on it. Where no plan fits the calibrated model (a larger α,
+    the headroom), the plan in force is the best: it runs, so it fits (`alone`)."""
     capacity = None if inputs.capacity_bytes is None else int(inputs.capacity_bytes * (1 - headroom))
-    best = plan_graph(costs, forced, inputs.layout, capacity, inputs.host_bytes)
     before = retimed(costs, inputs, plan, costs.hardware)
+    try:
+        best = plan_graph(costs, forced, inputs.layout, capacity, inputs.host_bytes)
+    except NoPlanFits as error:
+        log.info("no other plan fits the calibrated model: %s", str(error).splitlines()[0])
+        return Replan(before, before, *(2 * [ranked_s(costs, before)]), switch_margin(costs), alone=True)
     return Replan(best, before, ranked_s(costs, best), ranked_s(costs, before), switch_margin(costs))

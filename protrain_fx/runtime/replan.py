@@ -37,7 +37,6 @@ from protrain_fx.planner.calibrate import (
 )
 from protrain_fx.planner.cost import CostModel
 from protrain_fx.planner.plan import Plan
-from protrain_fx.planner.search import NoPlanFits
 from protrain_fx.runtime.adopt import plan_fields_of
 from protrain_fx.runtime.monitor import host_scale
 
@@ -125,7 +124,7 @@ class ClosedLoop:
         return self.replan
 
     def _search(self, record, manager, chunks_may_move: bool) -> Replan | None:
-        """The calibrated search's plan beside the plan in force; None where nothing is searched or fits."""
+        """The calibrated search's plan beside the plan in force; None where nothing is searched."""
         report = record.monitor.report
         mine = calibration_of(report)
         host, alpha = most_on_every_rank([mine.host, mine.alpha or 0.0], self.device)
@@ -142,24 +141,16 @@ class ClosedLoop:
         self.costs = calibrated(record.costs, self.calibration)
         if not searches(self.costs, forced, record.planning.layout):
             return None
-        try:
-            headroom = SWITCH_HEADROOM if self.calibration.alpha is not None else 0.0
-            replan = replanned(self.costs, record.planning, record.plan, forced, headroom=headroom)
-        except NoPlanFits as error:
-            log.info("graph %d: no re-plan, nothing fits the calibrated model (%s)", record.index, error)
-            return None
+        headroom = SWITCH_HEADROOM if self.calibration.alpha is not None else 0.0
+        replan = replanned(self.costs, record.planning, record.plan, forced, headroom=headroom)
         log.info(
             "graph %d calibrated to training (%s; the plan in force now predicted at %.1f ms a step, measured "
-            "%.1f ms): the search's plan is predicted %.1f%% %s as ranked than the plan in force (switches where "
-            "faster by more than %.1f%%): %s",
+            "%.1f ms): %s",
             record.index,
             self.calibration,
             replan.before.predicted_step_s * 1e3,
             report["measured_step_s"] * 1e3,
-            abs(replan.gain) * 100,
-            "faster" if replan.gain >= 0 else "slower",
-            replan.margin * 100,
-            "switching" if replan.switches else "kept",
+            _decision(replan),
         )
         return replan
 
@@ -170,3 +161,13 @@ class ClosedLoop:
             "switched": self.switched,
             **(self.replan.to_json() if self.replan else {}),
         }
+
+
+def _decision(replan: Replan) -> str:
+    if replan.alone:
+        return "no other plan fits the calibrated model: kept"
+    return (
+        f"the search's plan is predicted {abs(replan.gain) * 100:.1f}% {'faster' if replan.gain >= 0 else 'slower'} "
+        f"as ranked than the plan in force (switches where faster by more than {replan.margin * 100:.1f}%): "
+        f"{'switching' if replan.switches else 'kept'}"
+    )
