@@ -174,6 +174,26 @@ def test_replan_off_and_an_unchanged_host_keep_the_plan(monkeypatch, tmp_path):
     assert not decision["switched"] and decision["gain"] == 0.0
 
 
+def test_several_cuda_ranks_hold_a_switch(monkeypatch, tmp_path, caplog):
+    """Where ranks may not switch (SWITCH_ACROSS_RANKS_ON: as on several CUDA ranks), a switch worth making is
+    logged and recorded as held, and training goes on bitwise under the plan in force."""
+    from protrain_fx.runtime import replan as replan_module
+
+    monkeypatch.setattr(replan_module, "SWITCH_ACROSS_RANKS_ON", ())
+    monkeypatch.setattr(replan_module, "rank_and_world_size", lambda: (0, 2))
+    _switch_to(monkeypatch, {"n_persist": 2, "n_buffer": 2})
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        (ref_losses, ref, ref_opt), (losses, model, opt, backend), plans = _eager_and_protrain(
+            {"dump_dir": str(tmp_path)}
+        )
+    assert losses == ref_losses and all(p is plans[0] for p in plans)
+    _assert_bitwise(ref, ref_opt, model, opt)
+    decision = json.loads((backend.graphs[0].dumper.dir / "replan.json").read_text())
+    assert decision["switches"] and not decision["switched"] and decision["held"] == replan_module.HELD_ACROSS_RANKS
+    assert decision["plan"]["n_persist"] == 2 and model_manager(model).n_persist == plans[0].n_chunk
+    assert "no re-plan: several CUDA ranks do not switch" in caplog.text
+
+
 def test_a_fully_forced_plan_is_never_replanned(monkeypatch):
     _host_measured(monkeypatch, 3.0)
     full = {"n_persist": 1, "n_buffer": 2, "n_swap": 0, "n_checkpoint": 0, "n_selective": 0}

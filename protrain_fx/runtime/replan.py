@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from protrain_fx.distributed import most_on_every_rank
+from protrain_fx.distributed import most_on_every_rank, rank_and_world_size
 from protrain_fx.planner.calibrate import (
     SWITCH_HEADROOM,
     Calibration,
@@ -50,6 +50,12 @@ MAX_WAITS = 16
 # the devices whose measured phases the compute is fitted to (`compute_of`): on the CPU, the "device" is the host and
 # its profile's timings move between runs by more than a fit would correct
 FIT_COMPUTE_ON = ("cuda",)
+# the devices whose ranks switch plans when there are several: on two CUDA ranks (NCCL) the step that switched has
+# not finished (docs/limitations.md); there the loop calibrates, reports and holds the plan in force
+SWITCH_ACROSS_RANKS_ON = ("cpu",)
+HELD_ACROSS_RANKS = (
+    "several CUDA ranks do not switch plans yet (a switch's step stalled on two GPUs); the plan in force stays"
+)
 
 
 def calibration_of(report: dict) -> Calibration:
@@ -92,6 +98,7 @@ class ClosedLoop:
     done: bool = False
     switched: bool = False
     waits: int = 0  # forwards the switch waited for the chunks to be between two steps
+    held: str | None = None  # why a switch worth making was not made
 
     def watches(self, record) -> bool:
         """Whether the graph needs its steps measured: the loop is not done, and its plan has fields left to search
@@ -111,7 +118,10 @@ class ClosedLoop:
         the next forward, MAX_WAITS times at most)."""
         if self.replan is None:
             self.replan = self._search(record, manager, chunks_may_move)
-            if self.replan is None or not self.replan.switches:
+            if self.replan is not None and self.replan.switches and not self._may_switch():
+                self.held = HELD_ACROSS_RANKS
+                log.warning("graph %d: no re-plan: %s", record.index, self.held)
+            if self.replan is None or not self.replan.switches or self.held:
                 self.done = True
                 return None
         if manager is not None and max(most_on_every_rank([0.0 if manager.between_steps else 1.0], self.device)):
@@ -122,6 +132,9 @@ class ClosedLoop:
             return None
         self.done = self.switched = True
         return self.replan
+
+    def _may_switch(self) -> bool:
+        return rank_and_world_size()[1] == 1 or self.device.type in SWITCH_ACROSS_RANKS_ON
 
     def _search(self, record, manager, chunks_may_move: bool) -> Replan | None:
         """The calibrated search's plan beside the plan in force; None where nothing is searched."""
@@ -159,6 +172,7 @@ class ClosedLoop:
         return {
             "calibration": self.calibration.to_json() if self.calibration else None,
             "switched": self.switched,
+            "held": self.held,
             **(self.replan.to_json() if self.replan else {}),
         }
 
