@@ -41,10 +41,10 @@ from protrain_fx.planner.inputs import PlanningInputs, retimed
 from protrain_fx.planner.plan import Plan, decisions
 from protrain_fx.planner.search import SEARCHED, NoPlanFits, plan_graph, ranked_step_s, tie_rel
 
-# a switch recompiles the graph and may move chunks and their optimizer states between device and host: a plan
-# predicted less than this much faster (or within the search's ties, where that is more) does not pay for it
 log = logging.getLogger(__name__)
 
+# a switch recompiles the graph and may move chunks and their optimizer states between device and host: a plan
+# predicted less than this much faster (or within the search's ties, where that is more) does not pay for it
 SWITCH_MARGIN = 0.03
 # where training measured α, a re-plan is searched under this share of the capacity less: α was measured under
 # another plan, and a switch that moves chunks can neither be undone nor re-planned by on_oom if it runs out of memory
@@ -233,5 +233,6 @@ def replanned(
         best = plan_graph(costs, forced, inputs.layout, capacity, inputs.host_bytes)
     except NoPlanFits as error:
         log.info("no other plan fits the calibrated model: %s", str(error).splitlines()[0])
-        return Replan(before, before, *(2 * [ranked_s(costs, before)]), switch_margin(costs), alone=True)
+        ranked = ranked_s(costs, before)
+        return Replan(before, before, ranked, ranked, switch_margin(costs), alone=True)
     return Replan(best, before, ranked_s(costs, best), ranked_s(costs, before), switch_margin(costs))

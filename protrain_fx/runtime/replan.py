@@ -2,7 +2,8 @@
 is calibrated to what training measured (planner/calibrate.py: the host AdamW's rate, and on CUDA the reserved over
 allocated bytes and the compute's time in the forward and backward phases) and searched again under the same
 forced fields and capacities; a plan predicted faster than the plan in force by more than the switch's margin goes
-into force between two steps, once per graph:
+into force between two steps, once per graph (several CUDA ranks log it and hold the plan in force:
+`SWITCH_ACROSS_RANKS_ON`):
 
     forward of step k          the monitor's report is in (WARMUP_STEPS + MEASURED_STEPS steps after the compile)
     forward of step k + 1      `ClosedLoop.decide`: the calibration (the largest on any rank, so every rank searches
