@@ -119,9 +119,6 @@ class ClosedLoop:
         the next forward, MAX_WAITS times at most)."""
         if self.replan is None:
             self.replan = self._search(record, manager, chunks_may_move)
-            if self.replan is not None and self.replan.switches and not self._may_switch():
-                self.held = HELD_ACROSS_RANKS
-                log.warning("graph %d: no re-plan: %s", record.index, self.held)
             if self.replan is None or not self.replan.switches or self.held:
                 self.done = True
                 return None
@@ -138,7 +135,8 @@ class ClosedLoop:
         return rank_and_world_size()[1] == 1 or self.device.type in SWITCH_ACROSS_RANKS_ON
 
     def _search(self, record, manager, chunks_may_move: bool) -> Replan | None:
-        """The calibrated search's plan beside the plan in force; None where nothing is searched."""
+        """The calibrated search's plan beside the plan in force (`held` where this run may not switch to it); None
+        where nothing is searched."""
         report = record.monitor.report
         mine = calibration_of(report)
         host, alpha = most_on_every_rank([mine.host, mine.alpha or 0.0], self.device)
@@ -157,6 +155,9 @@ class ClosedLoop:
             return None
         headroom = SWITCH_HEADROOM if self.calibration.alpha is not None else 0.0
         replan = replanned(self.costs, record.planning, record.plan, forced, headroom=headroom)
+        if replan.switches and not self._may_switch():
+            self.held = HELD_ACROSS_RANKS
+            log.warning("graph %d: no re-plan: %s", record.index, self.held)
         log.info(
             "graph %d calibrated to training (%s; the plan in force now predicted at %.1f ms a step, measured "
             "%.1f ms): %s",
@@ -164,7 +165,7 @@ class ClosedLoop:
             self.calibration,
             replan.before.predicted_step_s * 1e3,
             report["measured_step_s"] * 1e3,
-            _decision(replan),
+            _decision(replan, self.held),
         )
         return replan
 
@@ -178,9 +179,11 @@ class ClosedLoop:
         }
 
 
-def _decision(replan: Replan) -> str:
+def _decision(replan: Replan, held: str | None) -> str:
     if replan.alone:
         return "no other plan fits the calibrated model: kept"
+    if held:
+        return f"the search's plan is predicted {replan.gain * 100:.1f}% faster as ranked: held"
     return (
         f"the search's plan is predicted {abs(replan.gain) * 100:.1f}% {'faster' if replan.gain >= 0 else 'slower'} "
         f"as ranked than the plan in force (switches where faster by more than {replan.margin * 100:.1f}%): "
