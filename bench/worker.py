@@ -409,8 +409,12 @@ def _process_group(device: torch.device) -> Iterator[None]:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
     try:
         yield
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # not torn down: that waits for the collectives the other ranks are in, hiding the error behind a hang; the
+        # process ends with it, and torchrun stops the other ranks
+        log.exception("rank %d failed", rank)
+        raise
+    dist.destroy_process_group()
 
 
 def _free_port() -> int:

@@ -38,15 +38,20 @@ def join(backend: str, rank: int, world: int, rendezvous: str) -> None:
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
 
-def _context():
+def _context(cuda: bool = False):
+    """CUDA ranks start afresh ("spawn"): on a GPU machine the fork server's preloaded modules initialise CUDA, and
+    a rank forked from it fails ("Cannot re-initialize CUDA in forked subprocess")."""
+    if cuda:
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
-def spawn(target, world: int, *args) -> None:
-    """Run `target(rank, world, rendezvous, *args, errors)` in `world` processes; fail with their errors."""
-    ctx = _context()
+def spawn(target, world: int, *args, cuda: bool = False) -> None:
+    """Run `target(rank, world, rendezvous, *args, errors)` in `world` processes (`cuda`: ranks that use the GPUs);
+    fail with their errors."""
+    ctx = _context(cuda)
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="protrain-ranks-") as folder:
         rendezvous = os.path.join(folder, "rendezvous")

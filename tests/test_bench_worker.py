@@ -244,3 +244,26 @@ def test_compile_trains_under_an_activation_memory_budget():
     assert torch._functorch.config.activation_memory_budget == before
     with pytest.raises(ValueError, match="--memory-budget must be in"):
         train("compile", ModelSpec(**TINY), memory_budget=0.0, **RUN)
+
+
+def test_a_failing_rank_keeps_its_process_group_and_logs_its_error(monkeypatch, caplog):
+    """A rank whose training raises does not tear its process group down (that waits for the collectives the other
+    ranks are in, hiding the error behind a hang): the error is logged and raised. A rank that ends tears it down."""
+    import torch
+    import torch.distributed as dist
+
+    from bench.worker import _free_port, _process_group
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "LOCAL_RANK": "0"}
+    for name, value in {**env, "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError, match="lost"), caplog.at_level("ERROR", logger="bench.worker"):
+        with _process_group(torch.device("cpu")):
+            raise RuntimeError("lost")
+    try:
+        assert dist.is_initialized() and "rank 0 failed" in caplog.text
+    finally:
+        dist.destroy_process_group()
+    with _process_group(torch.device("cpu")):
+        assert dist.is_initialized()
+    assert not dist.is_initialized()

@@ -144,7 +144,7 @@ def test_nccl_ranks_train_like_eager(plan):
     3 gloo ranks (the reference's CUDA AdamW and the offloaded chunks' CPU AdamW round differently)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    spawn(_nccl_worker, 2, "toy", plan)
+    spawn(_nccl_worker, 2, "toy", plan, cuda=True)
 
 
 def _nccl_worker(rank, world, rendezvous, kind, plan, errors):

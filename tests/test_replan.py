@@ -88,11 +88,12 @@ def _host_measured(monkeypatch, scale: float) -> None:
     monkeypatch.setattr(StepMonitor, "_host_adam", host_adam)
 
 
-def _train(model, opt, steps: int, plans: list | None = None) -> list[float]:
+def _train(model, opt, steps: int, plans: list | None = None, device: str = "cpu") -> list[float]:
     """`steps` steps on batches of SHAPE; the plan in force after each (`plans`, where given)."""
     losses = []
     for step in range(steps):
-        loss = model(**models.batch("llama", *SHAPE, seed=step)).loss
+        batch = {k: v.to(device) for k, v in models.batch("llama", *SHAPE, seed=step).items()}
+        loss = model(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -468,3 +469,84 @@ def test_gradients_held_at_every_forward_give_the_switch_up(monkeypatch, tmp_pat
     assert model_manager(model).n_persist == backend.graphs[0].plan.n_persist == backend.graphs[0].plan.n_chunk
     decision = json.loads((backend.graphs[0].dumper.dir / "replan.json").read_text())
     assert decision["switches"] and not decision["switched"]
+
+
+# ----- on GPUs (inductor; run through the device tool) ---------------------------------------------------------------
+
+# the switches a GPU makes, (the plan's forced fields, the switch's): persistent chunks offloaded (masters and AdamW
+# states to the host), with a block swapped before and after (its swap space made anew), and the persistent chunks'
+# fp32 gradient buffers cut to one they share (the chunks stay; their gradient buffers are built again)
+CUDA_SWITCHES = {
+    "offloaded": ({}, {"n_persist": 2, "n_buffer": 2}),
+    "swapped and offloaded": ({"n_swap": 1}, {"n_persist": 2, "n_buffer": 2}),
+    "shared gradients": ({}, {"device_grad_slots": 1}),
+}
+STALLED_S = 240  # a rank whose training has not ended by then dumps every thread's stack and exits
+
+
+def _switch_on_cuda(device: str, forced: dict, fields: dict, rank: int = 0) -> None:
+    """The 4-layer LLaMA trained on `device` eagerly and through the backend (the plan's fields `forced`), whose loop
+    switches to `fields` after the monitor's steps: the switch's plan in force after it, and training eager's across
+    it (losses to 1e-4; parameters to STEPS * lr: the offloaded chunks step with the CPU's AdamW, eager with CUDA's
+    fused one, whose roundings differ by an ulp, and AdamW moves a parameter by about lr whatever its gradient's
+    size)."""
+    ref = _llama().to(device)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    plans = []
+    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"plan": forced}), dynamic=False)
+    losses = _train(compiled, opt, STEPS, plans, device)
+    assert losses == pytest.approx(_train(ref, ref_opt, STEPS, None, device), rel=1e-4), f"rank {rank}"
+    first, last = plans[0], plans[-1]
+    assert all(p is first for p in plans[:SWITCH_AT]) and all(p is last for p in plans[SWITCH_AT:]), f"rank {rank}"
+    assert all(getattr(last, k) == v for k, v in {**forced, **fields}.items()), f"rank {rank}: {first} then {last}"
+    manager = model_manager(model)
+    assert (manager.n_persist, manager.device_grad_slots) == (last.n_persist, last.device_grad_slots)
+    state = protrain_fx.full_state_dict(model)  # (a collective on several ranks)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value.cpu(), rtol=0, atol=STEPS * 1e-2, msg=f"rank {rank}: {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CUDA_SWITCHES))
+def test_a_switch_on_a_gpu_trains_on_like_eager(monkeypatch, case):
+    forced, fields = CUDA_SWITCHES[case]
+    _switch_to(monkeypatch, fields)
+    _switch_on_cuda("cuda", forced, fields)
+
+
+def _nccl_switch(rank: int, world: int, rendezvous: str, case: str, errors) -> None:
+    import faulthandler
+
+    from spawn import join
+
+    faulthandler.dump_traceback_later(STALLED_S, exit=True)
+    torch.cuda.set_device(rank)
+    join("nccl", rank, world, rendezvous)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            from protrain_fx.runtime import replan as replan_module
+
+            monkeypatch.setattr(replan_module, "SWITCH_ACROSS_RANKS_ON", ("cpu", "cuda"))  # (not held here)
+            forced, fields = CUDA_SWITCHES[case]
+            _switch_to(monkeypatch, fields)
+            _switch_on_cuda(f"cuda:{rank}", forced, fields, rank)
+    except BaseException as e:  # (the group is not torn down: that waits for the other rank's collectives)
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", list(CUDA_SWITCHES))
+def test_nccl_ranks_switch_like_eager(case):
+    """Two GPUs (NCCL), the hold on several CUDA ranks lifted (SWITCH_ACROSS_RANKS_ON): each rank's loop switches
+    alike, and each trains as eager does."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from spawn import spawn
+
+    spawn(_nccl_switch, 2, case, cuda=True)

@@ -51,11 +51,11 @@ MAX_WAITS = 16
 # the devices whose measured phases the compute is fitted to (`compute_of`): on the CPU, the "device" is the host and
 # its profile's timings move between runs by more than a fit would correct
 FIT_COMPUTE_ON = ("cuda",)
-# the devices whose ranks switch plans when there are several: on two CUDA ranks (NCCL) the step that switched has
-# not finished (docs/limitations.md); there the loop calibrates, reports and holds the plan in force
+# the devices whose ranks switch plans when there are several: on two CUDA ranks (NCCL) a 5.5B model's step after
+# the switch failed on one rank (docs/limitations.md); there the loop calibrates, reports and holds the plan in force
 SWITCH_ACROSS_RANKS_ON = ("cpu",)
 HELD_ACROSS_RANKS = (
-    "several CUDA ranks do not switch plans yet (a switch's step stalled on two GPUs); the plan in force stays"
+    "several CUDA ranks do not switch plans yet (a switch's step failed on one of two GPUs); the plan in force stays"
 )
 
 
