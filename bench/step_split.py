@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -32,6 +33,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import protrain_fx
 from bench.model import FAMILIES, PRESETS, build_model, preset
 from bench.trace import format_phases, format_report, load_events, overlap_report, phase_report, step_lead_in
+
+log = logging.getLogger(__name__)
 
 PHASES = ("bench.forward", "bench.backward", "bench.opt_step", "bench.zero_grad")  # annotated for --trace
 
@@ -69,8 +72,10 @@ def _ranks() -> Iterator[None]:
     dist.init_process_group("nccl")
     try:
         yield
-    finally:
-        dist.destroy_process_group()
+    except BaseException:  # (not torn down: that waits for the other ranks' collectives, hiding the error)
+        log.exception("rank %s failed", os.environ.get("RANK"))
+        raise
+    dist.destroy_process_group()
 
 
 def _run(args: argparse.Namespace) -> None:
