@@ -5,13 +5,15 @@ import multiprocessing
 import os
 import tempfile
 
+import torch
 import torch.distributed as dist
 
 # ranks start from a fork server that imported these once per test process, not each rank again (seconds of a
-# small machine's CPU per rank); the server imports them only, so it never touches CUDA. The torch._inductor and
-# torch.export modules are what a process's first torch.compile imports (AOTAutograd's decompositions and pattern
-# matcher, even under the eager executor): about a second of each rank's first compile. The transformers modules
-# and torch's distributed tensor are what building a LLaMA and tracing it import (lazily): another second
+# small machine's CPU per rank); on a GPU machine these imports initialise CUDA, so CUDA ranks start afresh
+# (`_context`). The torch._inductor and torch.export modules are what a process's first torch.compile imports
+# (AOTAutograd's decompositions and pattern matcher, even under the eager executor): about a second of each rank's
+# first compile. The transformers modules and torch's distributed tensor are what building a LLaMA and tracing it
+# import (lazily): another second
 PRELOAD = [
     "torch",
     "transformers",
@@ -75,16 +77,24 @@ def in_a_process(target, *args, timeout: float = 600) -> int | None:
     return process.exitcode
 
 
-def gloo_rank(rank: int, world: int, rendezvous: str, errors, body) -> None:
-    """Run `body()` as one gloo rank; an error goes to the parent, which fails the test."""
-    join("gloo", rank, world, rendezvous)
+def run_rank(backend: str, rank: int, world: int, rendezvous: str, errors, body) -> None:
+    """Run `body()` as one rank of a `backend` process group (NCCL: on GPU `rank`); an error (with its notes) goes to
+    the parent, which fails the test, and leaves the group up: tearing it down waits for the other ranks'
+    collectives, which on NCCL hangs."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    join(backend, rank, world, rendezvous)
     try:
         body()
     except BaseException as e:
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        errors.put(" ".join([f"rank {rank}: {type(e).__name__}: {e}", *getattr(e, "__notes__", ())]))
         raise
-    finally:
-        dist.destroy_process_group()
+    dist.destroy_process_group()
+
+
+def gloo_rank(rank: int, world: int, rendezvous: str, errors, body) -> None:
+    """Run `body()` as one gloo rank (`run_rank`)."""
+    run_rank("gloo", rank, world, rendezvous, errors, body)
 
 
 def _gloo_worker(rank: int, world: int, rendezvous: str, body, errors) -> None:

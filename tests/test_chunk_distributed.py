@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import OFFLOADED
-from spawn import gloo_rank, join, spawn, spawn_gloo
+from spawn import gloo_rank, join, run_rank, spawn, spawn_gloo
 
 
 def _train_like_eager(rank: int, world: int, kind: str, plan: dict, backend: str, device: str) -> None:
@@ -43,20 +43,18 @@ def _train_like_eager(rank: int, world: int, kind: str, plan: dict, backend: str
 def _worker(rank: int, world: int, rendezvous: str, cases: list, errors, backend: str = "gloo"):
     """Each (kind, plan) of `cases` in turn on the same ranks (one spawn, one process group: starting the ranks
     costs more than a case), as a fresh compile (Dynamo reset, as between tests)."""
-    device = "cpu"
-    if backend == "nccl":
-        device = f"cuda:{rank}"
-        torch.cuda.set_device(device)
-    join(backend, rank, world, rendezvous)
-    case = None
-    try:
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+
+    def body():
         for case in cases:
             torch._dynamo.reset()
-            _train_like_eager(rank, world, *case, backend, device)
-    except BaseException as e:  # report to the parent, which fails the test
-        errors.put(f"rank {rank}, {case}: {type(e).__name__}: {e}")
-        raise  # (the group not torn down: on NCCL that waits for the other rank's collectives)
-    dist.destroy_process_group()
+            try:
+                _train_like_eager(rank, world, *case, backend, device)
+            except BaseException as e:
+                e.add_note(f"(case {case})")
+                raise
+
+    run_rank(backend, rank, world, rendezvous, errors, body)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -519,25 +519,22 @@ def test_a_switch_on_a_gpu_trains_on_like_eager(monkeypatch, case):
 def _nccl_switch(rank: int, world: int, rendezvous: str, case: str, errors) -> None:
     import faulthandler
 
-    from spawn import join
+    from spawn import run_rank
 
-    faulthandler.dump_traceback_later(STALLED_S, exit=True)
-    torch.cuda.set_device(rank)
-    join("nccl", rank, world, rendezvous)
-    try:
+    from protrain_fx.runtime import replan as replan_module
+
+    def body():
         with pytest.MonkeyPatch.context() as monkeypatch:
-            from protrain_fx.runtime import replan as replan_module
-
             monkeypatch.setattr(replan_module, "SWITCH_ACROSS_RANKS_ON", ("cpu", "cuda"))  # (not held here)
             forced, fields = CUDA_SWITCHES[case]
             _switch_to(monkeypatch, fields)
             _switch_on_cuda(f"cuda:{rank}", forced, fields, rank)
-    except BaseException as e:  # (the group is not torn down: that waits for the other rank's collectives)
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
+
+    faulthandler.dump_traceback_later(STALLED_S, exit=True)
+    try:
+        run_rank("nccl", rank, world, rendezvous, errors, body)
     finally:
         faulthandler.cancel_dump_traceback_later()
-    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.multigpu
