@@ -57,11 +57,14 @@ def _assert_same_weights(ref, model) -> None:
 
 @pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_trainer_style_loop(kind, plan):
+def test_trainer_style_loop(kind, plan, caplog):
     """What Hugging Face's Trainer and accelerate do each step: clip with torch.nn.utils.clip_grad_norm_ over
     `model.parameters()` (its norm logged), step a warmup schedule between backward() and step(), and clear the
     gradients with `model.zero_grad()`. Norms, losses and weights are eager training's, bitwise; `.grad` is None
-    after zero_grad and holds the gradient after backward, as in eager PyTorch."""
+    after zero_grad and holds the gradient after backward, as in eager PyTorch. No offloaded parameter is lent its
+    values by a Python call on it (runtime/chunks/param_class.py): the loop makes none, and the runtime's own are
+    not lent."""
+    caplog.set_level("DEBUG", logger="protrain_fx.runtime.chunks.param_class")
     ref, (ref_opt,), model, (opt,), compiled = _pair(kind, plan)
     warmup = lambda step: min(1.0, (step + 1) / 3)  # noqa: E731
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in (ref_opt, opt)]
@@ -78,6 +81,7 @@ def test_trainer_style_loop(kind, plan):
             assert all(p.grad is None for p in net.parameters())
         assert norms[0] == norms[1] and norms[0] > 0.5, (step, norms)
     _assert_same_weights(ref, model)
+    assert not [r for r in caplog.records if "lent to a Python call" in r.getMessage()]
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -292,6 +296,61 @@ def test_parameters_used_outside_the_compiled_graphs(plan):
     _in_a_process(_eager_uses_and_loads, plan)
 
 
+def _python_reads_and_writes(kind: str, plan: str) -> None:
+    import sys
+    from pathlib import Path
+
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    torch.manual_seed(0)
+    ref, (ref_opt,), model, (opt,), compiled = _pair(kind, plan)
+    emas = [[p.detach().clone() for p in net.parameters()] for net in (ref, model)]
+    averaged = [AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for net in (ref, model)]
+    runs = list(zip((ref, compiled), (ref, model), (ref_opt, opt), emas, averaged))
+    for step in range(3):
+        for m, net, o, ema, avg in runs:
+            loss = _loss(m, kind, step)
+            if step == 1:  # (a Python term over parameters, under grad mode: autograd reads them in the backward)
+                loss = loss + 1e-3 * sum(p.square().sum() for p in net.parameters() if p.ndim == 1)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            with torch.no_grad():
+                torch._foreach_lerp_(ema, [p.detach() for p in net.parameters()], 0.1)
+            avg.update_parameters(net)
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert repr(a) == repr(b) and torch.equal(a * 1, b * 1), name
+            # (a reduction's last bits follow where its input lies: a persistent chunk's views are offset)
+            assert a.norm().item() == pytest.approx(b.norm().item(), rel=1e-6), name
+            assert torch.equal(a.detach()[0], b.detach()[0]) and torch.equal(a.data + 1, b.data + 1), name
+            assert (a.detach().clone().numpy() == b.detach().clone().numpy()).all(), name
+    for a, b in zip(*emas):
+        assert torch.equal(a, b)
+    for a, b in zip(*(avg.parameters() for avg in averaged)):
+        assert torch.equal(a, b)
+    targets = [n for n, p in ref.named_parameters() if p.ndim == 2][-2:]
+    for net in (ref, model):  # writes: an init in place, and one through `.data`
+        torch.nn.init.constant_(net.get_parameter(targets[0]), 0.5)
+        net.get_parameter(targets[1]).data.mul_(0.5)
+    _assert_same_weights(ref, model)
+    for m, _, o, *_ in runs:
+        _loss(m, kind, 3).backward()
+        o.step()
+    _assert_same_weights(ref, model)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_parameters_read_and_written_in_python(kind, plan):
+    """Python's calls on the parameters of a trained model give eager PyTorch's answers, bitwise, also on offloaded
+    ones, which hold no storage (runtime/chunks/param_class.py): an EMA by `torch._foreach_lerp_` and
+    `AveragedModel`, `repr`, elementwise ops and norms, views, `.data`, a NumPy copy, a loss term over parameters under grad mode, an
+    in-place init and a write through `.data`, which the next step trains from. In a spawned process (reads of an
+    offloaded parameter crashed the process once)."""
+    _in_a_process(_python_reads_and_writes, kind, plan)
+
+
 @pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("experts", [None, "eager"], ids=["grouped_mm", "eager-experts"])
 def test_moe(experts, plan):
@@ -449,8 +508,9 @@ def test_protrain_load_state_dict_is_strict():
 @pytest.mark.parametrize("plan", PLANS)
 def test_contract_on_the_gpu(plan):
     """On CUDA, where updates run on side streams and offloaded chunks update on the host during the backward:
-    clipping through `.grad`, an lr set after backward(), model.zero_grad(), and model.load_state_dict into the
-    chunks. Against eager fp32 training: losses within 1e-5 (inductor's kernels and CUDA's reduction orders
+    clipping through `.grad`, an lr set after backward(), model.zero_grad(), Python's reads of the parameters (the
+    chunks' values, bitwise) and an in-place init, and model.load_state_dict into the chunks. Against eager fp32
+    training: losses within 1e-5 (inductor's kernels and CUDA's reduction orders
     differ from eager's in the last bits), the clip's norm within 1e-5."""
     torch.manual_seed(0)
     ref = models.build("llama").cuda()
@@ -470,6 +530,16 @@ def test_contract_on_the_gpu(plan):
             net.zero_grad()
             rows.append((loss.item(), norm.item()))
         assert rows[1][0] == pytest.approx(rows[0][0], rel=1e-5) and rows[1][1] == pytest.approx(rows[0][1], rel=1e-5)
+    state = protrain_fx.full_state_dict(model)  # Python's calls read the chunks' values, also offloaded ones'
+    ema = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        torch._foreach_lerp_(ema, list(model.parameters()), 1.0)
+    for (name, p), e in zip(model.named_parameters(), ema):
+        assert torch.equal(p.cpu(), state[name]) and torch.equal(e.cpu(), state[name]), name
+        assert p.norm().item() == pytest.approx(state[name].norm().item(), rel=1e-5) and repr(p), name
+    name = "model.layers.0.mlp.up_proj.weight"
+    torch.nn.init.constant_(model.get_parameter(name), 0.5)
+    assert torch.equal(protrain_fx.full_state_dict(model)[name], torch.full_like(state[name], 0.5))
     fresh = {k: v.cuda() for k, v in models.build("llama", seed=3).state_dict().items()}
     model.load_state_dict(fresh)
     state = protrain_fx.full_state_dict(model)

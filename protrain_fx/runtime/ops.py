@@ -104,7 +104,8 @@ def reduce_grads(
     manager: int, chunk: int, source: int, params: list[int], grads: list[torch.Tensor], after: list[torch.Tensor]
 ) -> None:
     m = _manager(manager)
-    m.reduce_grads(chunk, source, [m.params[i] for i in params], grads)
+    with torch._C.DisableTorchFunctionSubclass():  # (the chunked parameters read as plain ones: the runtime's)
+        m.reduce_grads(chunk, source, [m.params[i] for i in params], grads)
 
 
 @reduce_grads.register_fake

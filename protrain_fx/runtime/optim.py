@@ -241,6 +241,11 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with torch._C.DisableTorchFunctionSubclass():  # (the chunked parameters read as plain ones: the runtime's)
+            self._step(grad_scale)
+        return loss
+
+    def _step(self, grad_scale: float | None) -> None:
         managers = self._managers()
         self.last_step_skipped = False
         self.carried_scale = None
@@ -250,7 +255,7 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
                 manager.step_lost = False
             self.last_step_skipped = True
             log.warning("a backward ran out of GPU memory and was re-planned: optimizer step skipped")
-            return loss
+            return
         if grad_scale is not None and any(not m.loss_scaled for m in managers):
             raise ValueError(
                 "loss scaling (protrain_fx.amp.GradScaler) is for float16 models; this model's chunks are "
@@ -283,14 +288,13 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
                 )
             self.last_step_skipped = True
             log.warning("a gradient is inf or NaN: optimizer step skipped on every rank (loss scale %s)", grad_scale)
-            return loss
+            return
         for manager in managers:
             for chunk in manager.unstepped(self):  # chunks not started during the backward
                 update = self.chunk_update(manager, chunk, grad_scale)
                 manager.submit_update(chunk, update)
             manager.end_step(self)
         self._step_plain(grad_scale)
-        return loss
 
     def _found_inf(self, managers) -> bool:
         """Whether any gradient of this step, on any rank, is inf or NaN (one device sync)."""
@@ -330,9 +334,10 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: the parameters' `.grad` set to None (or zeroed); their chunks forget those gradients."""
-        super().zero_grad(set_to_none=set_to_none)
-        for manager in self._managers():
-            manager.zero_grad()
+        with torch._C.DisableTorchFunctionSubclass():  # (the chunked parameters read as plain ones: the runtime's)
+            super().zero_grad(set_to_none=set_to_none)
+            for manager in self._managers():
+                manager.zero_grad()
 
 
 class _Group(dict):

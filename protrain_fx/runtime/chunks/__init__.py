@@ -75,6 +75,7 @@ from protrain_fx.host import check_host_memory
 from protrain_fx.planner.chunking import ChunkLayout, Slot
 from protrain_fx.planner.plan import MASTER_BYTES
 from protrain_fx.runtime import deep_copy, model_hooks, ops
+from protrain_fx.runtime.chunks import param_class
 from protrain_fx.runtime.chunks.common import (
     DDP_ATTR,
     FROZEN_OUT_ATTR,
@@ -210,6 +211,7 @@ class ChunkManager(
         self._adopt(source or (lambda p: p.detach()))
         for p in self.params:
             p.__dict__[MANAGER_ATTR] = self
+            param_class.adopt(p)  # (Python's calls on an offloaded one read its values, not freed memory)
         for p in model.parameters() if model is not None else ():
             if not self.holds(p) and not p.requires_grad:
                 p.__dict__[FROZEN_OUT_ATTR] = True

@@ -88,7 +88,7 @@ class OutsideMixin:
             if i not in self._lent:
                 values = self.param_values(i)
                 p.untyped_storage().resize_((p.storage_offset() + p.numel()) * p.element_size())
-                with torch.no_grad():
+                with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # (the runtime's own write)
                     p.copy_(values)
             self._lent[i] = self._lent.get(i, False) or (for_backward and p.requires_grad)
 
@@ -118,7 +118,7 @@ class OutsideMixin:
         else:
             self.publish(slot.chunk)
         if i in self._lent:
-            with torch.no_grad():
+            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # (the runtime's own write)
                 self.params[i].copy_(value)
 
     def full_params(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
