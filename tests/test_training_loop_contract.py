@@ -286,13 +286,16 @@ def _eager_uses_and_loads(plan: str) -> None:
     prepared = protrain_fx.prepare(models.build("llama", seed=1), plan=_plan("llama", plan), device="cpu")
     prepared.load_state_dict(ref.state_dict())
     _assert_same_weights(ref, prepared)
+    name = "model.layers.0.mlp.up_proj.weight"  # (an in-place init of a prepared model's offloaded parameter)
+    torch.nn.init.constant_(prepared.get_parameter(name), 0.5)
+    assert torch.equal(protrain_fx.full_state_dict(prepared)[name], torch.full_like(ref.get_parameter(name), 0.5))
 
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_parameters_used_outside_the_compiled_graphs(plan):
     """A module run outside the compiled graphs (under torch.compiler.disable) reads its parameters' current
-    values and trains them as eager PyTorch does; load_state_dict after training and after prepare() write into
-    the chunks. In a spawned process (these crashed the process once)."""
+    values and trains them as eager PyTorch does; load_state_dict after training and after prepare(), and an
+    in-place init after prepare(), write into the chunks. In a spawned process (these crashed the process once)."""
     _in_a_process(_eager_uses_and_loads, plan)
 
 

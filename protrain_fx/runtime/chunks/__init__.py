@@ -54,6 +54,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `edits.py` | gradients or hyperparameters changed between backward() and step(), which make updates wait |
 | `user_grads.py` | `param.grad` of a chunked parameter (runtime/grads.py), `zero_grad` |
 | `outside.py` | the model used outside the compiled graphs: values read, written, lent |
+| `param_class.py` | `ChunkedParameter`, the chunked parameters' class: Python's calls on an offloaded one run on its values |
 
 This module holds `ChunkManager` itself (its construction) and two settings the parts read through the package at
 call time (`UNDO_HOST_RESERVE`, `check_host_memory`), so that setting one here reaches every part.
