@@ -9,8 +9,9 @@ A torch call made outside compiled code on an offloaded parameter, or on a tenso
                              sharded `.grad` is)
     out = func(...)
     manager.load_param(i, p) where the call wrote into it (a version moved): its chunk takes the values
-    manager.take_back([i])   its storage is emptied again; under grad mode, where it requires grad, it stays lent
-                             until the step ends, as for a forward Python runs (autograd may read it)
+    manager.take_back([i])   its storage is emptied again; where autograd recorded the call (grad mode), it stays
+                             lent until the step ends, as for a forward Python runs, and its chunk's updates wait
+                             for the step (autograd may give it a gradient)
     out                      a tensor sharing its storage is a ChunkedView, whose calls lend it again
 
 A foreach call (`torch._foreach_lerp_` over a model's parameters: EMAs, `AveragedModel`) runs position by position, so
@@ -183,7 +184,7 @@ def _param_of(t: Any) -> tuple[nn.Parameter, str] | None:
     elif isinstance(t, ChunkedView):
         p = t.__dict__[VIEW_OF]
         manager = p.__dict__[MANAGER_ATTR]
-        if _storage(p) != _storage(t) and _holds_none(t):
+        if _storage(p) != _storage(t):  # (the parameter's storage was replaced: its chunk moved)
             raise ValueError(
                 f"a tensor taken from parameter {_name(p)!r} (p.detach(), p.data, a view of it) before protrain moved "
                 "its chunk reads memory protrain freed: take it from the parameter again"

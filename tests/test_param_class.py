@@ -1,0 +1,106 @@
+"""ChunkedParameter (runtime/chunks/param_class.py) on a prepared model, whose chunks are all offloaded until the
+first compile places them: Python's calls read and write the chunks' values, one parameter lent at a time, and a
+tensor sharing a parameter's storage from before its chunk moved is an error. Tolerance: bitwise (fp32 on the CPU,
+the same values copied). In spawned processes: a read of freed memory would end the process."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import models
+import pytest
+import torch
+from spawn import in_a_process
+
+import protrain_fx
+
+
+def _in_a_process(target) -> None:
+    exitcode = in_a_process(target)
+    assert exitcode == 0, f"{target.__name__} ended with exit code {exitcode}"
+
+
+def _prepared():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    ref = models.build("llama")
+    return ref, protrain_fx.prepare(copy.deepcopy(ref), device="cpu")
+
+
+def _reads_copies_and_foreach() -> None:
+    ref, model = _prepared()
+    manager = protrain_fx.manager_of(model)
+    pairs = list(zip(ref.parameters(), model.parameters()))
+    assert all(type(p).__name__ == "ChunkedParameter" and p.untyped_storage().nbytes() == 0 for _, p in pairs)
+    with torch.no_grad():
+        for a, b in pairs:
+            assert repr(a) == repr(b) and torch.equal(a.detach(), b.detach()) and torch.equal(a[0] * 2, b[0] * 2)
+    a, b = pairs[1]
+    buffer = io.BytesIO()
+    torch.save(b, buffer)
+    buffer.seek(0)
+    for copied in (torch.load(buffer, weights_only=False), copy.deepcopy(b)):
+        assert type(copied) is torch.nn.Parameter and torch.equal(copied, a) and copied.requires_grad
+    array = b.detach().numpy()
+    assert (array == a.detach().numpy()).all() and not array.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        array[0] = 0
+    lent_at_once = []
+    lend = manager.lend
+
+    def counting(indices, *, for_backward):
+        lent_at_once.append(len(manager._lent) + len(indices))
+        return lend(indices, for_backward=for_backward)
+
+    manager.lend = counting
+    emas = [[p.detach().clone() for p in net.parameters()] for net in (ref, model)]
+    with torch.no_grad():
+        for ema, net in zip(emas, (ref, model)):
+            torch._foreach_lerp_(ema, list(net.parameters()), 0.5)
+    assert all(torch.equal(x, y) for x, y in zip(*emas)) and max(lent_at_once) == 1
+    assert not manager._lent and all(p.untyped_storage().nbytes() == 0 for _, p in pairs)
+    (a, b), index = pairs[2], manager.index[id(pairs[2][1])]
+    assert torch.equal((a * 2).detach(), (b * 2).detach())  # (recorded by autograd: lent until the step ends)
+    assert manager._lent == {index: True} and manager.slots[index].chunk in manager.eager_chunks
+
+
+def test_reads_copies_and_foreach_calls_on_offloaded_parameters():
+    """repr, views and elementwise ops give eager's values; torch.save and copy.deepcopy give plain parameters of
+    them; NumPy gets a read-only copy (its memory is not the parameter's); an EMA's foreach lerp over every
+    parameter lends one at a time; nothing stays lent, but a parameter a call under grad mode recorded for autograd,
+    whose chunk's updates then wait for the step."""
+    _in_a_process(_reads_copies_and_foreach)
+
+
+def _writes_and_a_moved_chunk() -> None:
+    ref, model = _prepared()
+    name = "model.layers.1.mlp.down_proj.weight"
+    p = model.get_parameter(name)
+    data, detached = p.data, p.detach()
+    with torch.no_grad():
+        detached.mul_(2.0)  # (shares the parameter's version counter)
+        ref.get_parameter(name).mul_(2.0)
+        model.model.norm.weight.data.add_(1.0)  # (`.data`: a version counter of its own)
+        ref.model.norm.weight.add_(1.0)
+    state = protrain_fx.full_state_dict(model)
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+    assert torch.equal(data, ref.get_parameter(name))
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_persist": 2}})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    models.loss_of("llama", compiled(**models.batch("llama", seed=0))).backward()
+    opt.step()
+    assert protrain_fx.manager_of(model).is_persistent(p)  # (the first compile's plan moved its chunk to the GPU)
+    with pytest.raises(ValueError, match="take it from the parameter again"):
+        data.sum()
+    assert torch.equal(p.data, protrain_fx.full_state_dict(model)[name])
+
+
+def test_writes_through_views_reach_the_chunks_and_a_view_from_before_a_move_is_an_error():
+    """In-place writes through `p.detach()` and `p.data` of offloaded parameters reach their chunks; a `.data` taken
+    while the chunk was offloaded and read after the first compile placed it on the device is an error that says
+    what to do, not a read of the freed storage."""
+    _in_a_process(_writes_and_a_moved_chunk)
