@@ -12,9 +12,11 @@ on views), across the switch and after it.
 
 import copy
 import dataclasses
+import gc
 import gzip
 import json
 import shutil
+import weakref
 from unittest import mock
 
 import models
@@ -223,6 +225,22 @@ def test_chunks_moved_to_the_host_train_on_like_eager(monkeypatch):
     assert losses == ref_losses
     _assert_bitwise(ref, ref_opt, model, opt)
     assert plans[0].n_persist == plans[0].n_chunk and plans[-1].n_persist == 2 == model_manager(model).n_persist
+
+
+def test_a_switch_lets_go_of_the_old_gradient_buffers():
+    """`place_again` builds the persistent chunks' gradient buffers anew, and the old ones are freed before: none is
+    kept by the optimizer's views of it, which hold a chunk's own buffer as `.grad` between its updates (a 5.5B
+    switch from 9 buffers to 2 shared ran out of GPU memory on two GPUs while they were kept)."""
+    model = _llama()
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_swap": 0}, "replan": "off"})
+    _train(torch.compile(model, backend=backend, dynamic=False), opt, 2)
+    manager = model_manager(model)
+    old = [weakref.ref(t) for t in manager.device_grads.owned]
+    assert len(old) == manager.n_persist > 1
+    assert manager.place_again(manager.n_persist, manager.n_buffer, None, 1)
+    gc.collect()
+    assert manager.device_grad_slots == 1 and not [ref for ref in old if ref() is not None]
 
 
 PROFILED_ALPHA = 1.25  # as a profile on demand measures it (docs/limitations.md: 1.27 for a 5.5B model)

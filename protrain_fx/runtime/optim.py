@@ -163,6 +163,15 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         inner.grad_of, inner.grads_from = {}, None
         return inner
 
+    def let_go_of_grads(self, manager) -> None:
+        """The inner optimizers of `manager`'s chunks hold no gradient: `place_again` builds the gradient buffers
+        anew, and a chunk's own buffer (its parameters' `.grad` here between updates) would outlive the switch."""
+        for (owner, _), inner in self._inner.items():
+            if owner == id(manager) and inner is not None:
+                for view in (v for group in inner.param_groups for v in group["params"]):
+                    view.grad = None
+                inner.grad_of, inner.grads_from = {}, None
+
     def _make_inner(
         self,
         groups: dict[int, list[torch.Tensor]],

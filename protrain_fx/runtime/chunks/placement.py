@@ -198,6 +198,9 @@ class PlacementMixin:
         chunks at once, not their buffers too)."""
         self.buffers, self._landing, self._resident, self._released = [], None, {}, []
         self._reduce_buffers, self._reduce_shards, self._reduce_read, self._next_reduce = [], [], [], 0
+        owners = {id(o): o for c in range(self.layout.n_chunk) if (o := self.optimizer_of(c)) is not None}
+        for owner in owners.values():  # (their inner optimizers' views of the gradient buffers keep them alive)
+            owner.let_go_of_grads(self)
         self.grad = {}
         self.device_grads = None
         self.staging = None
