@@ -117,8 +117,6 @@ def _after_loop(graph: dict) -> str:
     replan = graph.get("replan")
     if not replan or "before" not in replan:
         return "-"
-    if replan.get("held"):
-        return f"held at {replan['before']['predicted_step_s'] * 1e3:.1f} ms, not switched to {_fields(replan['plan'])}"
     if not replan["switched"]:
         return f"kept, {replan['before']['predicted_step_s'] * 1e3:.1f} ms"
     after = graph.get("replanned_vs_measured")

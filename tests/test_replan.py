@@ -177,26 +177,6 @@ def test_replan_off_and_an_unchanged_host_keep_the_plan(monkeypatch, tmp_path):
     assert not decision["switched"] and decision["gain"] == 0.0
 
 
-def test_several_cuda_ranks_hold_a_switch(monkeypatch, tmp_path, caplog):
-    """Where ranks may not switch (SWITCH_ACROSS_RANKS_ON: as on several CUDA ranks), a switch worth making is
-    logged and recorded as held, and training goes on bitwise under the plan in force."""
-    from protrain_fx.runtime import replan as replan_module
-
-    monkeypatch.setattr(replan_module, "SWITCH_ACROSS_RANKS_ON", ())
-    monkeypatch.setattr(replan_module, "rank_and_world_size", lambda: (0, 2))
-    _switch_to(monkeypatch, {"n_persist": 2, "n_buffer": 2})
-    with caplog.at_level("WARNING", logger="protrain_fx"):
-        (ref_losses, ref, ref_opt), (losses, model, opt, backend), plans = _eager_and_protrain(
-            {"dump_dir": str(tmp_path)}
-        )
-    assert losses == ref_losses and all(p is plans[0] for p in plans)
-    _assert_bitwise(ref, ref_opt, model, opt)
-    decision = json.loads((backend.graphs[0].dumper.dir / "replan.json").read_text())
-    assert decision["switches"] and not decision["switched"] and decision["held"] == replan_module.HELD_ACROSS_RANKS
-    assert decision["plan"]["n_persist"] == 2 and model_manager(model).n_persist == plans[0].n_chunk
-    assert "no re-plan: several CUDA ranks do not switch" in caplog.text
-
-
 def test_a_fully_forced_plan_is_never_replanned(monkeypatch):
     _host_measured(monkeypatch, 3.0)
     full = {"n_persist": 1, "n_buffer": 2, "n_swap": 0, "n_checkpoint": 0, "n_selective": 0}
@@ -539,11 +519,8 @@ def _nccl_switch(rank: int, world: int, rendezvous: str, case: str, errors) -> N
 
     from spawn import run_rank
 
-    from protrain_fx.runtime import replan as replan_module
-
     def body():
         with pytest.MonkeyPatch.context() as monkeypatch:
-            monkeypatch.setattr(replan_module, "SWITCH_ACROSS_RANKS_ON", ("cpu", "cuda"))  # (not held here)
             forced, fields = CUDA_SWITCHES[case]
             _switch_to(monkeypatch, fields)
             _switch_on_cuda(f"cuda:{rank}", forced, fields, rank)
@@ -558,8 +535,7 @@ def _nccl_switch(rank: int, world: int, rendezvous: str, case: str, errors) -> N
 @pytest.mark.multigpu
 @pytest.mark.parametrize("case", list(CUDA_SWITCHES))
 def test_nccl_ranks_switch_like_eager(case):
-    """Two GPUs (NCCL), the hold on several CUDA ranks lifted (SWITCH_ACROSS_RANKS_ON): each rank's loop switches
-    alike, and each trains as eager does."""
+    """Two GPUs (NCCL): each rank's loop switches alike, and each trains as eager does."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     from spawn import spawn

@@ -2,8 +2,7 @@
 is calibrated to what training measured (planner/calibrate.py: the host AdamW's rate, and on CUDA the reserved over
 allocated bytes and the compute's time in the forward and backward phases) and searched again under the same
 forced fields and capacities; a plan predicted faster than the plan in force by more than the switch's margin goes
-into force between two steps, once per graph (several CUDA ranks log it and hold the plan in force:
-`SWITCH_ACROSS_RANKS_ON`):
+into force between two steps, once per graph, on every rank alike:
 
     forward of step k          the monitor's report is in (WARMUP_STEPS + MEASURED_STEPS steps after the compile)
     forward of step k + 1      `ClosedLoop.decide`: the calibration (the largest on any rank, so every rank searches
@@ -24,7 +23,7 @@ import logging
 
 import torch
 
-from protrain_fx.distributed import most_on_every_rank, rank_and_world_size
+from protrain_fx.distributed import most_on_every_rank
 from protrain_fx.planner.calibrate import (
     SWITCH_HEADROOM,
     Calibration,
@@ -51,12 +50,6 @@ MAX_WAITS = 16
 # the devices whose measured phases the compute is fitted to (`compute_of`): on the CPU, the "device" is the host and
 # its profile's timings move between runs by more than a fit would correct
 FIT_COMPUTE_ON = ("cuda",)
-# the devices whose ranks switch plans when there are several: on two CUDA ranks (NCCL) a 5.5B model's step after
-# the switch failed on one rank (docs/limitations.md); there the loop calibrates, reports and holds the plan in force
-SWITCH_ACROSS_RANKS_ON = ("cpu",)
-HELD_ACROSS_RANKS = (
-    "several CUDA ranks do not switch plans yet (a switch's step failed on one of two GPUs); the plan in force stays"
-)
 
 
 def calibration_of(report: dict) -> Calibration:
@@ -99,7 +92,6 @@ class ClosedLoop:
     done: bool = False
     switched: bool = False
     waits: int = 0  # forwards the switch waited for the chunks to be between two steps
-    held: str | None = None  # why a switch worth making was not made
 
     def watches(self, record) -> bool:
         """Whether the graph needs its steps measured: the loop is not done, and its plan has fields left to search
@@ -119,7 +111,7 @@ class ClosedLoop:
         the next forward, MAX_WAITS times at most)."""
         if self.replan is None:
             self.replan = self._search(record, manager, chunks_may_move)
-            if self.replan is None or not self.replan.switches or self.held:
+            if self.replan is None or not self.replan.switches:
                 self.done = True
                 return None
         if manager is not None and max(most_on_every_rank([0.0 if manager.between_steps else 1.0], self.device)):
@@ -131,12 +123,8 @@ class ClosedLoop:
         self.done = self.switched = True
         return self.replan
 
-    def _may_switch(self) -> bool:
-        return rank_and_world_size()[1] == 1 or self.device.type in SWITCH_ACROSS_RANKS_ON
-
     def _search(self, record, manager, chunks_may_move: bool) -> Replan | None:
-        """The calibrated search's plan beside the plan in force (`held` where this run may not switch to it); None
-        where nothing is searched."""
+        """The calibrated search's plan beside the plan in force; None where nothing is searched."""
         report = record.monitor.report
         mine = calibration_of(report)
         host, alpha = most_on_every_rank([mine.host, mine.alpha or 0.0], self.device)
@@ -155,9 +143,6 @@ class ClosedLoop:
             return None
         headroom = SWITCH_HEADROOM if self.calibration.alpha is not None else 0.0
         replan = replanned(self.costs, record.planning, record.plan, forced, headroom=headroom)
-        if replan.switches and not self._may_switch():
-            self.held = HELD_ACROSS_RANKS
-            log.warning("graph %d: no re-plan: %s", record.index, self.held)
         log.info(
             "graph %d calibrated to training (%s; the plan in force now predicted at %.1f ms a step, measured "
             "%.1f ms): %s",
@@ -165,7 +150,7 @@ class ClosedLoop:
             self.calibration,
             replan.before.predicted_step_s * 1e3,
             report["measured_step_s"] * 1e3,
-            _decision(replan, self.held),
+            _decision(replan),
         )
         return replan
 
@@ -174,16 +159,13 @@ class ClosedLoop:
         return {
             "calibration": self.calibration.to_json() if self.calibration else None,
             "switched": self.switched,
-            "held": self.held,
             **(self.replan.to_json() if self.replan else {}),
         }
 
 
-def _decision(replan: Replan, held: str | None) -> str:
+def _decision(replan: Replan) -> str:
     if replan.alone:
         return "no other plan fits the calibrated model: kept"
-    if held:
-        return f"the search's plan is predicted {replan.gain * 100:.1f}% faster as ranked: held"
     return (
         f"the search's plan is predicted {abs(replan.gain) * 100:.1f}% {'faster' if replan.gain >= 0 else 'slower'} "
         f"as ranked than the plan in force (switches where faster by more than {replan.margin * 100:.1f}%): "
