@@ -348,9 +348,9 @@ def _python_reads_and_writes(kind: str, plan: str) -> None:
 def test_parameters_read_and_written_in_python(kind, plan):
     """Python's calls on the parameters of a trained model give eager PyTorch's answers, bitwise, also on offloaded
     ones, which hold no storage (runtime/chunks/param_class.py): an EMA by `torch._foreach_lerp_` and
-    `AveragedModel`, `repr`, elementwise ops and norms, views, `.data`, a NumPy copy, a loss term over parameters under grad mode, an
-    in-place init and a write through `.data`, which the next step trains from. In a spawned process (reads of an
-    offloaded parameter crashed the process once)."""
+    `AveragedModel`, `repr`, elementwise ops and norms, views, `.data`, a NumPy copy, a loss term over parameters
+    under grad mode, an in-place init and a write through `.data`, which the next step trains from. In a spawned
+    process (reads of an offloaded parameter crashed the process once)."""
     _in_a_process(_python_reads_and_writes, kind, plan)
 
 
@@ -513,8 +513,8 @@ def test_contract_on_the_gpu(plan):
     """On CUDA, where updates run on side streams and offloaded chunks update on the host during the backward:
     clipping through `.grad`, an lr set after backward(), model.zero_grad(), Python's reads of the parameters (the
     chunks' values, bitwise) and an in-place init, and model.load_state_dict into the chunks. Against eager fp32
-    training: losses within 1e-5 (inductor's kernels and CUDA's reduction orders
-    differ from eager's in the last bits), the clip's norm within 1e-5."""
+    training: losses within 1e-5 (inductor's kernels and CUDA's reduction orders differ from eager's in the last
+    bits), the clip's norm within 1e-5."""
     torch.manual_seed(0)
     ref = models.build("llama").cuda()
     model = copy.deepcopy(ref)
