@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import time
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,8 +31,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import protrain_fx
 from bench.model import FAMILIES, PRESETS, build_model, preset
 from bench.trace import format_phases, format_report, load_events, overlap_report, phase_report, step_lead_in
-
-log = logging.getLogger(__name__)
+from bench.worker import _process_group
 
 PHASES = ("bench.forward", "bench.backward", "bench.opt_step", "bench.zero_grad")  # annotated for --trace
 
@@ -58,24 +55,9 @@ def main() -> None:
         "--trace-match", default="protrain::cpu_adamw", help="CPU events of --trace's analysis (name substring)"
     )
     args = parser.parse_args()
-    with _ranks():
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # (torchrun's ranks, each on its own GPU)
+    with _process_group(torch.device("cuda")) if several else contextlib.nullcontext():
         _run(args)
-
-
-@contextlib.contextmanager
-def _ranks() -> Iterator[None]:
-    """An NCCL process group of torchrun's ranks, each on its own GPU; nothing with one process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        yield
-        return
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    try:
-        yield
-    except BaseException:  # (not torn down: that waits for the other ranks' collectives, hiding the error)
-        log.exception("rank %s failed", os.environ.get("RANK"))
-        raise
-    dist.destroy_process_group()
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -289,7 +289,10 @@ def _call(func, args: tuple, kwargs: dict) -> Any:
 def _views_kept(out: Any, sources: Any) -> Any:
     """`out`, where a plain tensor in it shares the storage of a ChunkedParameter or ChunkedView among `sources`
     (leaves), as a ChunkedView of that parameter."""
-    if type(out) is not torch.Tensor and not isinstance(out, (tuple, list)):
+    if isinstance(out, torch.Size) or not isinstance(out, (torch.Tensor, tuple, list)):
+        return out  # (most getters: `p.shape`, a number)
+    plain = [t for t in pytree.tree_leaves(out) if type(t) is torch.Tensor]
+    if not plain:  # (`p.grad`: a ChunkGrad)
         return out
     shared = {}
     for s in pytree.tree_leaves(sources):
@@ -299,8 +302,8 @@ def _views_kept(out: Any, sources: Any) -> Any:
             shared[_storage(s)] = s.__dict__[VIEW_OF]
     if not shared:
         return out
-    for t in pytree.tree_leaves(out):
-        if type(t) is torch.Tensor and (p := shared.get(_storage(t))) is not None:
+    for t in plain:
+        if (p := shared.get(_storage(t))) is not None:
             t.__class__ = ChunkedView
             t.__dict__[VIEW_OF] = p
     return out
