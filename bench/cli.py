@@ -301,6 +301,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/predict.json", help="where the JSON report goes ('' for none)")
     p.add_argument("--keep-dumps", default="", help="keep each plan's dump directory here, as plan<i>")
     p.add_argument("--nproc", type=int, default=1, help="ranks under torchrun, one GPU each; rank 0's graphs report")
+    p.add_argument("--rounds", type=int, default=1, help="run the plan list this many times over, in turn (default 1)")
     p.set_defaults(func=lambda args: _lazy("predict", "predict")(args))
     p = sub.add_parser("from-dump", help="dumped graphs planned again by the current planner, against their steps")
     p.add_argument("dumps", nargs="+", help="dump directories (every rank<r>/graph<k> below is planned again)")

@@ -56,13 +56,16 @@ def test_summary_counts_the_plans_within_the_targets():
     rows = [
         _row(10.5, measured_s=0.102, forced={}),  # searched: -2.0%, 2% slower than the fastest forced
         _row(10.5, measured_s=0.1),  # 0%
-        _row(10.5, measured_s=0.12, peak_error=-0.03),  # -16.7%; peak under by 3%
+        _row(10.5, measured_s=0.12, peak_error=-0.03, forced={"n_persist": 2}),  # -16.7%; peak under by 3%
         {"forced": {"n_persist": 1}, "result": {"error": "out of memory"}, "graphs": []},
     ]
     rows[0]["graphs"][0]["seconds"]["hardware"] = 2.0  # the searched run measured the hardware profile
     lines = summary(rows).splitlines()
     assert lines[0] == "step time within 5%: 2 of 3; peak within 5% and never under by 2%: 2 of 3"
-    assert lines[1] == "searched plan against the fastest forced one: +2.0%"
+    assert (
+        lines[1]
+        == "searched plan against the fastest forced one: +2.0% by the step monitor, +2.0% by the harness's steps"
+    )
     # 1.1 s of profiling and search (and 2 s of hardware profile in the first) against 10 + 0.5 + 98 steps
     # (8 run, 92 more at the measured time); with the hardware profile cached, its 2 s are left out of both
     shares = [(1.1 + hw) / (10.5 + 98 * s) for s, hw in ((0.102, 2.0), (0.1, 0), (0.12, 0))]
@@ -83,6 +86,21 @@ def test_summary_counts_the_plans_within_the_targets():
     cpu["graphs"][0]["predicted_vs_measured"].update(measured_peak_bytes=None, peak_error=None)
     assert summary([cpu, rows[1]]).splitlines()[0] == (
         "step time within 5%: 2 of 2; peak within 5% and never under by 2%: 1 of 1"
+    )
+
+
+def test_summary_ranks_plans_by_their_medians_over_rounds():
+    """`--rounds`: each plan's median over its rounds, by the step monitor and by the harness's steps apart."""
+    rows = []
+    for r, (searched, forced, harness) in enumerate([(0.100, 0.101, 0.2), (0.130, 0.099, 0.1), (0.102, 0.100, 0.1)]):
+        rows += [_row(10.5, measured_s=searched, forced={}), _row(10.5, measured_s=forced)]
+        rows[-1]["result"]["step_time_s"] = harness  # (the forced plan's steps after the monitor's)
+        for row in rows[-2:]:
+            row["round"] = r
+    # medians: searched 0.102 (monitor and harness), forced 0.100 (monitor) and 0.1 (harness)
+    assert summary(rows).splitlines()[1] == (
+        "searched plan against the fastest forced one: +2.0% by the step monitor, +2.0% by the harness's steps "
+        "(medians of 3 rounds)"
     )
 
 
@@ -157,6 +175,21 @@ def test_each_command_keeps_its_own_run_defaults():
     assert all(
         (runs[c].steps, runs[c].warmup) == (RUN_FLAGS["steps"], RUN_FLAGS["warmup"]) for c in ("predict", "compare")
     )
+
+
+def test_rounds_run_the_plans_in_turn(monkeypatch):
+    """`--rounds 2`: the whole list, then the whole list again (a drifting host slows every plan alike)."""
+    import bench.cli
+
+    plans = []
+    monkeypatch.setattr(
+        bench.cli, "run_for_result", lambda cmd, system: plans.append(cmd[cmd.index("--plan") + 1]) or {"error": "-"}
+    )
+    argv = ["predict", "--plans", '[{}, {"n_persist": 1}]', "--out", "", "--rounds", "2"]
+    assert bench.cli.main(argv) == 1
+    assert plans == ["{}", '{"n_persist": 1}', "{}", '{"n_persist": 1}']
+    with pytest.raises(SystemExit, match="--rounds must be at least 1"):
+        bench.cli.main([*argv[:-1], "0"])
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
