@@ -63,12 +63,14 @@ def _save_rank(path, expected, rank, world):
     assert losses == expected, (losses, expected)
 
 
-def _resume_rank(path, expected, prepare, rank, world):
-    losses = _train("toy", OFFLOADED, SAVED_AT, RESUMED, load=path, prepare=prepare)
-    if world & (world - 1) == 0:
-        assert losses == expected, (losses, expected)
-    else:
-        assert losses == pytest.approx(expected, rel=1e-5), (losses, expected)
+def _resume_rank(paths, expected, prepare, rank, world):
+    """Resumed from each of `paths` in turn (a fresh model each time)."""
+    for path in paths:
+        losses = _train("toy", OFFLOADED, SAVED_AT, RESUMED, load=path, prepare=prepare)
+        if world & (world - 1) == 0:
+            assert losses == expected, (path, losses, expected)
+        else:
+            assert losses == pytest.approx(expected, rel=1e-5), (path, losses, expected)
 
 
 def test_boxes_cover_a_flat_range_contiguously():
@@ -89,22 +91,16 @@ def test_boxes_cover_a_flat_range_contiguously():
 def test_sharded_checkpoint_resumes_at_other_world_sizes(tmp_path):
     """Saved sharded by 2 ranks (offloaded chunks: each rank writes its own pieces), resumed at 1 and 3 ranks,
     before the first step (chunks built after the load) and after protrain_fx.prepare (loaded into the
-    chunks): the resumed steps equal the uninterrupted run's."""
-    reference = _uninterrupted()
-    saved = tmp_path / "ckpt"
-    spawn_gloo(functools.partial(_save_rank, str(saved), reference[:SAVED_AT]), 2)
-    assert _train("toy", OFFLOADED, SAVED_AT, RESUMED, load=saved) == reference[SAVED_AT:]
-    spawn_gloo(functools.partial(_resume_rank, str(saved), reference[SAVED_AT:], True), 3)
-
-
-def test_whole_state_dict_loads_into_sharded_chunks(tmp_path):
-    """A consolidated checkpoint (DCP's dcp_to_torch_save of a sharded one) loads into 2 ranks' shards."""
+    chunks): the resumed steps equal the uninterrupted run's. The same checkpoint consolidated into one file (DCP's
+    dcp_to_torch_save) loads into the 3 ranks' shards too."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     reference = _uninterrupted()
-    _train("toy", OFFLOADED, 0, SAVED_AT, save=tmp_path / "ckpt")
-    dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "whole.pt")
-    spawn_gloo(functools.partial(_resume_rank, str(tmp_path / "whole.pt"), reference[SAVED_AT:], True), 2)
+    saved, whole = tmp_path / "ckpt", tmp_path / "whole.pt"
+    spawn_gloo(functools.partial(_save_rank, str(saved), reference[:SAVED_AT]), 2)
+    assert _train("toy", OFFLOADED, SAVED_AT, RESUMED, load=saved) == reference[SAVED_AT:]
+    dcp_to_torch_save(saved, whole)
+    spawn_gloo(functools.partial(_resume_rank, [str(saved), str(whole)], reference[SAVED_AT:], True), 3)
 
 
 @pytest.mark.parametrize("master_dtype", ["float32", "bfloat16"])
