@@ -104,3 +104,50 @@ def test_writes_through_views_reach_the_chunks_and_a_view_from_before_a_move_is_
     while the chunk was offloaded and read after the first compile placed it on the device is an error that says
     what to do, not a read of the freed storage."""
     _in_a_process(_writes_and_a_moved_chunk)
+
+
+def _data_assigned() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers import OFFLOADED
+
+    torch.manual_seed(0)
+    ref = models.build("gpt2")  # (its embedding and output weight are one parameter)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": OFFLOADED})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+
+    def step(net, optimizer, i):
+        loss = models.loss_of("gpt2", net(**models.batch("gpt2", seed=i)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    assert [step(ref, ref_opt, i) for i in range(2)] == [step(compiled, opt, i) for i in range(2)]
+    manager = protrain_fx.manager_of(model)
+    names = ["transformer.wte.weight", "transformer.h.1.mlp.c_proj.weight"]
+    assert [manager.is_persistent(model.get_parameter(n)) for n in names] == [True, False]
+    for net in (ref, model):
+        for k, n in enumerate(names):
+            p = net.get_parameter(n)
+            p.data = torch.full_like(p, 0.01 * (k + 1))
+            p.data = p  # (the same memory: nothing to take)
+        net.to("cpu")  # (changes nothing: `p.data = p` for every parameter)
+    assert [step(ref, ref_opt, i) for i in range(2, 4)] == [step(compiled, opt, i) for i in range(2, 4)]
+    state = protrain_fx.full_state_dict(model)
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+    with pytest.raises(ValueError, match=r"'transformer.wte.weight' lives in protrain chunks as a \(96, 32\)"):
+        model.resize_token_embeddings(104)
+
+
+def test_data_assigned_to_a_parameter_trains_on_as_eager_and_a_new_shape_is_an_error():
+    """`p.data = t` on a persistent and an offloaded parameter after training began: their chunks take `t`'s values
+    and training goes on as eager's, bitwise; `module.to()` changing nothing still works. A `t` of another shape
+    (`resize_token_embeddings` after the chunks are built) is an error that says what to do, where it wrote past
+    the parameter's storage and crashed the process."""
+    _in_a_process(_data_assigned)

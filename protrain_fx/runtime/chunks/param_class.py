@@ -15,9 +15,11 @@ A torch call made outside compiled code on an offloaded parameter, or on a tenso
     out                      a tensor sharing its storage is a ChunkedView, whose calls lend it again
 
 A foreach call (`torch._foreach_lerp_` over a model's parameters: EMAs, `AveragedModel`) runs position by position, so
-that one parameter is lent at a time. Getters and setters (`p.shape`, `p.grad`, `p.data = ...`) and the calls that
-read no values (`READS_NO_VALUES`, protrain's own ops) run as on any parameter: the runtime makes them on offloaded
-parameters itself.
+that one parameter is lent at a time. `p.data = t` gives the parameter `t`'s values, which its chunk takes, as a write
+into it does (the parameter stays in its chunk, so unlike eager's it does not share `t`'s storage); a `t` of another
+shape, dtype or device is an error (`resize_token_embeddings` after the chunks are built). Other getters and setters
+(`p.shape`, `p.grad`) and the calls that read no values (`READS_NO_VALUES`, protrain's own ops) run as on any
+parameter: the runtime makes them on offloaded parameters itself (its own `p.data = ...`: `set_storage`).
 
 Compiled code never runs any of this: Dynamo traces a ChunkedParameter's calls as the plain parameter's
 (`torch.compiler.is_compiling()`). Dynamo's guards check a parameter's class, so it is set before they are built: by
@@ -91,6 +93,13 @@ _TRACING_MODES = (
 )
 # calls whose result shares memory beyond torch's views (a NumPy array, a pickled view's storage): run on a copy
 _COPIED = frozenset(("numpy", "__array__", "__reduce_ex__"))
+_SET_DATA = torch.Tensor.data.__set__  # `p.data = t`, as `__torch_function__` sees it
+
+
+def set_storage(p: nn.Parameter, t: torch.Tensor) -> None:
+    """The runtime's own `p.data = t` (a view of the parameter's chunk, or an empty tensor), not a user's."""
+    with torch._C.DisableTorchFunctionSubclass():
+        p.data = t
 
 
 def adopt(p: nn.Parameter) -> None:
@@ -103,6 +112,8 @@ def adopt(p: nn.Parameter) -> None:
 def _torch_function(func, args: tuple, kwargs: dict | None) -> Any:
     kwargs = kwargs or {}
     with torch._C.DisableTorchFunctionSubclass():
+        if func == _SET_DATA and isinstance(args[0], ChunkedParameter) and not _tracing() and _param_of(args[0]):
+            return _set_data(*args)
         if _reads_no_values(func):
             return _views_kept(func(*args, **kwargs), args)
         found = _chunked(args, kwargs)
@@ -162,7 +173,32 @@ def _reads_no_values(func) -> bool:
     packet = getattr(func, "overloadpacket", func)  # (protrain's own ops: the runtime's)
     if str(getattr(packet, "_qualified_op_name", "")).startswith("protrain::"):
         return True
+    return _tracing()
+
+
+def _tracing() -> bool:
     return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+
+
+def _set_data(p: nn.Parameter, t: Any) -> None:
+    """A user's `p.data = t` (module docstring): `t`'s values copied into the parameter, and so into its chunk."""
+    if not isinstance(t, torch.Tensor):
+        return _SET_DATA(p, t)  # (torch's TypeError)
+    if t is p or (_storage(t), t.storage_offset(), t.stride()) == (_storage(p), p.storage_offset(), p.stride()):
+        return None  # (the same memory: `module.to()` changing nothing sets `p.data = p`)
+    if (t.shape, t.dtype, t.device) != (p.shape, p.dtype, p.device):
+        raise ValueError(
+            f"{_name(p)!r} lives in protrain chunks as a {tuple(p.shape)} {p.dtype} tensor on {p.device}: "
+            f"`.data = ` cannot make it a {tuple(t.shape)} {t.dtype} tensor on {t.device} once the chunks are built "
+            "(at the model's first compiled training step, or by protrain_fx.prepare). Resize, cast or move the "
+            "model (resize_token_embeddings, .to()) before that; to set its values, assign a tensor of its shape, "
+            "dtype and device, or copy into it (p.copy_(t) under torch.no_grad())"
+        )
+    with torch.no_grad():
+        found = _chunked((p, t), {})
+        found.setdefault(id(p), (p, _param_of(p)[1], [p]))  # (a persistent one too: its master takes the values)
+        _call_lent(torch.Tensor.copy_, (p, t), {}, found)
+    return None
 
 
 def _is_foreach(func) -> bool:

@@ -24,6 +24,7 @@ from protrain_fx.profiler.hardware import device_capacity
 from protrain_fx.progress import progress
 from protrain_fx.runtime import chunks as package
 from protrain_fx.runtime.chunks.common import LOADED_MASTER_ATTR
+from protrain_fx.runtime.chunks.param_class import set_storage
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +49,13 @@ class PlacementMixin:
                     self.flat[slot.chunk][a:b].copy_(values)
                     if self.master[slot.chunk] is not self.flat[slot.chunk]:
                         self.master[slot.chunk][a:b].copy_(values)
-                    p.data = self.flat[slot.chunk][a:b].view(p.shape)
+                    set_storage(p, self.flat[slot.chunk][a:b].view(p.shape))
                     continue
                 s, e = max(a, lo), min(b, hi)  # this rank's part of the parameter
                 if s < e:
                     self.master[slot.chunk][s - lo : e - lo].copy_(values[s - a : e - a])
                 if p.device != self.device or p.is_meta:
-                    p.data = torch.empty(p.shape, dtype=self.dtype, device=self.device)
+                    set_storage(p, torch.empty(p.shape, dtype=self.dtype, device=self.device))
                 p.untyped_storage().resize_(0)
 
     def place(self, n_persist: int, n_buffer: int, grad_slots: int | None, device_grad_slots: int | None) -> None:
@@ -83,7 +84,7 @@ class PlacementMixin:
                 del whole
                 for i in self._chunk_params[c]:
                     a, b = self._slot_range(self.slots[i])
-                    self.params[i].data = self.flat[c][a:b].view(self.params[i].shape)
+                    set_storage(self.params[i], self.flat[c][a:b].view(self.params[i].shape))
         self._param_versions = self._persistent_versions()
         log.info("chunks placed by the plan: %d of %d persistent, %d buffers", n_persist, n, self.n_buffer)
 
@@ -211,11 +212,11 @@ class PlacementMixin:
         for c in up:
             for i in self._chunk_params[c]:
                 a, b = self._slot_range(self.slots[i])
-                self.params[i].data = self.flat[c][a:b].view(self.params[i].shape)
+                set_storage(self.params[i], self.flat[c][a:b].view(self.params[i].shape))
         for c in down:
             for i in self._chunk_params[c]:
                 p = self.params[i]
-                p.data = torch.empty(p.shape, dtype=self.dtype, device=self.device)
+                set_storage(p, torch.empty(p.shape, dtype=self.dtype, device=self.device))
                 p.untyped_storage().resize_(0)
         self._param_versions = self._persistent_versions()
 
