@@ -1,7 +1,8 @@
 """ChunkedParameter (runtime/chunks/param_class.py) on a prepared model, whose chunks are all offloaded until the
 first compile places them: Python's calls read and write the chunks' values, one parameter lent at a time, and a
-tensor sharing a parameter's storage from before its chunk moved is an error. Tolerance: bitwise (fp32 on the CPU,
-the same values copied). In spawned processes: a read of freed memory would end the process."""
+tensor sharing a parameter's storage from before its chunk moved is an error; on a trained model, `p.data = t` gives
+the chunks `t`'s values. Tolerance: bitwise (fp32 on the CPU, the same values copied). In spawned processes: a read
+of freed memory would end the process."""
 
 from __future__ import annotations
 
@@ -148,6 +149,6 @@ def _data_assigned() -> None:
 def test_data_assigned_to_a_parameter_trains_on_as_eager_and_a_new_shape_is_an_error():
     """`p.data = t` on a persistent and an offloaded parameter after training began: their chunks take `t`'s values
     and training goes on as eager's, bitwise; `module.to()` changing nothing still works. A `t` of another shape
-    (`resize_token_embeddings` after the chunks are built) is an error that says what to do, where it wrote past
-    the parameter's storage and crashed the process."""
+    (`resize_token_embeddings` after the chunks are built) is an error that says what to do, not a write past the
+    parameter's storage, which ends the process."""
     _in_a_process(_data_assigned)
