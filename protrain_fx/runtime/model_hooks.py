@@ -25,8 +25,8 @@ are chunked:
   protrain's hooks and state, as the eager model's copy is.
 - **`DistributedDataParallel`**: the chunked parameters are on the model's list of those DDP ignores, so DDP
   built over it later does not broadcast them (an offloaded one holds no storage of its own); with nothing left to
-  reduce, torch refuses it ("DistributedDataParallel is not needed"). DDP built before the chunks passes the model through from its first compiled graph on (runtime/adopt.py,
-  `pass_through_ddp`).
+  reduce, torch refuses it ("DistributedDataParallel is not needed"). DDP built before the chunks passes the model
+  through from its first compiled graph on (runtime/adopt.py, `pass_through_ddp`).
 """
 
 from __future__ import annotations

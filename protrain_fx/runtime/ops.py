@@ -38,6 +38,8 @@ import weakref
 import torch
 from torch.fx.node import has_side_effect
 
+from protrain_fx.runtime.chunks.param_class import as_plain
+
 _MANAGERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 
@@ -104,7 +106,7 @@ def reduce_grads(
     manager: int, chunk: int, source: int, params: list[int], grads: list[torch.Tensor], after: list[torch.Tensor]
 ) -> None:
     m = _manager(manager)
-    with torch._C.DisableTorchFunctionSubclass():  # (the chunked parameters read as plain ones: the runtime's)
+    with as_plain():
         m.reduce_grads(chunk, source, [m.params[i] for i in params], grads)
 
 

@@ -41,6 +41,7 @@ from torch import nn
 
 from protrain_fx.distributed import across_ranks
 from protrain_fx.runtime.chunks import MANAGER_ATTR, OPTIMIZER_ATTR, skips_nonfinite
+from protrain_fx.runtime.chunks.param_class import as_plain
 from protrain_fx.runtime.optim_state import AdamWStates
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,7 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch._C.DisableTorchFunctionSubclass():  # (the chunked parameters read as plain ones: the runtime's)
+        with as_plain():
             self._step(grad_scale)
         return loss
 
@@ -343,7 +344,7 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: the parameters' `.grad` set to None (or zeroed); their chunks forget those gradients."""
-        with torch._C.DisableTorchFunctionSubclass():  # (the chunked parameters read as plain ones: the runtime's)
+        with as_plain():
             super().zero_grad(set_to_none=set_to_none)
             for manager in self._managers():
                 manager.zero_grad()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from protrain_fx.distributed import across_ranks
+from protrain_fx.runtime.chunks.param_class import as_plain
 
 
 class OutsideMixin:
@@ -88,7 +89,7 @@ class OutsideMixin:
             if i not in self._lent:
                 values = self.param_values(i)
                 p.untyped_storage().resize_((p.storage_offset() + p.numel()) * p.element_size())
-                with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # (the runtime's own write)
+                with torch.no_grad(), as_plain():
                     p.copy_(values)
             self._lent[i] = self._lent.get(i, False) or (for_backward and p.requires_grad)
 
@@ -118,7 +119,7 @@ class OutsideMixin:
         else:
             self.publish(slot.chunk)
         if i in self._lent:
-            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # (the runtime's own write)
+            with torch.no_grad(), as_plain():
                 self.params[i].copy_(value)
 
     def full_params(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:

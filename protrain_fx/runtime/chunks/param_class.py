@@ -96,9 +96,15 @@ _COPIED = frozenset(("numpy", "__array__", "__reduce_ex__"))
 _SET_DATA = torch.Tensor.data.__set__  # `p.data = t`, as `__torch_function__` sees it
 
 
+def as_plain() -> torch._C.DisableTorchFunctionSubclass:
+    """The runtime's own calls on chunked parameters (its optimizer, its gradient reductions, its copies in and out
+    of the chunks): subclass dispatch off, so that they run as on plain parameters, not through `_torch_function`."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
 def set_storage(p: nn.Parameter, t: torch.Tensor) -> None:
     """The runtime's own `p.data = t` (a view of the parameter's chunk, or an empty tensor), not a user's."""
-    with torch._C.DisableTorchFunctionSubclass():
+    with as_plain():
         p.data = t
 
 
@@ -111,9 +117,14 @@ def adopt(p: nn.Parameter) -> None:
 @torch.compiler.disable  # (Python calls it where Dynamo is on, after a graph break: the runtime stays Python)
 def _torch_function(func, args: tuple, kwargs: dict | None) -> Any:
     kwargs = kwargs or {}
-    with torch._C.DisableTorchFunctionSubclass():
-        if func == _SET_DATA and isinstance(args[0], ChunkedParameter) and not _tracing() and _param_of(args[0]):
-            return _set_data(*args)
+    with as_plain():
+        if (
+            func == _SET_DATA
+            and isinstance(args[0], ChunkedParameter)
+            and not _tracing()
+            and (of := _param_of(args[0]))
+        ):
+            return _set_data(*of, args[1])
         if _reads_no_values(func):
             return _views_kept(func(*args, **kwargs), args)
         found = _chunked(args, kwargs)
@@ -180,8 +191,9 @@ def _tracing() -> bool:
     return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
 
 
-def _set_data(p: nn.Parameter, t: Any) -> None:
-    """A user's `p.data = t` (module docstring): `t`'s values copied into the parameter, and so into its chunk."""
+def _set_data(p: nn.Parameter, state: str, t: Any) -> None:
+    """A user's `p.data = t` (module docstring) on `p` in `state` (`_param_of`): `t`'s values copied into the
+    parameter, and so into its chunk."""
     if not isinstance(t, torch.Tensor):
         return _SET_DATA(p, t)  # (torch's TypeError)
     if t is p or (_storage(t), t.storage_offset(), t.stride()) == (_storage(p), p.storage_offset(), p.stride()):
@@ -196,7 +208,7 @@ def _set_data(p: nn.Parameter, t: Any) -> None:
         )
     with torch.no_grad():
         found = _chunked((p, t), {})
-        found.setdefault(id(p), (p, _param_of(p)[1], [p]))  # (a persistent one too: its master takes the values)
+        found.setdefault(id(p), (p, state, [p]))  # (a persistent one too: its master takes the values)
         _call_lent(torch.Tensor.copy_, (p, t), {}, found)
     return None
 
