@@ -239,10 +239,11 @@ def _sizes() -> argparse.ArgumentParser:
     )
     sizes.add_argument(
         "--replan",
-        choices=["on", "off"],
+        type=_replan,
         default="off",
         help="protrain's closed loop (option 'replan'): 'on' re-plans once from the first measured steps, so "
-        "--warmup must cover them and the switch (10 steps); default off: the first plan is timed",
+        "--warmup must cover them and the switch (10 steps); default off: the first plan is timed; a JSON list of "
+        "plans: each put in force in turn after the first's measured steps (bench predict --in-turn)",
     )
     sizes.add_argument(
         "--clip",
@@ -283,6 +284,19 @@ def _sizes() -> argparse.ArgumentParser:
     return sizes
 
 
+def _replan(value: str) -> str:
+    """--replan: 'on', 'off', or a JSON list of plan dicts (kept as the string, passed on to a worker as it is)."""
+    if value in ("on", "off"):
+        return value
+    try:
+        turns = json.loads(value)
+    except json.JSONDecodeError:
+        turns = None
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise argparse.ArgumentTypeError(f"'on', 'off' or a JSON list of plan dicts, got {value!r}")
+    return value
+
+
 def _lazy(module: str, name: str):
     """`bench.<module>.<name>`, imported when its command runs: predict and stability import protrain_fx, which
     the other commands' processes (sweep's, scaling's, an eager worker) need not pay for."""
@@ -302,6 +316,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-dumps", default="", help="keep each plan's dump directory here, as plan<i>")
     p.add_argument("--nproc", type=int, default=1, help="ranks under torchrun, one GPU each; rank 0's graphs report")
     p.add_argument("--rounds", type=int, default=1, help="run the plan list this many times over, in turn (default 1)")
+    p.add_argument(
+        "--in-turn",
+        action="store_true",
+        help="run the plans one after another in one process (protrain's option 'replan' as a list): the first "
+        "compiled, each of the others switched to after the one before has measured its steps; one process a round",
+    )
     p.set_defaults(func=lambda args: _lazy("predict", "predict")(args))
     p = sub.add_parser("from-dump", help="dumped graphs planned again by the current planner, against their steps")
     p.add_argument("dumps", nargs="+", help="dump directories (every rank<r>/graph<k> below is planned again)")

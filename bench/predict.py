@@ -3,6 +3,7 @@
     python -m bench predict --preset 1b --batch 8 --plans '[{}, {"n_checkpoint": 8}, {"n_persist": 4}]'
     python -m bench predict --preset 5.5b --nproc 2 --plans '[{}]'     # two ranks under torchrun
     python -m bench predict --plans '[{}, {"n_persist": 8}]' --rounds 3  # each plan three times, in turn
+    python -m bench predict --plans '[{}, {"n_persist": 8}, {}]' --in-turn --steps 18  # in one process
 
 Each plan (fields forced on `protrain-chunks`; `{}` is the searched plan) trains in its own worker process with a
 dump directory, so that the backend's step monitor writes `predicted_vs_measured.json` (runtime/monitor.py:
@@ -10,6 +11,11 @@ median time between forward starts over 5 steps after 2, peak allocated bytes ov
 hardware profile and search wall time). The table sets the plan in force, its prediction and the measurement
 side by side; the JSON (`--out`) keeps every file. `--rounds N` runs the list N times over, one plan after another,
 so that a host whose speed drifts between runs slows every plan alike; the summary ranks plans by their medians.
+`--in-turn` runs a round's plans in one worker (the backend's option `replan` as a list, runtime/replan.py): the
+first compiled and profiled, each other switched to once the one before has measured its steps, so that the plans
+share one profile, one process's host memory and the same minutes of the machine; a later `{}` is the plan the
+closed loop keeps. The monitor's report of each is in replan.json; the harness's figure is its median over the same
+steps.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ MONITOR_STEPS = WARMUP_STEPS + MEASURED_STEPS + 1  # the step monitor's, and the
 
 
 def predict(args: argparse.Namespace) -> int:
-    from bench.cli import _git_commit, _run_worker
+    from bench.cli import _git_commit
 
     plans = json.loads(args.plans)
     if not isinstance(plans, list) or not all(isinstance(p, dict) for p in plans):
@@ -42,6 +48,20 @@ def predict(args: argparse.Namespace) -> int:
         raise SystemExit(f"need --warmup + --steps >= {MONITOR_STEPS} for the step monitor to report")
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
+    rows = _in_turn(args, plans) if args.in_turn else _one_by_one(args, plans)
+    print(format_table(rows))
+    print(summary(rows))
+    if args.out:
+        report = {"commit": _git_commit(), "args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if any("error" in r["result"] for r in rows) else 0
+
+
+def _one_by_one(args: argparse.Namespace, plans: list[dict]) -> list[dict]:
+    """Each plan of each round in a worker of its own."""
+    from bench.cli import _run_worker
+
     rows = []
     for r, (i, plan) in itertools.product(range(args.rounds), enumerate(plans)):
         with tempfile.TemporaryDirectory(prefix="protrain-predict-") as tmp:
@@ -50,13 +70,53 @@ def predict(args: argparse.Namespace) -> int:
             run = argparse.Namespace(**{**vars(args), "plan": json.dumps(plan), "dump_dir": str(dump)})
             result = _run_worker("protrain-chunks", run, nproc=args.nproc)
             rows.append({"forced": plan, "round": r, "result": result, "graphs": _graph_files(dump)})
-    print(format_table(rows))
-    print(summary(rows))
-    if args.out:
-        report = {"commit": _git_commit(), "args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    return 1 if any("error" in r["result"] for r in rows) else 0
+    return rows
+
+
+def _in_turn(args: argparse.Namespace, plans: list[dict]) -> list[dict]:
+    """Each round's plans in one worker, in turn (module docstring)."""
+    from bench.cli import _run_worker
+
+    if len(plans) < 2:
+        raise SystemExit("--in-turn needs at least two plans")
+    need = len(plans) * MONITOR_STEPS + 1  # (the last forward finds the last report in)
+    if args.warmup + args.steps < need:
+        raise SystemExit(f"--in-turn with {len(plans)} plans needs --warmup + --steps >= {need}")
+    rows = []
+    for r in range(args.rounds):
+        with tempfile.TemporaryDirectory(prefix="protrain-predict-") as tmp:
+            dump = Path(args.keep_dumps) / f"round{r}" if args.keep_dumps else Path(tmp)
+            more = {"plan": json.dumps(plans[0]), "replan": json.dumps(plans[1:]), "dump_dir": str(dump)}
+            result = _run_worker("protrain-chunks", argparse.Namespace(**{**vars(args), **more}), nproc=args.nproc)
+            rows += turn_rows(plans, r, result, _graph_files(dump))
+    return rows
+
+
+def turn_rows(plans: list[dict], r: int, result: dict, graphs: list[dict]) -> list[dict]:
+    """One row per plan of an in-turn run (round `r`), as `_one_by_one` makes them: the monitor's report from
+    replan.json, and as the harness's result the median of the plan's own steps after the monitor's warm-up."""
+    turns = next((g["replan"]["turns"] for g in graphs if "turns" in g.get("replan", {})), None)
+    if "error" in result or turns is None:
+        error = result.get("error", "no plans in turn reported (replan.json)")
+        return [{"forced": plans[0], "round": r, "result": {"error": error}, "graphs": []}]
+    rows, k = [], 0  # k: the plans that ran, each MONITOR_STEPS steps from its switch
+    for i, turn in enumerate(turns):
+        forced = plans[0] if i == 0 else turn["forced"]
+        if "report" not in turn:
+            unmeasured = (
+                "no plan with these fields fits" if turn["plan"] is None else "not measured before the run ended"
+            )
+            why = turn.get("error", unmeasured)
+            rows.append({"forced": forced, "round": r, "result": {"error": why}, "graphs": []})
+            continue
+        steps = result["step_times_s"][k * MONITOR_STEPS + WARMUP_STEPS : (k + 1) * MONITOR_STEPS]
+        k += 1
+        harness = {"step_time_s": statistics.median(steps), "loss_last": result["loss_last"]}
+        graph = {"graph": f"turn{i}", "plan": turn["plan"], "predicted_vs_measured": turn["report"]}
+        if i == 0:  # (the profile and the search are the first plan's)
+            graph["seconds"] = next((g["seconds"] for g in graphs if "seconds" in g), {})
+        rows.append({"forced": forced, "round": r, "result": harness, "graphs": [graph]})
+    return rows
 
 
 def _graph_files(dump: Path) -> list[dict]:

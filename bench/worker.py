@@ -103,8 +103,10 @@ def wrap(
     gpu_memory_bytes: int | None = None,
     replan: str = "off",
 ) -> nn.Module:
-    # (the closed loop is off unless asked for: a re-plan would switch plans within the timed steps)
-    options: dict = {"replan": replan, **({"dump_dir": dump_dir} if dump_dir else {})}
+    # (the closed loop is off unless asked for: a re-plan would switch plans within the timed steps; a JSON list
+    # puts those plans in force in turn)
+    turns = json.loads(replan) if replan.startswith("[") else replan
+    options: dict = {"replan": turns, **({"dump_dir": dump_dir} if dump_dir else {})}
     if executor != "inductor":  # (the eager FX executor: CPU smoke runs)
         options["executor"] = executor
     if gpu_memory_bytes:  # (also where torch has no get_per_process_memory_fraction for the planner to read)
@@ -146,7 +148,8 @@ def train(
     cheapest rest (`torch._functorch.config.activation_memory_budget`, for this run only). `init` "cpu" or "meta":
     protrain-chunks' model is built there and put into chunks by `protrain_fx.prepare` (a model larger than the
     GPU is built so), "gpu": on the GPU, "auto": as a user would (`resolve_init`). `replan` "on": protrain's closed
-    loop (its option of that name), which switches plans after its measured steps: `warmup` must cover them."""
+    loop (its option of that name), which switches plans after its measured steps: `warmup` must cover them; a
+    JSON list of plans: those put in force in turn (`bench predict --in-turn`)."""
     if init not in INITS or (init not in ("gpu", "auto") and system != "protrain-chunks"):
         raise ValueError(f"--init {init!r}: one of {INITS}, and 'cpu' or 'meta' only for protrain-chunks")
     if not 0 < memory_budget <= 1:

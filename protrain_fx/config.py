@@ -48,7 +48,11 @@ class ProTrainConfig:
     replan: "on" re-plans each training graph once from what its first measured steps show (runtime/replan.py:
         the cost model calibrated to training's host AdamW rate and memory fragmentation, the search run again,
         and a plan predicted faster by more than the switch's margin put in force between two steps); "off"
-        keeps the first plan. A plan with every field forced is never re-planned.
+        keeps the first plan. A plan with every field forced is never re-planned. A list of plan-field dicts
+        compares plans in one run: after the first plan's measured steps, each is put in force in turn for its
+        own (the plan the first compile would have searched with its fields forced over `plan`'s; `{}`: the plan
+        the closed loop keeps in force), and the dump's replan.json lists each plan's measurements (`python -m
+        bench predict --in-turn`).
     """
 
     executor: str = "inductor"
@@ -57,7 +61,7 @@ class ProTrainConfig:
     host_memory_bytes: int | None = None
     dump_dir: str | None = None
     on_oom: str = "raise"
-    replan: str = "on"
+    replan: str | tuple[Mapping[str, Any], ...] = "on"
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | ProTrainConfig | None) -> ProTrainConfig:
@@ -73,6 +77,8 @@ class ProTrainConfig:
             options["dump_dir"] = os.environ[DUMP_DIR_ENV]
         if "plan" in options:
             options["plan"] = _load_plan_option(options["plan"])
+        if isinstance(options.get("replan"), list):
+            options["replan"] = tuple(options["replan"])
         config = cls(**options)
         config._validate()
         return config
@@ -82,8 +88,12 @@ class ProTrainConfig:
             raise ValueError(f"option 'executor' must be one of {list(EXECUTORS)}, got {self.executor!r}")
         if self.on_oom not in ON_OOM:
             raise ValueError(f"option 'on_oom' must be one of {list(ON_OOM)}, got {self.on_oom!r}")
-        if self.replan not in REPLAN:
-            raise ValueError(f"option 'replan' must be one of {list(REPLAN)}, got {self.replan!r}")
+        if isinstance(self.replan, tuple):
+            _check_turns(self.replan)
+        elif self.replan not in REPLAN:
+            raise ValueError(
+                f"option 'replan' must be one of {list(REPLAN)} or a list of plan-field dicts, got {self.replan!r}"
+            )
         for name in ("gpu_memory_bytes", "host_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -98,6 +108,29 @@ class ProTrainConfig:
         check_forced_fields(self.plan)
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ValueError(f"option 'dump_dir' must be a path, got {type(self.dump_dir).__name__}")
+
+
+# the fields a plan in turn may not set: the chunks are built once, by the first plan
+FIXED_IN_TURN = ("n_chunk", "chunk_bytes", "master_dtype")
+
+
+def _check_turns(turns: tuple) -> None:
+    """The `replan` option as a list of plans put in force in turn: each a dict of plan fields, none of
+    FIXED_IN_TURN."""
+    if not turns:
+        raise ValueError("option 'replan' is an empty list; give plan-field dicts to run in turn, or 'on' / 'off'")
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, Mapping):
+            raise ValueError(f"option 'replan'[{i}] must be a dict of plan fields, got {type(turn).__name__}")
+        try:
+            check_forced_fields(turn)
+        except ValueError as error:
+            raise ValueError(f"option 'replan'[{i}]: {error}") from None
+        fixed = sorted(set(turn) & set(FIXED_IN_TURN))
+        if fixed:
+            raise ValueError(
+                f"option 'replan'[{i}] sets {fixed}, which the chunks fix when they are built; set them in 'plan'"
+            )
 
 
 def _load_plan_option(plan: Any) -> dict[str, Any]:

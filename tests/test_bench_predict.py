@@ -206,3 +206,28 @@ def test_predict_runs_each_plan_on_nproc_ranks(monkeypatch, nproc):
         launched = "torch.distributed.run" in cmd and f"--nproc_per_node={nproc}" in cmd
         assert launched == (nproc > 1), cmd
         assert cmd[cmd.index("--system") + 1] == "protrain-chunks"
+
+
+def test_in_turn_runs_the_plans_in_one_worker_and_reports_each(tmp_path, capsys):
+    """`--in-turn`: one worker a round; the searched plan compiled, then `n_checkpoint` 1 and the searched plan again
+    switched to in turn; a row each, with the monitor's report and the harness's median of that plan's own steps.
+    Too few steps for every plan to measure its own is refused before any worker starts."""
+    from bench.cli import main
+    from bench.predict import MONITOR_STEPS
+
+    tiny = "--hidden 32 --layers 2 --intermediate 64 --heads 4 --vocab 96 --seq 16 --batch 2 --dtype float32"
+    plans = '[{}, {"n_checkpoint": 1}, {}]'
+    out = tmp_path / "predict.json"
+    argv = ["predict", *tiny.split(), "--plans", plans, "--in-turn", "--executor", "eager", "--warmup", "1"]
+    assert main([*argv, "--steps", str(3 * MONITOR_STEPS), "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["forced"] for r in rows] == json.loads(plans) and all(r["round"] == 0 for r in rows)
+    fields = [r["graphs"][0]["plan"] for r in rows]
+    assert fields[1]["n_checkpoint"] == 1 and fields[0] == fields[2] and fields[0]["n_checkpoint"] == 0
+    for row in rows:
+        assert row["graphs"][0]["predicted_vs_measured"]["measured_step_s"] > 0 < row["result"]["step_time_s"]
+    assert "searched plan against the fastest forced one" in capsys.readouterr().out
+    with pytest.raises(
+        SystemExit, match=rf"--in-turn with 3 plans needs --warmup \+ --steps >= {3 * MONITOR_STEPS + 1}"
+    ):
+        main([*argv, "--steps", str(3 * MONITOR_STEPS - 1)])

@@ -197,14 +197,40 @@ def _switch_to(monkeypatch, fields: dict) -> None:
     monkeypatch.setattr(replan_module, "replanned", replanned)
 
 
-def test_chunks_moved_to_the_host_train_on_like_eager(monkeypatch):
-    """Persistent chunks offloaded by a switch (their masters and AdamW states to the host), and the others kept:
-    bitwise eager's."""
-    _switch_to(monkeypatch, {"n_persist": 2, "n_buffer": 2})
-    (ref_losses, ref, ref_opt), (losses, model, opt, _), plans = _eager_and_protrain({})
+def test_plans_in_turn_move_the_chunks_to_the_host_and_back_and_train_on_like_eager(tmp_path):
+    """The `replan` option as a list: after the first plan's (every chunk persistent) measured steps, 2 persistent
+    chunks (the others offloaded, their masters and AdamW states moved to the host), then `{}`, the plan the loop
+    keeps (all persistent again), each for its own measured steps; bitwise eager's throughout, and replan.json lists
+    the three plans with their reports."""
+    turns = [{"n_persist": 2, "n_buffer": 2}, {}]
+    options = {"replan": turns, "dump_dir": str(tmp_path)}
+    steps = SWITCH_AT * (len(turns) + 1) + 1  # (the last forward finds the last report in: the loop is done)
+    (ref_losses, ref, ref_opt), (losses, model, opt, backend), plans = _eager_and_protrain(options, steps)
     assert losses == ref_losses
     _assert_bitwise(ref, ref_opt, model, opt)
-    assert plans[0].n_persist == plans[0].n_chunk and plans[-1].n_persist == 2 == model_manager(model).n_persist
+    first, second, third = plans[0], plans[SWITCH_AT], plans[2 * SWITCH_AT]
+    assert first.n_persist == first.n_chunk and second.n_persist == 2 and third.n_persist == third.n_chunk
+    for i, plan in enumerate((first, second, third)):
+        assert all(p is plan for p in plans[i * SWITCH_AT : (i + 1) * SWITCH_AT]), i
+    assert model_manager(model).n_persist == third.n_persist and len(backend.graphs) == 1
+    replan = json.loads((backend.graphs[0].dumper.dir / "replan.json").read_text())
+    assert [t["forced"] for t in replan["turns"]] == [{}, *turns]
+    assert [t["plan"]["n_persist"] for t in replan["turns"]] == [first.n_persist, 2, third.n_persist]
+    assert all(t["report"]["measured_step_s"] > 0 for t in replan["turns"]) and replan["switched"]
+
+
+def test_a_plan_whose_chunks_find_no_room_is_not_put_in_force(monkeypatch, tmp_path):
+    """`place_again` finding no room on the device or host (it returns False, nothing moved): the plan in force
+    stays, training goes on as eager's, the loop is done, and replan.json names the turn's failure."""
+    from protrain_fx.runtime.chunks.placement import PlacementMixin
+
+    monkeypatch.setattr(PlacementMixin, "place_again", lambda self, *args: False)
+    options = {"replan": [{"n_persist": 2, "n_buffer": 2}, {}], "dump_dir": str(tmp_path)}
+    (ref_losses, *_), (losses, _, _, backend), plans = _eager_and_protrain(options, steps=SWITCH_AT * 2 + 1)
+    assert losses == ref_losses and all(p is plans[0] for p in plans)
+    turns = json.loads((backend.graphs[0].dumper.dir / "replan.json").read_text())["turns"]
+    assert [t["forced"] for t in turns] == [{}, {"n_persist": 2, "n_buffer": 2}]
+    assert turns[1] == {**turns[1], "error": "no room to place the chunks"} and "report" not in turns[1]
 
 
 def test_a_switch_lets_go_of_the_old_gradient_buffers():
@@ -369,8 +395,14 @@ def test_a_gain_within_the_margin_does_not_switch(recorded_costs):
 
 
 def test_replan_option_is_checked():
-    with pytest.raises(ValueError, match=r"option 'replan' must be one of \['on', 'off'\], got 'always'"):
+    with pytest.raises(ValueError, match=r"option 'replan' must be one of \['on', 'off'\] or a list of plan-field"):
         protrain_fx.ProTrainBackend({"replan": "always"})
+    with pytest.raises(ValueError, match=r"option 'replan'\[1\]: unknown plan field\(s\) \['n_persistent'\]"):
+        protrain_fx.ProTrainBackend({"replan": [{}, {"n_persistent": 2}]})
+    with pytest.raises(ValueError, match=r"option 'replan'\[0\] sets \['master_dtype'\], which the chunks fix"):
+        protrain_fx.ProTrainBackend({"replan": [{"master_dtype": "bfloat16"}]})
+    with pytest.raises(ValueError, match="option 'replan' is an empty list"):
+        protrain_fx.ProTrainBackend({"replan": []})
 
 
 @pytest.mark.parametrize("overlap", [False, True])

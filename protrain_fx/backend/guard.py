@@ -1,7 +1,8 @@
 """`Guarded`: what Dynamo runs for one training graph. Its out-of-memory errors name the plan or, under
 on_oom="replan", re-plan the graph from its stored profile (the table in runtime/oom.py); under replan="on" it
-re-plans the graph once from what its first steps measured (runtime/replan.py). Either way the graph is compiled
-again through the backend (backend/compiler.py), with no new profile."""
+re-plans the graph once from what its first steps measured, or puts the `replan` option's plans in force in turn
+(runtime/replan.py). Either way the graph is compiled again through the backend (backend/compiler.py), with no new
+profile."""
 
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ class Guarded:
         self.backend, self.gm, self.record = backend, gm, record
         self.device = device_of(example_inputs)
         self.replanning = Replanning(backend.config, self.device)
-        self.loop = ClosedLoop(self.device) if backend.config.replan == "on" else None
+        replan = backend.config.replan
+        turns = [dict(t) for t in replan] if isinstance(replan, tuple) else None
+        self.loop = ClosedLoop(self.device, turns) if replan != "off" else None
         self.switching: tuple[Plan, CostModel] | None = None  # the plan and cost model the compile puts in force
         reason = getattr(gm, "compile_subgraph_reason", None)
         self.graph_break = reason is not None and reason.graph_break
@@ -128,39 +131,34 @@ class Guarded:
         log.warning("graph %d re-planned:\n%s", self.record.index, self.record.plan)
 
     def _close_loop(self, args: Sequence[Any]) -> None:
-        """The closed loop (runtime/replan.py): where the calibrated search's plan is enough faster, the model's
-        chunks placed again for it where its chunk fields differ, and the graph compiled again with it."""
+        """The closed loop (runtime/replan.py): where the calibrated search's plan is enough faster, or a plan is
+        due in turn, the model's chunks placed again for it where its chunk fields differ, and the graph compiled
+        again with it."""
         record, manager = self.record, self._manager()
-        replan = self.loop.decide(record, manager, self._chunks_may_move(manager))
-        if replan is None:
+        switch = self.loop.decide(record, manager, self._chunks_may_move(manager))
+        if switch is None:
             if self.loop.done:
                 self._dump_replan()
             return
-        before = record.plan
-        if manager is not None and moves_chunks(replan.plan, manager):
-            plan = replan.plan
+        before, plan = record.plan, switch[0]
+        if manager is not None and moves_chunks(plan, manager):
             if not manager.place_again(plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots):
-                self.loop.switched = False
+                log.warning(
+                    "graph %d: no room to place the chunks for the plan %s; kept", record.index, self.loop.reason
+                )
+                self.loop.not_placed()
                 self._dump_replan()
                 return
-        self.switching = (replan.plan, self.loop.costs)
+        self.switching = switch
         try:
             self._compile_again(args)
         finally:
             self.switching = None
         self._dump_replan()
         log.warning(
-            "graph %d re-planned from what training measured (%s): the calibrated search's plan is predicted at "
-            "%.2f ms a step (%.2f ms as ranked), the plan in force at %.2f ms (%.2f ms as ranked): %.1f%% faster, "
-            "over the %.1f%% a switch needs\nbefore: %s\nafter:  %s\n%s",
+            "graph %d re-planned %s\nbefore: %s\nafter:  %s\n%s",
             record.index,
-            self.loop.calibration,
-            replan.plan.predicted_step_s * 1e3,
-            replan.ranked_s * 1e3,
-            replan.before.predicted_step_s * 1e3,
-            replan.before_ranked_s * 1e3,
-            replan.gain * 100,
-            replan.margin * 100,
+            self.loop.reason,
             plan_summary(before),
             plan_summary(record.plan),
             record.plan,

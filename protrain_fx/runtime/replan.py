@@ -14,6 +14,11 @@ into force between two steps, once per graph, on every rank alike:
 The chunk fields change only where the graph is the only one that reads the model's chunks and ends in no graph
 break (the others, or the Python after the break, were built for the chunks where they are); elsewhere they are held
 and the activation fields alone searched.
+
+Plans in turn (the `replan` option as a list of plan-field dicts, to compare plans in one run on one machine): the
+calibration and decision as above, then each turn's plan (the first compile's search with its fields forced, so the
+plan a run forcing them trains; `{}`: the plan the loop keeps in force) switched to the same way, each once the plan
+before it has measured its steps, and every plan's report kept in replan.json ("turns").
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from protrain_fx.planner.calibrate import (
     searches,
 )
 from protrain_fx.planner.cost import CostModel
-from protrain_fx.planner.plan import Plan
+from protrain_fx.planner.plan import Plan, decisions
 from protrain_fx.runtime.adopt import plan_fields_of
 from protrain_fx.runtime.monitor import host_scale
 
@@ -83,35 +88,42 @@ def moves_chunks(plan: Plan, manager) -> bool:
 
 @dataclasses.dataclass
 class ClosedLoop:
-    """One training graph's closed loop (module docstring): decided once, then done."""
+    """One training graph's closed loop (module docstring): decided once, then done. With `turns` (the `replan`
+    option as a list), after the first plan's measured steps each turn's plan goes into force for its own, and
+    `measured` keeps every plan's report."""
 
     device: torch.device
+    turns: list[dict] | None = None  # plan fields forced for each plan in turn, those not yet in force
     calibration: Calibration | None = None
     costs: CostModel | None = None  # the calibrated cost model
     replan: Replan | None = None  # the search's decision, made once the report is in
+    first: tuple[Plan, CostModel] | None = None  # the first plan and the cost model it was searched with
+    pending: tuple[Plan, CostModel] | None = None  # what to put in force at the first forward between two steps
+    reason: str = ""  # why the last switch was made, for its log line
+    measured: list[dict] = dataclasses.field(default_factory=list)  # with turns: each plan's fields and report
     done: bool = False
     switched: bool = False
     waits: int = 0  # forwards the switch waited for the chunks to be between two steps
 
     def watches(self, record) -> bool:
         """Whether the graph needs its steps measured: the loop is not done, and its plan has fields left to search
-        (a plan with every field forced is done at once)."""
+        (a plan with every field forced is done at once) or plans to run in turn."""
         if self.done or record.costs is None or record.planning is None:
             return False
-        self.done = not searches(record.costs, record.planning.forced, record.planning.layout)
+        self.done = self.turns is None and not searches(record.costs, record.planning.forced, record.planning.layout)
         return not self.done
 
     def due(self, monitor) -> bool:
         """Whether the graph's monitor has measured its steps and the loop is not done."""
         return not self.done and monitor is not None and monitor.report is not None
 
-    def decide(self, record, manager, chunks_may_move: bool) -> Replan | None:
-        """The switch to make now (its `plan` goes into force), else None: none worth making (the loop is done), or
-        none yet, a step of the model's chunks being under way on some rank (gradients accumulating: asked again at
-        the next forward, MAX_WAITS times at most)."""
-        if self.replan is None:
-            self.replan = self._search(record, manager, chunks_may_move)
-            if self.replan is None or not self.replan.switches:
+    def decide(self, record, manager, chunks_may_move: bool) -> tuple[Plan, CostModel] | None:
+        """The plan to put in force now, with the cost model that times it, else None: none worth switching to or
+        none left to run in turn (the loop is done), or none yet, a step of the model's chunks being under way on
+        some rank (gradients accumulating: asked again at the next forward, MAX_WAITS times at most)."""
+        if self.pending is None:
+            self.pending = self._next(record, manager, chunks_may_move)
+            if self.pending is None:
                 self.done = True
                 return None
         if manager is not None and max(most_on_every_rank([0.0 if manager.between_steps else 1.0], self.device)):
@@ -120,11 +132,54 @@ class ClosedLoop:
                 log.info("graph %d: no re-plan, no forward in %d started between two steps", record.index, MAX_WAITS)
                 self.done = True
             return None
-        self.done = self.switched = True
-        return self.replan
+        switch, self.pending, self.waits = self.pending, None, 0
+        self.switched = True
+        self.done = self.turns is None  # (in turn: done once the last plan's report is in)
+        return switch
 
-    def _search(self, record, manager, chunks_may_move: bool) -> Replan | None:
-        """The calibrated search's plan beside the plan in force; None where nothing is searched."""
+    def _next(self, record, manager, chunks_may_move: bool) -> tuple[Plan, CostModel] | None:
+        """The plan to switch to once the plan in force has measured its steps: the calibrated search's where it is
+        enough faster, or with turns the next turn's; None where there is none."""
+        if self.calibration is None:
+            self.first = record.plan, record.costs
+            self.replan = self._search(record, manager, chunks_may_move)
+            if self.turns is not None:
+                plan = decisions(record.plan.to_json())
+                self.measured.append({"forced": dict(record.planning.forced), "plan": plan})
+        if self.turns is None:
+            if not self.replan.switches:
+                return None
+            self.reason = f"from what training measured ({self.calibration}): {_switch(self.replan)}"
+            return self.replan.plan, self.costs
+        self.measured[-1]["report"] = record.monitor.report
+        while self.turns:
+            turn = self.turns.pop(0)
+            switch = self._turn(turn, record, manager, chunks_may_move)
+            self.measured.append({"forced": turn, "plan": decisions(switch[0].to_json()) if switch else None})
+            if switch is not None:
+                self.reason = f"in turn (the 'replan' option's plan {len(self.measured) - 1}, forcing {turn})"
+                return switch
+        return None
+
+    def _turn(self, turn: dict, record, manager, chunks_may_move: bool) -> tuple[Plan, CostModel] | None:
+        """One turn's plan as the graph's first compile would have searched it with those fields forced over its
+        own (its cost model, capacities and predictions: so a turn is the plan a run forcing them trains); `{}`:
+        the plan the closed loop keeps in force. None where no plan with those fields fits (logged)."""
+        if not turn:
+            return (self.replan.plan, self.costs) if self.replan.switches else self.first
+        forced = {**record.planning.forced, **turn}
+        if manager is not None and not chunks_may_move:
+            forced = plan_fields_of(manager, forced)
+        plan, costs = self.first
+        replan = replanned(costs, record.planning, plan, forced)
+        if replan.alone:
+            log.warning("graph %d: no plan forcing %s fits; that turn is skipped", record.index, turn)
+            return None
+        return replan.plan, costs
+
+    def _search(self, record, manager, chunks_may_move: bool) -> Replan:
+        """The calibrated search's plan beside the plan in force (the plan in force alone where nothing is
+        searched)."""
         report = record.monitor.report
         mine = calibration_of(report)
         host, alpha = most_on_every_rank([mine.host, mine.alpha or 0.0], self.device)
@@ -139,8 +194,8 @@ class ClosedLoop:
         if manager is not None and not chunks_may_move:
             forced = plan_fields_of(manager, forced)
         self.costs = calibrated(record.costs, self.calibration)
-        if not searches(self.costs, forced, record.planning.layout):
-            return None
+        if not searches(self.costs, forced, record.planning.layout):  # (only plans in turn to run)
+            forced = decisions(record.plan.to_json())
         headroom = SWITCH_HEADROOM if self.calibration.alpha is not None else 0.0
         replan = replanned(self.costs, record.planning, record.plan, forced, headroom=headroom)
         log.info(
@@ -154,13 +209,32 @@ class ClosedLoop:
         )
         return replan
 
+    def not_placed(self) -> None:
+        """The switch just decided could not place the chunks (no room on a rank): the plan in force stays, and the
+        loop is done."""
+        self.done = True
+        if self.turns is None:
+            self.switched = False
+        else:
+            self.measured[-1]["error"] = "no room to place the chunks"
+
     def to_json(self) -> dict:
         """replan.json."""
         return {
             "calibration": self.calibration.to_json() if self.calibration else None,
             "switched": self.switched,
             **(self.replan.to_json() if self.replan else {}),
+            **({"turns": self.measured} if self.turns is not None else {}),
         }
+
+
+def _switch(replan: Replan) -> str:
+    return (
+        f"the calibrated search's plan is predicted at {replan.plan.predicted_step_s * 1e3:.2f} ms a step "
+        f"({replan.ranked_s * 1e3:.2f} ms as ranked), the plan in force at {replan.before.predicted_step_s * 1e3:.2f} "
+        f"ms ({replan.before_ranked_s * 1e3:.2f} ms as ranked): {replan.gain * 100:.1f}% faster, over the "
+        f"{replan.margin * 100:.1f}% a switch needs"
+    )
 
 
 def _decision(replan: Replan) -> str:
