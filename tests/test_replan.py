@@ -255,7 +255,7 @@ PROFILED_ALPHA = 1.25  # as a profile on demand measures it (docs/limitations.md
 KEEP_ACTIVATIONS = {"n_swap": 0, "n_checkpoint": 0, "n_selective": 0}
 # on two ranks (TWO_RANKS) the search keeps 2 of the 6 chunks persistent under PROFILED_ALPHA, 3 or 4 fit with
 # training's α (about 1); with the host also RANKS_SLOWER than profiled, keeping them is 9% to 18% faster as
-# ranked, clear of the CPU's 5% margin (with the host SLOWER, 6% to 11%: not clear of it)
+# ranked, clear of the CPU's 5% margin (with the host 1.5 times as slow, 6% to 11%: not clear of it)
 RANKS_GPU_BYTES = 6_800_000
 RANKS_SLOWER = 3.0
 RANKS_HOST_SHARE = 0.6  # each rank's share of the update against the forward
