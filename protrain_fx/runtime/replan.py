@@ -42,6 +42,7 @@ from protrain_fx.planner.calibrate import (
 )
 from protrain_fx.planner.cost import CostModel
 from protrain_fx.planner.plan import Plan, decisions
+from protrain_fx.planner.search import NoPlanFits, plan_graph
 from protrain_fx.runtime.adopt import plan_fields_of
 from protrain_fx.runtime.monitor import host_scale
 
@@ -170,12 +171,17 @@ class ClosedLoop:
         forced = {**record.planning.forced, **turn}
         if manager is not None and not chunks_may_move:
             forced = plan_fields_of(manager, forced)
-        plan, costs = self.first
-        replan = replanned(costs, record.planning, plan, forced)
-        if replan.alone:
-            log.warning("graph %d: no plan forcing %s fits; that turn is skipped", record.index, turn)
+        costs, inputs = self.first[1], record.planning
+        try:
+            return plan_graph(costs, forced, inputs.layout, inputs.capacity_bytes, inputs.host_bytes), costs
+        except NoPlanFits as error:
+            log.warning(
+                "graph %d: no plan forcing %s fits (%s); that turn is skipped",
+                record.index,
+                turn,
+                str(error).splitlines()[0],
+            )
             return None
-        return replan.plan, costs
 
     def _search(self, record, manager, chunks_may_move: bool) -> Replan:
         """The calibrated search's plan beside the plan in force (the plan in force alone where nothing is
