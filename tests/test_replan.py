@@ -221,17 +221,22 @@ def test_plans_in_turn_move_the_chunks_to_the_host_and_back_and_train_on_like_ea
 
 
 def test_a_plan_whose_chunks_find_no_room_is_not_put_in_force(monkeypatch, tmp_path):
-    """`place_again` finding no room on the device or host (it returns False, nothing moved): the plan in force
-    stays, training goes on as eager's, the loop is done, and replan.json names the turn's failure."""
+    """A turn no plan fits is skipped; then `place_again` finding no room on the device or host (it returns False,
+    nothing moved): the plan in force stays, training goes on as eager's, the loop is done, and replan.json names
+    both turns' failures."""
     from protrain_fx.runtime.chunks.placement import PlacementMixin
 
     monkeypatch.setattr(PlacementMixin, "place_again", lambda self, *args: False)
-    options = {"replan": [{"n_persist": 2, "n_buffer": 2}, {}], "dump_dir": str(tmp_path)}
+    # no plan with these fits GPU_BYTES (the search's NoPlanFits: a plan with every field forced would run as asked)
+    too_large = {"n_persist": 5, "n_checkpoint": 0}
+    turns = [too_large, {"n_persist": 2, "n_buffer": 2}, {}]
+    options = {"replan": turns, "dump_dir": str(tmp_path), "gpu_memory_bytes": GPU_BYTES, "plan": {"n_swap": 0}}
     (ref_losses, *_), (losses, _, _, backend), plans = _eager_and_protrain(options, steps=SWITCH_AT * 2 + 1)
     assert losses == ref_losses and all(p is plans[0] for p in plans)
     turns = json.loads((backend.graphs[0].dumper.dir / "replan.json").read_text())["turns"]
-    assert [t["forced"] for t in turns] == [{}, {"n_persist": 2, "n_buffer": 2}]
-    assert turns[1] == {**turns[1], "error": "no room to place the chunks"} and "report" not in turns[1]
+    assert [t["forced"] for t in turns] == [{"n_swap": 0}, too_large, {"n_persist": 2, "n_buffer": 2}]
+    assert turns[1]["plan"] is None and "report" not in turns[1]  # (skipped: the next one was tried at once)
+    assert turns[2] == {**turns[2], "error": "no room to place the chunks"} and "report" not in turns[2]
 
 
 def test_a_switch_lets_go_of_the_old_gradient_buffers():
