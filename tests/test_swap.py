@@ -363,3 +363,28 @@ def test_swapped_activations_are_not_overwritten_while_copied():
         assert (backend.graphs[0].swap is not None) == (name == "swapped")
     for (name, _), a, b in zip(model.named_parameters(), grads["plain"], grads["swapped"]):
         assert (b - a).norm() <= 1e-4 * a.norm(), name
+
+
+@pytest.mark.gpu
+def test_a_tensor_laid_out_unlike_its_slot_goes_to_pinned_memory():
+    """A saved tensor that is not dense (the keys split from a fused query-key-value projection) has a slot of its
+    stride order; `copy_` between the two layouts would stage it through pageable host memory, a copy that blocks
+    the host at a tenth of the link's rate. `swap_out` copies it to the slot's layout on the device first: only
+    pinned copies run, and the values come back."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from protrain_fx.runtime.swap import SwapSpace
+
+    qkv = torch.randn(2, 64, 8, 3 * 32, device="cuda").transpose(1, 2)  # (batch, heads, sequence, 3 x head dim)
+    keys = qkv.split(32, dim=-1)[1]
+    assert not keys.is_contiguous() and torch.empty_like(keys).stride() != keys.stride()
+    space = SwapSpace(torch.device("cuda"))
+    space.allocate([torch.empty_like(keys, device="meta")])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        space.swap_out(0, keys, torch.empty_like(keys).stride())
+        space.settle([0])
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if "Memcpy" in e.name]
+    assert copies and not [c for c in copies if "Pageable" in c], copies
+    assert torch.equal(space.slots[0], keys.cpu())
+    assert torch.equal(space.swap_in(0), keys)

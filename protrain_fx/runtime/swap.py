@@ -55,7 +55,7 @@ class SwapSpace:
         self._h2d = torch.cuda.Stream(self.device) if cuda else None
         self._uploads = upload_stream  # the parameter chunks' host-to-device stream, whose copies go first
         self._stored: dict[int, object] = {}  # slot -> event of its device-to-host copy
-        self._in_flight: dict[int, tuple[object, torch.Tensor]] = {}  # slot -> (copy event, device tensor)
+        self._in_flight: dict[int, tuple[object, tuple]] = {}  # slot -> (copy event, the device tensors it reads)
         self._fetched: dict[int, tuple[torch.Tensor, object]] = {}  # slot -> (device tensor, event of its copy)
 
     def allocate(self, specs: Sequence[torch.Tensor]) -> None:
@@ -100,10 +100,15 @@ class SwapSpace:
         self._retire()
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._d2h):
-            host.copy_(t, non_blocking=True)
+            source = t
+            if t.stride() != host.stride():
+                # laid out unlike its slot (heads split from a fused projection): copied to the slot's layout on
+                # the device first, or copy_ would stage it through pageable host memory, blocking the host
+                source = torch.empty_strided(host.shape, host.stride(), dtype=t.dtype, device=t.device).copy_(t)
+            host.copy_(source, non_blocking=True)
             event = self._d2h.record_event()
         self._stored[slot] = event
-        self._in_flight[slot] = (event, t)
+        self._in_flight[slot] = (event, (t, source))
         return host
 
     def settle(self, slots: Sequence[int]) -> None:
