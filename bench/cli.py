@@ -284,17 +284,27 @@ def _sizes() -> argparse.ArgumentParser:
     return sizes
 
 
+def _plan_list(value: str) -> str:
+    """A JSON list of plan dicts (--plans, --replan), checked and kept as the string: a worker is passed it as it is."""
+    try:
+        plans = json.loads(value)
+    except json.JSONDecodeError:
+        plans = None
+    if not isinstance(plans, list) or not all(isinstance(p, dict) for p in plans):
+        raise argparse.ArgumentTypeError(
+            f"a JSON list of plan dicts, e.g. '[{{}}, {{\"n_persist\": 4}}]', got {value!r}"
+        )
+    return value
+
+
 def _replan(value: str) -> str:
-    """--replan: 'on', 'off', or a JSON list of plan dicts (kept as the string, passed on to a worker as it is)."""
+    """--replan: 'on', 'off', or a JSON list of plan dicts."""
     if value in ("on", "off"):
         return value
     try:
-        turns = json.loads(value)
-    except json.JSONDecodeError:
-        turns = None
-    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
-        raise argparse.ArgumentTypeError(f"'on', 'off' or a JSON list of plan dicts, got {value!r}")
-    return value
+        return _plan_list(value)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"'on', 'off' or {error}") from None
 
 
 def _lazy(module: str, name: str):
@@ -311,7 +321,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/compare.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=compare)
     p = sub.add_parser("predict", parents=[_sizes()], help="predicted vs measured step time and peak memory of plans")
-    p.add_argument("--plans", default="[{}]", help="JSON list of plans forced on protrain-chunks ({} searches)")
+    p.add_argument(
+        "--plans", type=_plan_list, default="[{}]", help="JSON list of plans forced on protrain-chunks ({} searches)"
+    )
     p.add_argument("--out", default="out/predict.json", help="where the JSON report goes ('' for none)")
     p.add_argument("--keep-dumps", default="", help="keep each plan's dump directory here, as plan<i>")
     p.add_argument("--nproc", type=int, default=1, help="ranks under torchrun, one GPU each; rank 0's graphs report")
@@ -337,7 +349,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--profiles", type=int, default=2, help="profiles to take, each in a process of its own (default 2)")
     p.add_argument("--dumps", nargs="*", default=[], help="dump directories of one model to compare, not profiling it")
-    p.add_argument("--plans", default="[]", help="JSON list of plans to time in every profile, besides the searched")
+    p.add_argument(
+        "--plans",
+        type=_plan_list,
+        default="[]",
+        help="JSON list of plans to time in every profile, besides the searched",
+    )
     p.add_argument(
         "--capacities",
         default="",

@@ -46,9 +46,7 @@ log = logging.getLogger(__name__)
 def stability(args: argparse.Namespace) -> int:
     from bench.cli import _git_commit
 
-    plans = json.loads(args.plans)
-    if not isinstance(plans, list) or not all(isinstance(p, dict) for p in plans):
-        raise SystemExit("--plans must be a JSON list of plan dicts, e.g. '[{\"n_persist\": 4}]'")
+    plans = json.loads(args.plans)  # (a list of plan dicts: bench/cli.py checks it)
     fractions = [float(f) for f in args.capacities.split(",")] if args.capacities else []
     with tempfile.TemporaryDirectory(prefix="protrain-stability-") as tmp:
         if args.dumps:

@@ -177,6 +177,22 @@ def test_each_command_keeps_its_own_run_defaults():
     )
 
 
+@pytest.mark.parametrize("cmd, flag", [("predict", "--plans"), ("stability", "--plans"), ("predict", "--replan")])
+def test_plan_lists_are_checked_where_they_are_parsed(cmd, flag, capsys):
+    """--plans (predict, stability) and --replan take a JSON list of plan dicts, refused otherwise with the form
+    they take; --replan also 'on' or 'off'."""
+    from bench.cli import _parser
+
+    parser = _parser()
+    assert getattr(parser.parse_args([cmd, flag, '[{}, {"n_persist": 4}]']), flag[2:]) == '[{}, {"n_persist": 4}]'
+    for bad in ('{"n_persist": 4}', "[4]", "not json"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([cmd, flag, bad])
+        assert "a JSON list of plan dicts" in capsys.readouterr().err
+    if flag == "--replan":
+        assert parser.parse_args([cmd, flag, "on"]).replan == "on"
+
+
 def test_rounds_run_the_plans_in_turn(monkeypatch):
     """`--rounds 2`: the whole list, then the whole list again (a drifting host slows every plan alike)."""
     import bench.cli
