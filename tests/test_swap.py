@@ -388,3 +388,34 @@ def test_a_tensor_laid_out_unlike_its_slot_goes_to_pinned_memory():
     assert copies and not [c for c in copies if "Pageable" in c], copies
     assert torch.equal(space.slots[0], keys.cpu())
     assert torch.equal(space.swap_in(0), keys)
+
+
+def _reads(graph, roots, node) -> bool:
+    """`node` reads one of `roots`, directly or not."""
+    reached = set(roots)
+    for n in graph.nodes:
+        if n not in reached and any(a in reached for a in n.all_input_nodes):
+            reached.add(n)
+    return node in reached
+
+
+def test_swap_ops_follow_the_data_not_a_weights_cast():
+    """The settle follows a node of block b + swap_interval that block b's output flows into, the prefetch and
+    each swap_in one the output gradient flows into. A bf16 model under inductor casts its norms' weights to
+    fp32 first in each block, reading only a parameter, and a swap_in reads only its placeholder: the compiler
+    may schedule such nodes anywhere, and a copy back started there would bring the block back long before the
+    backward needs it, at its peak."""
+    model = models.build("toy", layers=3).to(torch.bfloat16)
+    backend = protrain_fx.ProTrainBackend({"plan": {"block_modes": ["swap", "none", "none"], "swap_interval": 1}})
+    train(torch.compile(model, backend=backend, dynamic=False), "toy", 1)
+    record = backend.graphs[0]
+    block_of = record.block_map.block
+    fw, bw = record.forward.graph, record.backward.graph
+    settle, *_ = fw.find_nodes(op="call_function", target=torch.ops.protrain.swap_settle.default)
+    (prefetch,) = bw.find_nodes(op="call_function", target=torch.ops.protrain.swap_prefetch.default)
+    assert block_of[settle.args[4].name] == 1 and block_of[prefetch.args[2].name] == 1
+    assert _reads(fw, {n for n in fw.nodes if block_of.get(n.name) == 0}, settle.args[4]), settle.args[4].format_node()
+    tangents = {n for n in bw.find_nodes(op="placeholder") if n.name.startswith("tangents")}
+    assert _reads(bw, tangents, prefetch.args[2]), prefetch.args[2].format_node()
+    ins = bw.find_nodes(op="call_function", target=torch.ops.protrain.swap_in.default)
+    assert all(_reads(bw, tangents, after) for n in ins for after in n.args[3]) and any(n.args[3] for n in ins)

@@ -23,6 +23,7 @@ the saved matmul outputs, and no matmul twice:
 
 from __future__ import annotations
 
+import bisect
 import logging
 
 import torch
@@ -183,12 +184,13 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-def _first_nodes(graph: fx.Graph, ctx) -> dict[int | str, fx.Node]:
-    """Block -> its first computing node in `graph`, and "post" -> the first one after the last block."""
+def _first_nodes(graph: fx.Graph, ctx, among: set[fx.Node] | None = None) -> dict[int | str, fx.Node]:
+    """Block -> its first computing node in `graph` (of `among`, if given), and "post" -> the first one after the
+    last block."""
     block_of, region = ctx.record.block_map.block, ctx.record.block_map.region
     first: dict[int | str, fx.Node] = {}
     for n in graph.nodes:
-        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor):
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor) and (among is None or n in among):
             if n.name in block_of:
                 first.setdefault(block_of[n.name], n)
             elif region.get(n.name) == "post":
@@ -196,12 +198,22 @@ def _first_nodes(graph: fx.Graph, ctx) -> dict[int | str, fx.Node]:
     return first
 
 
+def _reached_from(graph: fx.Graph, roots: set[fx.Node]) -> set[fx.Node]:
+    """`roots` and the nodes that read them, directly or not. An anchor of a swap op is taken among these: a node
+    that reads only parameters (a weight's cast) may be scheduled anywhere by the compiler, and the op with it."""
+    reached = set(roots)
+    for n in graph.nodes:
+        if any(a in reached for a in n.all_input_nodes):
+            reached.add(n)
+    return reached
+
+
 def _settle_forward(graph: fx.Graph, ctx) -> None:
     """Swapped block b's copies must be done swap_interval blocks later (the plan counts on it): there, a
     `swap_settle` makes the compute stream wait for them and frees their device tensors. A tensor swapped out
     only after that point is settled at the forward's last node. The settle reads the device tensors, so no
     compiler reuses their memory before it while a copy on the side stream may still be reading them."""
-    first = _first_nodes(graph, ctx)
+    block_of = ctx.record.block_map.block
     # the forward's last computed value: a settle there waits for the copies once all compute is queued
     last = next(
         n
@@ -214,6 +226,10 @@ def _settle_forward(graph: fx.Graph, ctx) -> None:
         by_block.setdefault(n.meta[SWAP][1], []).append(n)
     at: dict[fx.Node, list[fx.Node]] = {}  # anchor -> the swap_outs it settles
     for block, outs in by_block.items():
+        # where the forward reaches block b + swap_interval: its first node that block b's output flows into
+        first = _first_nodes(
+            graph, ctx, among=_reached_from(graph, {n for n in graph.nodes if block_of.get(n.name) == block})
+        )
         anchor = first.get(block + ctx.plan.swap_interval, first.get("post"))
         for n in outs:
             at.setdefault(anchor if anchor is not None and order[n] < order[anchor] else last, []).append(n)
@@ -225,12 +241,16 @@ def _settle_forward(graph: fx.Graph, ctx) -> None:
 
 def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Backward: each swapped tensor comes back through `swap_in` before its first use; block b's tensors are
-    prefetched together when the backward reaches block b + swap_interval (the plan's), or at the start when
+    prefetched together when the gradient reaches block b + swap_interval (the plan's), or at the start when
     that block is not in this graph (no prefetch where the first use comes before that point).
 
         before:  h = placeholder; ...; g = mm(dy, h)
         after:   h = placeholder; ...; protrain.swap_prefetch(space, [0, ...], <first node of block b+k>); ...
-                 h_ = protrain.swap_in(space, 0, h); g = mm(dy, h_)
+                 h_ = protrain.swap_in(space, 0, h, [dy]); g = mm(dy, h_)
+
+    Both ops take a value the output gradients (`tangents_*`) flow into, computed where the backward is then:
+    one that reads only parameters (a weight's cast) or a swap_in that reads only its placeholder may be
+    scheduled anywhere by the compiler, bringing a block back long before the backward needs it, at its peak.
     """
     if ctx.stage != "backward":
         return gm
@@ -240,6 +260,9 @@ def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    gradient = _reached_from(graph, {n for n in placeholders if n.name.startswith("tangents")})
+    gradient_order = [order[n] for n in graph.nodes if n in gradient and isinstance(n.meta.get("val"), torch.Tensor)]
+    by_order = list(graph.nodes)
     by_block: dict[int, list[tuple[int, fx.Node]]] = {}
     for ph in placeholders:
         if ph.name not in swapped:
@@ -248,8 +271,11 @@ def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         slot, block = out.meta[SWAP]
         assert ph.users, f"{ph.name}: a swapped tensor the backward does not read"
         first = min(ph.users, key=order.__getitem__)
+        # the last value the gradient flows into before the first use (none: the use comes first)
+        at = bisect.bisect_left(gradient_order, order[first])
+        after = [by_order[gradient_order[at - 1]]] if at else []
         with graph.inserting_before(first):
-            back = graph.call_function(torch.ops.protrain.swap_in.default, (out.args[0], slot, ph))
+            back = graph.call_function(torch.ops.protrain.swap_in.default, (out.args[0], slot, ph, after))
         host = out.meta["val"]  # (the slot's strides: the saved tensor's where it is dense)
         with host.fake_mode:
             back.meta["val"] = torch.empty_strided(
@@ -259,7 +285,8 @@ def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         ph.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
         by_block.setdefault(block, []).append((slot, back))
     handle = next(iter(swapped.values())).args[0]
-    first_of = _first_nodes(graph, ctx)
+    # where the backward reaches a block: its first node the gradient flows into
+    first_of = {**_first_nodes(graph, ctx), **_first_nodes(graph, ctx, among=gradient)}
     order = {n: i for i, n in enumerate(graph.nodes)}
     # a block the backward reaches first has no block k ahead of it: its prefetch follows the inputs (the last one
     # holding a tensor: on CUDA the recompute's RNG generators come last)

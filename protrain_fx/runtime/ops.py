@@ -11,7 +11,7 @@
     h = protrain.swap_out(space, slot, t, stride)              # swapped activations (runtime/swap.py): forward,
     protrain.swap_settle(space, [slot, ...], [h, ...], [t, ...], after)  # forward, swap_interval blocks later
     protrain.swap_prefetch(space, [slot, ...], after)          # backward, a block's tensors ahead of their use,
-    t = protrain.swap_in(space, slot, h)                       # backward, before the first use
+    t = protrain.swap_in(space, slot, h, [after])              # backward, before the first use
     protrain.step_mark(monitor, x)                             # forward start: a step (runtime/monitor.py)
     protrain.phase_mark(monitor, phase, [out, ...])            # forward or backward end, after its last values
     x2 = protrain.after(x, [values])                           # backward: x, copied once `values` exist
@@ -178,12 +178,14 @@ def _(space: int, slots: list[int], after: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("protrain::swap_in", mutates_args=())
-def swap_in(space: int, slot: int, host: torch.Tensor) -> torch.Tensor:
+def swap_in(space: int, slot: int, host: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
+    """`after` (a value the output gradient flows into, or none) keeps any compiler from moving it, and the copy
+    it may start, ahead of the point the backward has reached."""
     return _manager(space).swap_in(slot)
 
 
 @swap_in.register_fake
-def _(space: int, slot: int, host: torch.Tensor) -> torch.Tensor:
+def _(space: int, slot: int, host: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
     return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=_manager(space).device)
 
 

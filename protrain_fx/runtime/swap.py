@@ -7,7 +7,7 @@ arena allocated once at its exact size (pinned with `cudaHostRegister` on CUDA).
     protrain.swap_settle(space, [slots], [h..], [t..], a)   # forward, swap_interval blocks later (or at its
                                                             # end): those copies are done; t may be freed
     protrain.swap_prefetch(space, [slots], after)           # backward, swap_interval blocks ahead: copy a block back
-    t = protrain.swap_in(space, slot, h)                    # backward, before the first use: the device copy
+    t = protrain.swap_in(space, slot, h, [after])           # backward, before the first use: the device copy
 
 On CUDA, copies run on their own streams. A device tensor being copied to the host must keep its memory until
 the copy has ended, against two reusers: the caching allocator (`swap_out` keeps a reference until the copy's
@@ -98,13 +98,16 @@ class SwapSpace:
             host.copy_(t)
             return host
         self._retire()
+        source = t
+        if t.stride() != host.stride():
+            # laid out unlike its slot (heads split from a fused projection): copied to the slot's layout on the
+            # device first, or copy_ would stage it through pageable host memory, blocking the host; allocated on
+            # the compute stream, whose pool gets it back once the copy is over (_retire)
+            source = torch.empty_strided(host.shape, host.stride(), dtype=t.dtype, device=t.device)
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._d2h):
-            source = t
-            if t.stride() != host.stride():
-                # laid out unlike its slot (heads split from a fused projection): copied to the slot's layout on
-                # the device first, or copy_ would stage it through pageable host memory, blocking the host
-                source = torch.empty_strided(host.shape, host.stride(), dtype=t.dtype, device=t.device).copy_(t)
+            if source is not t:
+                source.copy_(t)
             host.copy_(source, non_blocking=True)
             event = self._d2h.record_event()
         self._stored[slot] = event
