@@ -273,6 +273,16 @@ class BlockMap:
         """The block of a parameter or module by its qualified name; None outside every block."""
         return block_index(name.split("."), self.families)
 
+    def needed_from(self, backward: fx.Graph) -> dict[str, int]:
+        """Saved value (a backward graph's input) -> the highest block whose nodes read it in that backward: the
+        backward needs it from that block on (values no block reads are left out)."""
+        readers = {}
+        for ph in backward.find_nodes(op="placeholder"):
+            blocks = [b for u in ph.users if (b := self.block.get(u.name)) is not None]
+            if blocks:
+                readers[ph.name] = max(blocks)
+        return readers
+
     def describe(self) -> str:
         """The block lists found and the nodes outside them, in one line."""
         if not self.families:

@@ -106,12 +106,20 @@ def hf_model(
     kind: str, layers: int = 2, dropout: float = 0.0, experts: str | None = None, loss_break: bool = False
 ) -> nn.Module:
     """A tiny Hugging Face model of `kind`, random weights, no download: a causal LM (gpt2, opt, llama, mistral,
-    qwen2: its embedding tied to the head; mixtral: MoE, whose `experts` implementation may be forced, e.g.
+    qwen2: its embedding tied to the head; gpt_neox: a fused query-key-value projection; mixtral: MoE, whose `experts` implementation may be forced, e.g.
     "eager"), an encoder-decoder (SEQ2SEQ_KINDS), bert (masked LM, a tied bias under two names), albert (masked
     LM, its layers sharing one layer's weights), an image classifier (VISION_KINDS). GPT-2's loss is in its one
     graph; `loss_break`: as transformers builds it, whose default loss type graph-breaks on a warning (two
     graphs: the model's and the loss's, for tests of a model compiled as several graphs)."""
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        GPT2Config,
+        GPTNeoXConfig,
+        LlamaConfig,
+        MistralConfig,
+        OPTConfig,
+        Qwen2Config,
+    )
 
     if kind in SEQ2SEQ_KINDS:
         return seq2seq_model(kind, layers, dropout)
@@ -164,9 +172,20 @@ def hf_model(
             max_position_embeddings=64,
             tie_word_embeddings=True,
         )
+    elif kind == "gpt_neox":
+        cfg = GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            use_cache=False,
+        )
     else:
         raise ValueError(f"unknown model kind {kind!r}")
-    cfg._attn_implementation = "eager"
+    # (GPT-NeoX under SDPA, with no cache, makes its attention mask in the first block; every block reads it)
+    cfg._attn_implementation = "sdpa" if kind == "gpt_neox" else "eager"
     model = AutoModelForCausalLM.from_config(cfg)
     if kind == "gpt2" and not loss_break:  # (GPT2LMHeadModel's name maps to no loss type: a warning, a break)
         model.loss_type = "ForCausalLM"

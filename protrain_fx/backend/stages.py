@@ -223,7 +223,12 @@ def rewrite(
         fw, bw = cut(joint)
     saved = frozenset(n.name for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents"))
     ctx = dataclasses.replace(
-        ctx, saved=saved, swap=runtime.swap, monitor=runtime.monitor, grad_source=runtime.grad_source
+        ctx,
+        saved=saved,
+        needed_from=record.block_map.needed_from(bw.graph),
+        swap=runtime.swap,
+        monitor=runtime.monitor,
+        grad_source=runtime.grad_source,
     )
     fw = run_passes(fw, ctx, GRAPH_PASSES, stage="forward")
     output = next(n for n in fw.graph.nodes if n.op == "output")

@@ -140,7 +140,9 @@ SWAP = "protrain_swap"  # on a forward swap_out node: (slot, block)
 
 def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Forward: every tensor a swapped block saves for backward goes to its host slot after its last forward use,
-    and the graph hands the host copy to the backward instead of the device tensor.
+    and the graph hands the host copy to the backward instead of the device tensor; but for one the backward of a
+    block beyond its prefetch reads (an attention mask made in the first block, read by every block): that one
+    would come back where the backward starts, and stays.
 
         before:  h = mm(x, w); y = relu(h); return (y, h)          # h saved for backward
         after:   h = mm(x, w); y = relu(h); h_ = protrain.swap_out(space, 0, h, h.stride()); ...
@@ -167,6 +169,8 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             continue
         if view_base(node).op == "placeholder":
             continue  # a parameter or an input (or a view of one): its memory is not the block's to free
+        if ctx.needed_from.get(node.name, block) > block + ctx.plan.swap_interval:
+            continue  # read by the backward of a block before this one's prefetch: kept (MemoryModel.kept_from_swap)
         last = max([node, *(u for u in node.users if u.op != "output")], key=order.__getitem__)
         with val.fake_mode:  # the slot: val's strides where it is dense (a transpose, say), else contiguous
             host_val = torch.empty_like(val, device="cpu")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import fx
@@ -49,6 +49,8 @@ class PassContext:
     forward_placeholders: Sequence[fx.Node] = ()  # the forward graph's inputs, for backward passes
     forward_outputs: Sequence[fx.Node] = ()  # the rewritten forward graph's outputs, for backward passes
     saved: frozenset[str] = frozenset()  # names of the values the forward saves for the backward
+    # saved value -> the highest block whose backward reads it (capture.py BlockMap.needed_from)
+    needed_from: Mapping[str, int] = dataclasses.field(default_factory=dict)
     swap: Any = None  # the graph's protrain_fx.runtime.swap.SwapSpace, None when no block swaps
     monitor: Any = None  # the graph's protrain_fx.runtime.monitor.StepMonitor, with a dump directory only
     grad_source: int = 0  # the graph's frame, as the ChunkManager counts gradients (ChunkManager.grad_source)

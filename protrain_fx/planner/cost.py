@@ -136,6 +136,10 @@ class CostModel(MemoryModel, Timeline, StepBounds):
     block_kept: tuple[int, ...] = ()
     block_selective_s: tuple[float, ...] = ()
     block_selective_transient: tuple[int, ...] = ()
+    # per block, (the highest block whose backward reads it, bytes) of each tensor it saves that a later block's
+    # backward reads too (an attention mask made in the first block): a swapped block keeps those the backward
+    # needs before its prefetch on the device (passes/activations.py `swap_out_pass`)
+    block_saved_for_later: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @classmethod
     def build(
@@ -164,6 +168,11 @@ class CostModel(MemoryModel, Timeline, StepBounds):
         blocks = {b.block: b for b in profile.blocks}
         fwd, bwd = [0.0] * n_block, [0.0] * n_block
         saved = [blocks[b].saved_bytes if b in blocks else 0 for b in range(n_block)]
+        for_later: list[list[tuple[int, int]]] = [[] for _ in range(n_block)]
+        for node in profile.nodes:
+            if node.graph == "forward" and node.block is not None and node.block < n_block and node.saved_bytes:
+                if node.needed_from_block is not None and node.needed_from_block > node.block:
+                    for_later[node.block].append((node.needed_from_block, node.saved_bytes))
         output, transient = [0] * n_block, [0] * n_block
         other = {("forward", "pre"): 0.0, ("forward", "post"): 0.0, ("backward", "pre"): 0.0, ("backward", "post"): 0.0}
         segments: list[Segment] = []
@@ -245,6 +254,7 @@ class CostModel(MemoryModel, Timeline, StepBounds):
             block_fwd_s=tuple(fwd),
             block_bwd_s=tuple(bwd),
             block_saved=tuple(saved),
+            block_saved_for_later=tuple(tuple(pairs) for pairs in for_later) if any(for_later) else (),
             block_output=tuple(output),
             block_transient=tuple(transient),
             other_fwd_s=(other[("forward", "pre")], other[("forward", "post")]),

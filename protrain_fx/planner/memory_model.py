@@ -14,7 +14,8 @@ must fit the GPU):
   selective block b: likewise its saved bytes but those it keeps (planner/selective.py), with its recomputed ops'
     transient;
   swapped block b: its saved bytes are gone from swap_interval blocks after b (runtime/swap.py's settle point)
-    until the backward reaches b (prefetches beyond that run only within the budget, so add no peak);
+    until the backward reaches b (prefetches beyond that run only within the budget, so add no peak), but for
+    those the backward of a block beyond b + swap_interval reads, which stay on the device;
   states: persistent chunks (parameters, master, AdamW's two states, and their gradients: one each, or
     `device_grad_slots` shared), chunk buffers, the landing shard and the reduce buffers of offloaded chunks,
     all but the parameters and buffers in the master dtype (fp32, or the parameters', which then need no
@@ -55,12 +56,18 @@ class MemoryModel:
         """Bytes a block in `mode` does not hold between its forward and its backward (a selective one that keeps
         more than the block saved as profiled: less than 0)."""
         if mode == "swap":
-            return self.block_saved[block]
+            return self.block_saved[block] - self.kept_from_swap(block)
         if mode == "checkpoint":
             return max(0, self.block_saved[block] - self.block_output[block])
         if mode == "selective" and self.prices_selective:
             return self.block_saved[block] - self.block_kept[block]
         return 0
+
+    def kept_from_swap(self, block: int) -> int:
+        """Bytes a swapped block keeps on the device: what it saves that the backward of a block beyond its
+        prefetch (block + swap_interval) reads, before the prefetch would bring it back."""
+        later = self.block_saved_for_later[block] if self.block_saved_for_later else ()
+        return sum(nbytes for reader, nbytes in later if reader > block + self.swap_interval)
 
     def recompute_transient(self, block: int, mode: str) -> int:
         """The spike of a block's recompute at its backward: a checkpointed block's forward transient, a selective

@@ -141,7 +141,7 @@ class Timeline:
         """Per block, the seconds of its recompute (checkpointed, selective) and the bytes it swaps (swapped)."""
         modes = self.modes(config)
         recompute = [self.recompute_s(b, m) for b, m in enumerate(modes)]
-        swapped = [self.block_saved[b] if m == "swap" else 0 for b, m in enumerate(modes)]
+        swapped = [self.saving(b, m) if m == "swap" else 0 for b, m in enumerate(modes)]
         return recompute, swapped
 
     def _per_chunk(self, config: Candidate, of_modes: dict[str, list[float]] | None = None) -> dict[str, list[float]]:

@@ -188,6 +188,10 @@ def profile_iteration(
                 probes.append([t for kind in ("forward", "backward") for t in timed_graphs[kind].probe_at_records()])
     bar.close()
     clock_stretch, noise = least_at_burst_clocks(nodes, latencies, probes)
+    needed_from = block_map.needed_from(bw.graph)
+    for record in nodes:
+        if record.graph == "forward" and record.saved_bytes:
+            record.needed_from_block = needed_from.get(record.name)
     by_graph = {"forward": fw, "backward": bw}
     for kind, gm in by_graph.items():
         named = {r.name: r for r in nodes if r.graph == kind}

@@ -19,6 +19,8 @@ class NodeProfile:
     output_bytes: bytes of new storages the op returned (views of inputs count 0).
     kernel, fused_bytes, unfused_bytes: what inductor makes of the node, from the graph alone (profiler/fusion.py).
     saved_bytes: bytes of this node's output kept for backward (forward nodes; 0 elsewhere).
+    needed_from_block: of a saved forward node, the highest block whose backward reads it: the backward needs it
+        from that block on (None: no block's reads it).
     kept_bytes, recomputed: were its block "selective" (profiler/selective.py), the bytes of this forward node's
         output kept for backward (each storage once), and whether the backward computes it again.
     """
@@ -35,6 +37,7 @@ class NodeProfile:
     output_bytes: int
     saved_for_backward: bool = False
     saved_bytes: int = 0
+    needed_from_block: int | None = None
     kernel: str = "extern"  # under a fusing executor: extern | fused | view (profiler/fusion.py)
     fused_bytes: int = 0  # bytes the fused region this node ends moves (0 unless it ends one)
     unfused_bytes: int = 0  # bytes held here op by op that fused kernels never allocate
