@@ -149,39 +149,23 @@ def hf_model(
             word_embed_proj_dim=32,
             dropout=dropout,
         )
-    elif kind in ("llama", "mistral"):
-        common = dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            attention_dropout=dropout,
-        )
-        cfg = LlamaConfig(**common) if kind == "llama" else MistralConfig(**common, sliding_window=16)
-    elif kind == "qwen2":
-        cfg = Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=True,
-        )
-    elif kind == "gpt_neox":
-        cfg = GPTNeoXConfig(
+    elif kind in ("llama", "mistral", "qwen2", "gpt_neox"):
+        sizes = dict(
             vocab_size=VOCAB,
             hidden_size=32,
             intermediate_size=64,
             num_hidden_layers=layers,
             num_attention_heads=4,
             max_position_embeddings=64,
-            use_cache=False,
         )
+        if kind == "llama":
+            cfg = LlamaConfig(**sizes, num_key_value_heads=2, attention_dropout=dropout)
+        elif kind == "mistral":
+            cfg = MistralConfig(**sizes, num_key_value_heads=2, attention_dropout=dropout, sliding_window=16)
+        elif kind == "qwen2":
+            cfg = Qwen2Config(**sizes, num_key_value_heads=2, tie_word_embeddings=True)
+        else:
+            cfg = GPTNeoXConfig(**sizes, use_cache=False)
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     # (GPT-NeoX under SDPA, with no cache, makes its attention mask in the first block; every block reads it)
