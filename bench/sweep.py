@@ -10,7 +10,7 @@ over the batches. maxsize: bisection over a ladder of growing models of one fami
 blocks as in the paper's Table "Model configuration", 1.9B to 78B for LLaMA sizes); a size counts as trainable
 when `--steps` steps (3 by default here) finish with a finite loss. Bisection assumes that a system that trains
 a size trains every smaller one. scaling: tokens/s of data-parallel systems on N ranks (torchrun, every rank the
-same batch size) and the efficiency tokens/s(N) / (N tokens/s(1)).
+same batch size) and the efficiency tokens/s(N) / (N tokens/s(1)); it exits 1 where a run failed, as compare does.
 """
 
 from __future__ import annotations
@@ -77,7 +77,16 @@ def scaling(args: argparse.Namespace) -> int:
     _write(
         args, {"commit": _git_commit(), "results": {s: {str(n): r for n, r in v.items()} for s, v in results.items()}}
     )
-    return 0
+    return _failed_runs(results)
+
+
+def _failed_runs(results: dict[str, dict[int, dict]]) -> int:
+    """1 where a worker gave an error instead of a result (logged), as `compare` exits: an efficiency needs every
+    rank count's run, and the exit code is what a caller checks before reading the report."""
+    failed = [(s, n, r["error"]) for s, by_count in results.items() for n, r in by_count.items() if "error" in r]
+    for system, n, error in failed:
+        log.error("%s on %d ranks failed: %s", system, n, error)
+    return 1 if failed else 0
 
 
 def maxsize(args: argparse.Namespace) -> int:

@@ -508,14 +508,6 @@ def build_block_map(joint: fx.GraphModule, roots: FrameRoots) -> BlockMap:
 
 def check_inputs(dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     """Reject what the backend cannot handle, with a message that says what to do."""
-    if any(isinstance(x, torch.SymInt) for x in example_inputs) or any(
-        isinstance(n.meta.get("example_value"), torch.SymInt) for n in dynamo_gm.graph.nodes if n.op == "placeholder"
-    ):
-        raise ValueError(
-            "protrain plans memory for fixed shapes, but this graph has dynamic (symbolic) sizes. Compile with "
-            "`torch.compile(model, backend='protrain', dynamic=False)` (each new batch or sequence size then "
-            "gets its own compile and plan), or pad inputs to one fixed shape."
-        )
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     if torch.is_grad_enabled() and any(isinstance(x, nn.Parameter) for x in tensors):
         if not any(x.requires_grad for x in tensors):

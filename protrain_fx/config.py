@@ -53,6 +53,11 @@ class ProTrainConfig:
         own (the plan the first compile would have searched with its fields forced over `plan`'s; `{}`: the plan
         the closed loop keeps in force), and the dump's replan.json lists each plan's measurements (`python -m
         bench predict --in-turn`).
+    max_seq_len, max_batch_size: the largest sequence length and batch size the run will see, for a graph
+        compiled with dynamic shapes (`dynamic=True`, or Dynamo's default after a second shape): its plan is made
+        for them and holds for every smaller shape. Default: the model config's `max_position_embeddings` (as
+        far as a plan fits memory) and the batch size of the graph's first call; a larger shape compiles and
+        plans the graph once more.
     """
 
     executor: str = "inductor"
@@ -62,6 +67,8 @@ class ProTrainConfig:
     dump_dir: str | None = None
     on_oom: str = "raise"
     replan: str | tuple[Mapping[str, Any], ...] = "on"
+    max_seq_len: int | None = None
+    max_batch_size: int | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | ProTrainConfig | None) -> ProTrainConfig:
@@ -105,6 +112,10 @@ class ProTrainConfig:
                     f"option {name!r} is {value} bytes, too little to hold any model: it takes a number of bytes, "
                     "e.g. 80 * 2**30 for 80 GiB"
                 )
+        for name in ("max_seq_len", "max_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"option {name!r} must be a positive int, got {value!r}")
         check_forced_fields(self.plan)
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ValueError(f"option 'dump_dir' must be a path, got {type(self.dump_dir).__name__}")

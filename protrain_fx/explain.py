@@ -30,9 +30,17 @@ from protrain_fx.runtime.adopt import model_manager, user_model
 from protrain_fx.runtime.chunks import ChunkManager
 
 
-def explain(model: nn.Module, example_batch: Mapping[str, Any] | tuple, options: Mapping[str, Any] | None = None):
+def explain(
+    model: nn.Module,
+    example_batch: Mapping[str, Any] | tuple,
+    options: Mapping[str, Any] | None = None,
+    *,
+    dynamic: bool = False,
+):
     """The plan the backend would train `model` with on batches like `example_batch` (a dict of keyword
-    arguments of its forward, or a tuple of positional ones, with labels so that a loss comes out)."""
+    arguments of its forward, or a tuple of positional ones, with labels so that a loss comes out). `dynamic`:
+    planned as for batches of every size, up to the options' `max_seq_len` and `max_batch_size` (defaults: the
+    model's `max_position_embeddings` and the example's batch size); the plan's lines say the sizes it covers."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"explain() takes the model (an nn.Module), got {type(model).__name__}")
     if not isinstance(example_batch, (Mapping, tuple)):
@@ -41,7 +49,7 @@ def explain(model: nn.Module, example_batch: Mapping[str, Any] | tuple, options:
             f"positional ones, got {type(example_batch).__name__}"
         )
     backend = ProTrainBackend(dict(options or {}), explain=True)
-    compiled = torch.compile(model, backend=backend, dynamic=False)
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     with torch.enable_grad():
         if isinstance(example_batch, Mapping):
             compiled(**example_batch)
@@ -54,7 +62,9 @@ def explain(model: nn.Module, example_batch: Mapping[str, Any] | tuple, options:
             "require grad, and a batch its forward accepts"
         )
     plan = _main(planned, lambda g: (len(g.param_map), g.plan))
-    return Explained.of(plan, tuple(f"graph {g.index}: {g.block_map.describe()}" for g in planned))
+    lines = [f"graph {g.index}: {g.block_map.describe()}" for g in planned]
+    lines += [f"graph {g.index} planned for sizes {g.shapes.describe()}" for g in planned if g.shapes is not None]
+    return Explained.of(plan, tuple(lines))
 
 
 class Explained(Plan):
@@ -76,7 +86,8 @@ class Explained(Plan):
 
 def plan_of(compiled_model: nn.Module) -> Plan:
     """The plan in force for a model compiled with the protrain backend (after its first training step); with
-    graph breaks, the plan of the graph reading the most parameters."""
+    graph breaks, the plan of the graph reading the most parameters. A graph with symbolic sizes: its plan with a
+    line saying the sizes it covers (an `Explained`)."""
     model = getattr(compiled_model, "_orig_mod", compiled_model)
     plans = model.__dict__.get(PLANS_ATTR) if isinstance(model, nn.Module) else None
     if not plans:
@@ -87,7 +98,9 @@ def plan_of(compiled_model: nn.Module) -> Plan:
             "torch._dynamo.config.recompile_limit times in the process (for models built one after another, say); "
             "call torch._dynamo.reset() before compiling each new model"
         )
-    return _main(plans, lambda entry: entry)
+    plan = _main(plans, lambda entry: entry[:2])
+    shapes = next(entry[2] for entry in reversed(plans) if entry[1] is plan)
+    return plan if shapes is None else Explained.of(plan, (f"planned for sizes {shapes.describe()}",))
 
 
 def manager_of(model: nn.Module) -> ChunkManager | None:

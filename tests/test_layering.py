@@ -2,7 +2,7 @@
 
 Read from the source with `ast` (nothing is imported), every import counts: at the top, inside functions and
 under TYPE_CHECKING, absolute or relative. Besides the stages:
-- shared modules (config.py, distributed.py, real_tensors.py, host.py, host_queue.py, progress.py) hold what several
+- shared modules (config.py, distributed.py, real_tensors.py, host.py, host_queue.py, progress.py, shapes.py) hold what several
   stages read; they reach no stage above the planner. config.py checks the forced plan fields with
   planner/plan.py, and distributed.py names the chunk layout as a type: so a profiler module that reads the
   cache directory from config.py reaches the plan's records, and no code that plans;
@@ -22,7 +22,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "protrain_fx"
 STAGES = ("capture", "profiler", "planner", "passes", "runtime", "debug", "backend")
-SHARED = ("config", "distributed", "real_tensors", "host", "host_queue", "progress")
+SHARED = ("config", "distributed", "real_tensors", "host", "host_queue", "progress", "shapes")
 PUBLIC = ("", "explain", "metrics", "amp", "optim")  # "": the package's __init__.py
 LOWER = ("capture", "profiler", "planner")  # never reach runtime/, passes/, backend/ or debug/
 

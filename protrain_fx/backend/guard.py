@@ -43,6 +43,8 @@ class Guarded:
         self.graph_break = reason is not None and reason.graph_break
         # where each input comes from (capture.py reads it), which Dynamo deletes once the graph is compiled
         self.graphargs = {n: n.meta["grapharg"] for n in gm.graph.find_nodes(op="placeholder") if "grapharg" in n.meta}
+        # a graph with symbolic sizes is not compiled again outside Dynamo: that would fix its sizes to the call's
+        self.symbolic = any(isinstance(x, torch.SymInt) for x in example_inputs)
         self.compiled = backend.compile(gm, example_inputs, record, self)
 
     def __call__(self, *args):
@@ -97,8 +99,9 @@ class Guarded:
         return run
 
     def _replan(self) -> bool:
-        """Lower the capacity for a re-plan before the next forward; False when that is not possible."""
-        if not self.replanning.lower(self.record.capacity):
+        """Lower the capacity for a re-plan before the next forward; False when that is not possible (a graph with
+        symbolic sizes, planned for the largest it will see, is not re-planned out of memory)."""
+        if self.symbolic or not self.replanning.lower(self.record.capacity):
             return False
         self.replanning.due = True
         return True

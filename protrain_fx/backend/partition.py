@@ -61,7 +61,7 @@ class Partitioner(CustomPartitionerFn):
         manager = chunks_built(c, roots)
         if record.profile is None:  # (a re-plan after running out of memory reuses the graph's profile)
             check_states_fit(c, manager)
-            profile(c, joint, fw, bw, manager)
+            profile(c, joint, fw, bw, manager, roots.model)
         manager = plan(c, roots, manager, (fw, bw))
         if dumper and c.switching is None:  # (a re-plan's plan goes to replan.json, beside the first)
             dump_plan(dumper, record, fw, bw)

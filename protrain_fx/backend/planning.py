@@ -16,6 +16,7 @@ import torch
 from torch import fx, nn
 
 from protrain_fx.backend.record import PLANS_ATTR, GraphCompile, GraphRecord
+from protrain_fx.backend.sizes import guard_within
 from protrain_fx.capture import FrameRoots, ParamEntry
 from protrain_fx.distributed import least_on_every_rank
 from protrain_fx.passes.chunks import buffers_needed
@@ -85,7 +86,7 @@ def plan(c: GraphCompile, roots: FrameRoots, manager, graphs: tuple[fx.GraphModu
         manager.note_read_by_graph(params, record.key)
     if roots.model is not None and params and not c.explain:
         _warn_if_reshaped(roots.model, record, c.example_inputs)
-        roots.model.__dict__.setdefault(PLANS_ATTR, []).append((len(params), record.plan))
+        roots.model.__dict__.setdefault(PLANS_ATTR, []).append((len(params), record.plan, record.shapes))
     return manager
 
 
@@ -110,7 +111,38 @@ def _build_chunks(c: GraphCompile, model: nn.Module, layout, graphs: tuple[fx.Gr
 def _search(
     c: GraphCompile, forced: dict[str, Any], layout, graphs: tuple[fx.GraphModule, fx.GraphModule], model, manager
 ) -> Plan:
-    """Search the fields the user did not force, with the cost models of this graph (planner/cost.py).
+    """`_search_profile`, for a graph with symbolic sizes at the largest sizes it will see (backend/sizes.py):
+    its profile fitted at them, the widest bound a plan fits first, and the graph guarded on it."""
+    record = c.record
+    if record.fit is None:
+        return _search_profile(c, forced, layout, graphs, model, manager)
+    if forced.get("n_swap"):
+        raise ValueError(
+            f"graph {record.index} has symbolic sizes (dynamic shapes), where swapping is not supported yet: "
+            "drop 'n_swap' from the plan, or compile with dynamic=False"
+        )
+    if record.block_map.families:
+        forced = {**forced, "n_swap": 0}
+    for largest, smaller_follows in record.sizes.bounds(c.config, model):
+        record.profile = record.fit.at(largest)
+        try:
+            plan = _search_profile(c, forced, layout, graphs, model, manager)
+        except NoPlanFits:
+            if not smaller_follows:
+                raise
+            log.info("graph %d: no plan fits sizes up to %s; trying smaller", record.index, largest)
+            continue
+        record.shapes = record.sizes.shape_range(largest, [record.fit.a, record.fit.b])
+        guard_within(c.example_inputs, largest)
+        log.info("graph %d planned for symbolic sizes %s", record.index, record.shapes.describe())
+        return plan
+    raise AssertionError(f"graph {record.index}: no sizes to plan for")
+
+
+def _search_profile(
+    c: GraphCompile, forced: dict[str, Any], layout, graphs: tuple[fx.GraphModule, fx.GraphModule], model, manager
+) -> Plan:
+    """Search the fields the user did not force, with the cost models of this graph's profile (planner/cost.py).
     `graphs`: the forward and backward as first partitioned."""
     record, config, device, n_block = c.record, c.config, c.device, c.record.block_map.n_blocks
     bw = graphs[1]
@@ -252,18 +284,31 @@ def _input_shapes(example_inputs: Sequence[Any]) -> list[tuple[int, ...]]:
 
 
 def _warn_if_reshaped(model: nn.Module, record: GraphRecord, example_inputs: Sequence[Any]) -> None:
-    """A graph of this model compiled before for other input shapes (a new batch size or sequence length):
-    each shape gets its own compile, profile and plan; say so once per new shape."""
+    """A graph of this model compiled before for other input shapes (a new batch size or sequence length, under
+    `dynamic=False`): each shape gets its own compile, profile and plan; say so once per new shape. Past Dynamo's
+    `recompile_limit` compiles of one graph, Dynamo would run the model uncompiled, with no plan: the compile that
+    reaches it stops with an error instead."""
+    if record.fit is not None:  # (symbolic sizes: one plan for every shape up to its bound)
+        return
     shapes = _input_shapes(example_inputs)
-    seen = model.__dict__.setdefault(SHAPES_ATTR, {})
-    before = seen.get(len(record.param_map))
-    if before is not None and before != shapes:
+    seen = model.__dict__.setdefault(SHAPES_ATTR, {}).setdefault(len(record.param_map), [])
+    if shapes in seen:
+        return
+    seen.append(shapes)
+    limit = torch._dynamo.config.recompile_limit
+    if len(seen) >= limit:
+        raise ValueError(
+            f"graph {record.index} of this model was compiled for {len(seen)} input shapes, Dynamo's "
+            f"recompile_limit ({limit}), past which Dynamo runs the model uncompiled, with no memory plan. Compile "
+            "with dynamic shapes (`torch.compile(model, backend='protrain')` or `dynamic=True`: one plan for every "
+            "batch and sequence size), pad the inputs to fewer shapes, or raise torch._dynamo.config.recompile_limit"
+        )
+    if len(seen) > 1:
         log.warning(
             "graph %d recompiled for input shapes %s (planned before for %s): each input shape gets its own "
-            "compile, profile and plan, which takes time and host memory; pad the inputs to one fixed shape "
-            "(batch size and sequence length) to keep one plan",
+            "compile, profile and plan, which takes time; compile with dynamic shapes (the default, or "
+            "dynamic=True) for one plan for every shape, or pad the inputs to one fixed shape",
             record.index,
             shapes,
-            before,
+            seen[-2],
         )
-    seen[len(record.param_map)] = shapes

@@ -17,7 +17,8 @@ from protrain_fx.planner.plan import Plan
 from protrain_fx.profiler.profile import GraphProfile
 
 RUNTIME_ATTR = "_protrain_runtime"  # on the model: the swap spaces and step monitors of its graphs
-PLANS_ATTR = "_protrain_plans"  # on the model: (parameters read, Plan) of each graph compiled for training
+# on the model: (parameters read, Plan, ShapeRange or None) of each graph compiled for training
+PLANS_ATTR = "_protrain_plans"
 
 
 @dataclasses.dataclass
@@ -41,6 +42,11 @@ class GraphRecord:
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of profile, hardware, search
     planning: PlanningInputs | None = None  # the planner's inputs besides the profile (a dump's planning.json)
     dumper: Any = None  # its Dumper (debug/dump.py), where dumped: a re-plan's files go beside the first plan's
+    # a graph with symbolic sizes: its symbols (backend/sizes.py: GraphSizes), its profile at any sizes
+    # (profiler/scaling.py: ProfileFit), and the sizes its plan covers (shapes.py: ShapeRange); None otherwise
+    sizes: Any = None
+    fit: Any = None
+    shapes: Any = None
     key: object = dataclasses.field(default_factory=object, repr=False)  # the graph's, among those reading chunks
 
 
@@ -60,6 +66,11 @@ class GraphCompile:
 
     def __post_init__(self) -> None:
         self.device = device_of(self.example_inputs)
+
+    @property
+    def fakes(self) -> list:
+        """The compile-time value of each input (a fake tensor, a SymInt), as Dynamo's placeholders hold them."""
+        return [n.meta.get("example_value") for n in self.dynamo_gm.graph.find_nodes(op="placeholder")]
 
     @property
     def params(self) -> list[nn.Parameter]:

@@ -27,6 +27,7 @@ from torch._dynamo.guards import GuardBuilder
 from torch._functorch.partitioners import must_recompute
 
 from protrain_fx.backend.record import RUNTIME_ATTR, GraphCompile, GraphRecord
+from protrain_fx.backend.sizes import GraphSizes
 from protrain_fx.capture import FrameRoots, build_block_map, build_param_map, find_frame_roots
 from protrain_fx.debug.dump import GRAPHS_FILE, PLANNING_FILE, Dumper
 from protrain_fx.passes.pipeline import GRAPH_PASSES, JOINT_PASSES, PassContext, run_passes
@@ -38,12 +39,15 @@ from protrain_fx.profiler.fusion import describe
 from protrain_fx.profiler.hardware import device_capacity
 from protrain_fx.profiler.interpreter import profile_iteration, profile_on_every_rank
 from protrain_fx.profiler.on_demand import OnDemand
+from protrain_fx.profiler.profile import GraphProfile
+from protrain_fx.profiler.scaling import ProfileFit
 from protrain_fx.profiler.selective import mark_selective, selective_marks
 from protrain_fx.real_tensors import real_tensors
 from protrain_fx.runtime.adopt import check_params_managed, model_manager
 from protrain_fx.runtime.monitor import REPORT_FILE, StepMonitor
 from protrain_fx.runtime.replan import REPLANNED_REPORT
 from protrain_fx.runtime.swap import SwapSpace
+from protrain_fx.shapes import at_sizes
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +103,37 @@ def chunks_built(c: GraphCompile, roots: FrameRoots):
     return manager
 
 
-def profile(c: GraphCompile, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, manager) -> None:
+def profile(c: GraphCompile, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, manager, model) -> None:
     """One profiled iteration of the partitioned graphs, the same on every rank (profiler/); on demand for a
-    prepared model, and again on demand where the whole iteration runs out of GPU memory."""
+    prepared model, and again on demand where the whole iteration runs out of GPU memory. A graph with symbolic
+    sizes is profiled at two sizes, and its profile at any other fitted from them (backend/sizes.py)."""
+    record = c.record
+    start = time.perf_counter()
+    sizes = GraphSizes.of(c.example_inputs, c.fakes)
+    first = _profile_at(c, joint, fw, bw, manager, sizes.first if sizes else {})
+    if sizes is not None:
+        second = sizes.second(next(sizes.bounds(c.config, model))[0])
+        measured = ((sizes.first, first), (second, _profile_at(c, joint, fw, bw, manager, second)))
+        record.fit = ProfileFit({"forward": fw, "backward": bw}, measured)
+        record.sizes = sizes
+        log.info("graph %d has symbolic sizes; profiled at %s and %s", record.index, *(dict(m[0]) for m in measured))
+    record.profile = first
+    record.seconds["profile"] = time.perf_counter() - start
+
+
+def _profile_at(c: GraphCompile, joint, fw, bw, manager, sizes: dict) -> GraphProfile:
+    """The profile at the graph's symbolic `sizes` (none for a graph of fixed sizes), with its selective marks."""
     record, device, params = c.record, c.device, c.params
+    with real_tensors():
+        inputs = at_sizes(c.example_inputs, c.fakes, sizes)
 
     def iteration():
         if manager is not None:  # a prepared model: its offloaded parameters are fetched as they are used
             manager.wait_for_update()
             on_demand = OnDemand(manager, params)
-            return profile_iteration(fw, bw, c.example_inputs, record.block_map, on_demand)
+            return profile_iteration(fw, bw, inputs, record.block_map, on_demand)
         try:
-            return profile_iteration(fw, bw, c.example_inputs, record.block_map)
+            return profile_iteration(fw, bw, inputs, record.block_map)
         except torch.OutOfMemoryError:
             log.warning(
                 "graph %d: profiling ran out of GPU memory; profiling again with activations and gradients "
@@ -126,16 +149,16 @@ def profile(c: GraphCompile, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.G
             record.index,
             torch.cuda.memory_allocated(device) / 2**30,
         )
-        return profile_iteration(fw, bw, c.example_inputs, record.block_map, OnDemand())
+        return profile_iteration(fw, bw, inputs, record.block_map, OnDemand())
 
-    start = time.perf_counter()
-    record.profile = profile_on_every_rank(iteration, device)
-    record.seconds["profile"] = time.perf_counter() - start
+    profiled = profile_on_every_rank(iteration, device)
     if device.type == "cuda":  # the allocator gives back what it cached for an iteration that held all
         torch.cuda.empty_cache()
     # what a selective block of this graph would keep and recompute (profiler/selective.py), for the planner
-    forward = {n.name: n for n in record.profile.nodes if n.graph == "forward"}
-    mark_selective(forward, selective_marks(joint.graph, record.block_map.block, record.block_map.region))
+    forward = {n.name: n for n in profiled.nodes if n.graph == "forward"}
+    marks = selective_marks(joint.graph, record.block_map.block, record.block_map.region, sizes or None)
+    mark_selective(forward, marks)
+    return profiled
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,8 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
+from protrain_fx.shapes import Sizes, hint, size_at
+
 EXTERN = "extern"
 FUSED = "fused"
 VIEW = "view"
@@ -87,12 +89,17 @@ def _is_alias(target) -> bool:
     return target is operator.getitem or getattr(target, "is_view", False)
 
 
-def _nbytes(node: fx.Node) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
+def _nbytes(node: fx.Node, sizes: Sizes | None = None) -> int:
+    """Bytes of the node's tensors, at `sizes` where the graph's sizes are symbolic (at their hints if None)."""
+    return sum(size_at(t.numel(), sizes) * t.element_size() for t in _tensors(node))
 
 
 def _numel(node: fx.Node) -> int:
-    return sum(t.numel() for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
+    return sum(hint(t.numel()) for t in _tensors(node))
+
+
+def _tensors(node: fx.Node) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
 
 
 def _freed_after_use(node: fx.Node, backward: bool) -> bool:
@@ -143,9 +150,10 @@ def _realized(nodes, kind, root, readers, *, cpu: bool) -> set[fx.Node]:
     return realized
 
 
-def kernel_classes(graph: fx.Graph, *, cpu: bool = False) -> dict[str, Kernel]:
+def kernel_classes(graph: fx.Graph, *, cpu: bool = False, sizes: Sizes | None = None) -> dict[str, Kernel]:
     """Every call node's `Kernel` (see the module docstring), from the graph's shapes alone; `cpu`: inductor
-    generates CPU code for it, which stores a few more values (`_realized`)."""
+    generates CPU code for it, which stores a few more values (`_realized`); `sizes`: the values of a graph's
+    symbolic sizes the bytes are counted at (their hints if None)."""
     nodes = [n for n in graph.nodes if n.op in _CALL_OPS]
     root: dict[fx.Node, fx.Node] = {}  # a view -> the node whose tensor it views (itself for others)
     for n in graph.nodes:
@@ -184,15 +192,15 @@ def kernel_classes(graph: fx.Graph, *, cpu: bool = False) -> dict[str, Kernel]:
         read = {root[p] for n in members for p in n.all_input_nodes if root[p] not in members}
         written = {n for n in members if any(r not in members for r in readers.get(n, ())) or n in realized}
         last = max(members, key=order.__getitem__)
-        out[last.name] = Kernel(FUSED, fused_bytes=sum(_nbytes(t) for t in read | written))
+        out[last.name] = Kernel(FUSED, fused_bytes=sum(_nbytes(t, sizes) for t in read | written))
         for n in members - written:
-            internal.append((order[n], max(order[r] for r in readers.get(n, {n})), _nbytes(n)))
+            internal.append((order[n], max(order[r] for r in readers.get(n, {n})), _nbytes(n, sizes)))
         # and the opposite: a tensor from outside that the profile frees at its last read inside the region, while
         # the region's kernel still reads it until the region's end (the saved logits in the loss's backward)
         for p in read:
             last_read = max(order[r] for r in readers[p])
             if last_read < order[last] and _freed_after_use(p, backward):
-                internal.append((last_read + 1, order[last], -_nbytes(p)))
+                internal.append((last_read + 1, order[last], -_nbytes(p, sizes)))
     # what the profile holds at each node that the fused kernels never allocate, less what they hold that the
     # profile does not: a tensor over its positions (a running sum over graph positions)
     delta = [0] * (len(order) + 1)
@@ -205,10 +213,10 @@ def kernel_classes(graph: fx.Graph, *, cpu: bool = False) -> dict[str, Kernel]:
     return out
 
 
-def classify(records: Mapping[str, Any], graph: fx.Graph, *, cpu: bool = False) -> None:
+def classify(records: Mapping[str, Any], graph: fx.Graph, *, cpu: bool = False, sizes: Sizes | None = None) -> None:
     """Write each call node's `Kernel` into the record of its name (a profile's NodeProfile: its `kernel`,
-    `fused_bytes` and `unfused_bytes`); nodes without a record are left out."""
-    for name, k in kernel_classes(graph, cpu=cpu).items():
+    `fused_bytes` and `unfused_bytes`), at the graph's `sizes`; nodes without a record are left out."""
+    for name, k in kernel_classes(graph, cpu=cpu, sizes=sizes).items():
         if name in records:
             record = records[name]
             record.kernel, record.fused_bytes, record.unfused_bytes = k.kind, k.fused_bytes, k.unfused_bytes
@@ -226,7 +234,7 @@ def describe(graph: fx.Graph) -> list[dict]:
                 "op": n.op,
                 "target": _target_name(n.target) if n.op in (*_CALL_OPS, "get_attr") else None,
                 "inputs": [p.name for p in n.all_input_nodes],
-                "tensors": [[[_hint(d) for d in t.shape], str(t.dtype).removeprefix("torch.")] for t in tensors],
+                "tensors": [[[hint(d) for d in t.shape], str(t.dtype).removeprefix("torch.")] for t in tensors],
             }
         )
     return nodes
@@ -258,11 +266,6 @@ def rebuild(nodes: list[dict]) -> fx.Graph:
 
 
 _HIGHER_ORDER = "higher_order"  # torch.ops.higher_order: the namespace of higher-order operators
-
-
-def _hint(size) -> int:
-    """A size as an int: a symbolic one's hint, read without adding a guard (0 where it has none)."""
-    return size if isinstance(size, int) else int(size.node.hint or 0)
 
 
 def _target_name(target) -> str:

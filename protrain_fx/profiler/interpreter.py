@@ -48,6 +48,7 @@ from protrain_fx.profiler.quiet import wait_until_children_quiet
 from protrain_fx.profiler.timed import TimedGraph, new_record
 from protrain_fx.progress import progress
 from protrain_fx.real_tensors import real_tensors
+from protrain_fx.shapes import Sizes, evaluate, symbol_of
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +128,17 @@ class ProfilingInterpreter(fx.Interpreter):
         return out
 
 
-def _tangent(node: fx.Node) -> torch.Tensor | None:
+def _tangent(node: fx.Node, sizes: Sizes) -> torch.Tensor | None:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return None
-    return torch.ones(val.shape, dtype=val.dtype, device=val.device)
+    return torch.ones([evaluate(d, sizes) for d in val.shape], dtype=val.dtype, device=val.device)
+
+
+def _sizes(fw: fx.GraphModule, primals: Sequence[Any]) -> dict:
+    """The value of each symbol of a graph with symbolic sizes in this run: its size inputs' values."""
+    placeholders = fw.graph.find_nodes(op="placeholder")
+    return {s: int(x) for n, x in zip(placeholders, primals) if (s := symbol_of(n.meta.get("val"))) is not None}
 
 
 def profile_iteration(
@@ -193,9 +200,10 @@ def profile_iteration(
         if record.graph == "forward" and record.saved_bytes:
             record.needed_from_block = needed_from.get(record.name)
     by_graph = {"forward": fw, "backward": bw}
+    sizes = _sizes(fw, primals)
     for kind, gm in by_graph.items():
         named = {r.name: r for r in nodes if r.graph == kind}
-        classify(named, gm.graph, cpu=device.type == "cpu")
+        classify(named, gm.graph, cpu=device.type == "cpu", sizes=sizes)
         for node in gm.graph.nodes:
             if node.name in named:
                 node.meta["protrain"] = named[node.name]
@@ -329,10 +337,14 @@ def _iteration(
         )
         # the forward returns its outputs, then the saved values in the order of the backward's saved inputs
         # (their names differ once a pass has rewritten them: swap_out nodes, RNG states)
+        # (AOTAutograd's forward returns the saved sizes of a graph with symbolic sizes last, its backward takes
+        # them first)
         saved_inputs = [n for n in bw_placeholders if n.name in saved_names]
+        saved_inputs.sort(key=lambda n: isinstance(n.meta.get("val"), (torch.SymInt, int)))
         leaves = tree_leaves(outs)
         by_input = dict(zip((n.name for n in saved_inputs), leaves[len(leaves) - len(saved_inputs) :]))
-        bw_args = [by_input[n.name] if n.name in by_input else _tangent(n) for n in bw_placeholders]
+        sizes = _sizes(fw, primals)
+        bw_args = [by_input[n.name] if n.name in by_input else _tangent(n, sizes) for n in bw_placeholders]
         held = (
             [] if ENGINE_FREES_OUTPUT_GRADS else [a for n, a in zip(bw_placeholders, bw_args) if n.name not in by_input]
         )

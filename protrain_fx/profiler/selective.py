@@ -37,6 +37,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from protrain_fx.profiler.fusion import is_library, is_matmul
+from protrain_fx.shapes import Sizes, size_at
 
 KEEP, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -82,9 +83,9 @@ class SelectiveMarks:
     recomputed: frozenset[str]
 
 
-def _storage_bytes(node: fx.Node) -> int:
+def _storage_bytes(node: fx.Node, sizes: Sizes | None) -> int:
     val = node.meta.get("val")
-    return val.untyped_storage().nbytes() if isinstance(val, torch.Tensor) else 0
+    return size_at(val.untyped_storage().nbytes(), sizes) if isinstance(val, torch.Tensor) else 0
 
 
 def _base(node: fx.Node) -> fx.Node:
@@ -94,9 +95,12 @@ def _base(node: fx.Node) -> fx.Node:
     return node
 
 
-def selective_marks(joint: fx.Graph, block_of: Mapping[str, int | None], region: Mapping[str, str]) -> SelectiveMarks:
+def selective_marks(
+    joint: fx.Graph, block_of: Mapping[str, int | None], region: Mapping[str, str], sizes: Sizes | None = None
+) -> SelectiveMarks:
     """What every block would keep and recompute in "selective" mode (each block's figures hold whatever the
-    others' modes: a block's outputs are kept, so no block's saves depend on its neighbours)."""
+    others' modes: a block's outputs are kept, so no block's saves depend on its neighbours), in bytes at the
+    graph's symbolic `sizes` (their hints if None)."""
     in_block = {
         n: block_of[n.name]
         for n in joint.nodes
@@ -117,7 +121,7 @@ def selective_marks(joint: fx.Graph, block_of: Mapping[str, int | None], region:
         if policy(node, block, block_of) is KEEP:
             base = _base(node)
             if in_block.get(base) == block:  # (a view of a parameter, an input or another block's value: not its own)
-                kept.setdefault(base.name, _storage_bytes(base))
+                kept.setdefault(base.name, _storage_bytes(base, sizes))
         else:
             recomputed.add(node.name)
             stack.extend(node.all_input_nodes)
