@@ -230,9 +230,12 @@ def _sizes() -> argparse.ArgumentParser:
     )
     sizes.add_argument(
         "--data",
-        choices=["random", "text"],
+        choices=["random", "text", "finetune", "finetune-padded"],
         default="random",
-        help="uniform random tokens, or byte tokens of real text (docstrings of installed code; bench/text.py)",
+        help="uniform random tokens, byte tokens of real text (docstrings of installed code; bench/text.py), or "
+        "random tokens in batches of fine-tuning-like lengths, 64 to --seq (finetune: each batch padded to its "
+        "longest, protrain compiled with dynamic shapes; finetune-padded: every batch to --seq); tokens/s counts "
+        "the real tokens",
     )
     sizes.add_argument(
         "--executor", choices=["inductor", "eager"], default="inductor", help="protrain's executor (default inductor)"

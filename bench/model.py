@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -232,6 +233,28 @@ def random_batches(spec: ModelSpec, batch: int, n: int, device: torch.device, se
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     return [torch.randint(0, spec.vocab, (batch, spec.seq), device=device, generator=gen) for _ in range(n)]
+
+
+# fine-tuning data (bench --data finetune): each sequence's length log-uniform between these bounds (the model's
+# sequence length above), each batch padded to its longest, as DataCollatorWithPadding pads
+FINETUNE_SHORTEST = 64
+
+
+def finetune_batches(
+    spec: ModelSpec, batch: int, n: int, device: torch.device, seed: int, *, pad: bool = False
+) -> tuple[list[torch.Tensor], list[int]]:
+    """`n` batches of random token ids whose lengths vary as fine-tuning data's do (FINETUNE_SHORTEST to
+    `spec.seq`, log-uniform per sequence, each batch as long as its longest), and each batch's real (unpadded)
+    token count. `pad`: every batch padded to `spec.seq` instead, the same sequences (the same real tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    low, high = math.log(FINETUNE_SHORTEST), math.log(spec.seq)
+    batches, real = [], []
+    for _ in range(n):
+        lengths = (torch.rand(batch, generator=gen) * (high - low) + low).exp().long().clamp(max=spec.seq)
+        longest = spec.seq if pad else int(lengths.max())
+        batches.append(torch.randint(0, spec.vocab, (batch, longest), generator=gen).to(device))
+        real.append(int(lengths.sum()))
+    return batches, real
 
 
 _LLAMA_FIELDS = dict(

@@ -39,6 +39,7 @@ from bench.model import (
     build_deepspeed_model,
     build_fsdp2_model,
     build_prepared_model,
+    finetune_batches,
     random_batches,
     resolve_init,
 )
@@ -53,6 +54,7 @@ DEEPSPEED_SYSTEMS = ("deepspeed-offload", "deepspeed-offload-ac")
 # numerics of protrain's default fp32 masters, where compile trains the weights in the compute dtype itself
 # where protrain-chunks' model is built (`train`); "auto": as its user would (`resolve_init`)
 INITS = ("auto", "gpu", "cpu", "meta")
+FINETUNE_DATA = ("finetune", "finetune-padded")  # bench/model.py: finetune_batches
 SYSTEMS = ("protrain", "protrain-chunks", "compile", "compile-amp", "eager", *FSDP2_SYSTEMS, *DEEPSPEED_SYSTEMS)
 RESULT_PREFIX = "BENCH_RESULT "  # marks the worker's result line on stdout; anything else there is ignored
 LR = 1e-4
@@ -102,6 +104,7 @@ def wrap(
     executor: str = "inductor",
     gpu_memory_bytes: int | None = None,
     replan: str = "off",
+    dynamic: bool | None = None,
 ) -> nn.Module:
     # (the closed loop is off unless asked for: a re-plan would switch plans within the timed steps; a JSON list
     # puts those plans in force in turn)
@@ -112,11 +115,11 @@ def wrap(
     if gpu_memory_bytes:  # (also where torch has no get_per_process_memory_fraction for the planner to read)
         options["gpu_memory_bytes"] = gpu_memory_bytes
     if system == "protrain":
-        return torch.compile(model, backend="protrain", options=options)  # everything searched
+        return torch.compile(model, backend="protrain", options=options, dynamic=dynamic)  # everything searched
     if system == "protrain-chunks":  # model states in chunks (protrain_fx.optim.AdamW), plan forced by --plan
-        return torch.compile(model, backend="protrain", options={"plan": plan or {}, **options})
+        return torch.compile(model, backend="protrain", options={"plan": plan or {}, **options}, dynamic=dynamic)
     if system in ("compile", "compile-amp"):
-        return torch.compile(model)
+        return torch.compile(model, dynamic=dynamic)
     if system == "eager" or system in FSDP2_SYSTEMS or system in DEEPSPEED_SYSTEMS:
         return model
     raise ValueError(f"unknown system {system!r}; choose from {list(SYSTEMS)}")
@@ -171,11 +174,15 @@ def train(
         model, opt = _model_and_optimizer(system, spec, device, DTYPES[dtype], seed, batch=batch, clip=clip, init=init)
         params = parameter_count(model)
         log.info("%s: %.1fM parameters, %s on %s", system, params / 1e6, dtype, _device_name(device))
-        step_model = wrap(model, system, plan, dump_dir, executor, limit, replan)
+        dynamic = True if data == "finetune" else None  # (many lengths: one graph with symbolic sizes from the start)
+        step_model = wrap(model, system, plan, dump_dir, executor, limit, replan, dynamic)
         forward = _forward(system, step_model, device, DTYPES[dtype])
         backward = _backward(system, model, clip)
+        real = None  # each batch's real (unpadded) tokens, for data of many lengths
         if data == "text":
             batches = text_batches(spec.seq, batch, warmup + steps, device, seed)
+        elif data in FINETUNE_DATA:
+            batches, real = finetune_batches(spec, batch, warmup + steps, device, seed, pad=data == "finetune-padded")
         else:
             batches = random_batches(spec, batch, warmup + steps, device, seed)
         if cuda:
@@ -208,12 +215,14 @@ def train(
     if diverged is not None:
         log.warning("%s: the loss is %s from step %d on (counting from 0)", system, losses[diverged], diverged)
     step_time = statistics.median(times[warmup:])
+    # data of many lengths: real tokens over the measured steps' time (a median step says little there)
+    tokens_per_s = world * sum(real[warmup:]) / sum(times[warmup:]) if real else world * batch * spec.seq / step_time
     return Result(
         system=system,
         device=_device_name(device),
         torch_version=torch.__version__,
         params=params,
-        tokens_per_s=world * batch * spec.seq / step_time,
+        tokens_per_s=tokens_per_s,
         step_time_s=step_time,
         peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux reports KiB
