@@ -162,3 +162,57 @@ def test_fixed_shapes_stop_before_dynamo_runs_the_model_uncompiled():
     ids = torch.randint(0, models.VOCAB, (2, 16))
     with pytest.raises(Exception, match="recompile_limit"):
         compiled(input_ids=ids, labels=ids)
+
+
+def _tokenizer():
+    """A word-level tokenizer over the test vocabulary, built here (no download), with a pad token."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(models.VOCAB)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")), pad_token="t0")
+
+
+def _trainer_run(out: str, compiled: bool) -> dict:
+    """The Trainer on samples of 13 lengths, grouped by length and padded per batch (the last batch partial)."""
+    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for length in random.Random(1).sample(range(5, 60), 13):
+        ids = torch.randint(2, models.VOCAB, (length,), generator=g).tolist()
+        samples.append({"input_ids": ids, "attention_mask": [1] * length, "labels": ids})
+    model = models.build("llama")
+    args = TrainingArguments(
+        output_dir=out,
+        num_train_epochs=1,
+        learning_rate=1e-2,
+        per_device_train_batch_size=2,
+        train_sampling_strategy="group_by_length",  # (transformers 5: group_by_length=True before)
+        logging_steps=1,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        seed=0,
+    )
+    if compiled:  # as the README shows it, Dynamo's default dynamic shapes
+        model.compile(backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": PLAN}))
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, fused=True)
+    collator = DataCollatorForSeq2Seq(_tokenizer(), label_pad_token_id=-100)  # (pads the labels too)
+    trainer = Trainer(model=model, args=args, train_dataset=samples, data_collator=collator, optimizers=(opt, None))
+    trainer.train()
+    weights = protrain_fx.full_state_dict(model) if compiled else model.state_dict()
+    logs = [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+    return {"logs": logs, "weights": weights}
+
+
+def test_trainer_with_padding_per_batch_trains_like_eager(tmp_path):
+    expected = _trainer_run(str(tmp_path / "eager"), compiled=False)
+    ours = _trainer_run(str(tmp_path / "protrain"), compiled=True)
+    assert len(ours["logs"]) == 7 and ours["logs"] == expected["logs"]
+    for name, value in expected["weights"].items():
+        assert torch.equal(ours["weights"][name], value), name
