@@ -216,3 +216,19 @@ def test_trainer_with_padding_per_batch_trains_like_eager(tmp_path):
     assert len(ours["logs"]) == 7 and ours["logs"] == expected["logs"]
     for name, value in expected["weights"].items():
         assert torch.equal(ours["weights"][name], value), name
+
+
+def test_inductor_compiles_one_graph_for_every_shape():
+    """Inductor's dynamic kernels with the chunk passes: every shape through one graph, losses as eager's within
+    fp32 reordering (inductor fuses and reorders reductions: rtol 1e-5)."""
+    ref = models.build("llama")
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = protrain_fx.ProTrainBackend({"plan": PLAN})
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    data = batches("llama")[:4]
+    expected = train(ref, "llama", len(data), opt=ref_opt, batch=data.__getitem__)
+    losses = train(compiled, "llama", len(data), opt=opt, batch=data.__getitem__)
+    assert losses == pytest.approx(expected, rel=1e-5)
+    assert len([g for g in backend.graphs if g.fit is not None]) == 1
