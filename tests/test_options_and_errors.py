@@ -10,10 +10,12 @@ import sys
 import models
 import pytest
 import torch
+from helpers import train
 from torch import nn
 
 import protrain_fx
 from protrain_fx.backend import check_torch_version
+from protrain_fx.backend.sizes import NO_LIMIT_GROWTH
 from protrain_fx.capture import check_inputs
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.planner.plan import decisions
@@ -79,12 +81,18 @@ def test_plan_json_replays(tmp_path):
     assert again.graphs[0].plan.runners_up == ()  # every field given: not searched
 
 
-def test_dynamic_shapes_rejected():
-    compiled = torch.compile(
-        models.build("toy"), backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=True
-    )
-    with pytest.raises(Exception, match="dynamic=False"):
-        compiled(**models.batch("toy"))
+def test_dynamic_shapes_of_a_model_naming_no_length_limit():
+    """A model whose config names no length limit (the toy has none) is planned for NO_LIMIT_GROWTH times its first
+    length, and trains like eager on every shape (tests/test_dynamic_shapes.py: models that name one)."""
+    ref = models.build("toy")
+    model = copy.deepcopy(ref)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager"})
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    lengths = (12, 30, 7)
+    batch = lambda step: models.batch("toy", seq=lengths[step])  # noqa: E731
+    assert train(compiled, "toy", 3, batch=batch) == train(ref, "toy", 3, batch=batch)
+    (record,) = [g for g in backend.graphs if g.shapes is not None]
+    assert max(record.shapes.largest.values()) == NO_LIMIT_GROWTH * 12
 
 
 def test_parameters_and_inputs_on_different_devices():
