@@ -12,6 +12,7 @@ import models
 import pytest
 import torch
 from helpers import train
+from spawn import spawn_gloo
 
 import protrain_fx
 from protrain_fx.backend import sizes as backend_sizes
@@ -232,3 +233,30 @@ def test_inductor_compiles_one_graph_for_every_shape():
     losses = train(compiled, "llama", len(data), opt=opt, batch=data.__getitem__)
     assert losses == pytest.approx(expected, rel=1e-5)
     assert len([g for g in backend.graphs if g.fit is not None]) == 1
+
+
+def _ranks_of_other_lengths(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    model = models.build("llama")
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_persist": 0, "n_buffer": 2}})
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    lengths = [(9, 30, 17), (21, 12, 40)][rank]  # (each rank's first batch of another length)
+    for length in lengths:
+        ids = torch.randint(0, models.VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    (record,) = [g for g in backend.graphs if g.fit is not None]
+    mine = (record.fit.a, record.shapes.largest, str(protrain_fx.plan_of(model)))
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    assert all(other == every[0] for other in every), every
+    assert max(record.fit.a.values()) == 21  # (the longest first batch of any rank)
+
+
+def test_ranks_profile_and_plan_at_the_same_sizes():
+    """Ranks whose first batches differ in length profile at the longest and plan alike (their chunks are sharded
+    across them: a plan that differed would deadlock their collectives)."""
+    spawn_gloo(_ranks_of_other_lengths, 2)

@@ -19,6 +19,7 @@ import sympy
 import torch
 
 from protrain_fx.config import ProTrainConfig
+from protrain_fx.distributed import most_on_every_rank
 from protrain_fx.shapes import ShapeRange, symbol_of, values_of
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,13 @@ class GraphSizes:
     batch: frozenset[sympy.Symbol]
 
     @classmethod
-    def of(cls, example_inputs: Sequence[Any], fakes: Sequence[Any]) -> GraphSizes | None:
-        """None for a graph of fixed sizes."""
+    def of(cls, example_inputs: Sequence[Any], fakes: Sequence[Any], device: torch.device) -> GraphSizes | None:
+        """None for a graph of fixed sizes. With several ranks, each size is the largest any rank's first call
+        has, so that every rank profiles and plans at the same sizes."""
         first = values_of(example_inputs)
         if not first:
             return None
+        first = dict(zip(first, (int(v) for v in most_on_every_rank([float(v) for v in first.values()], device))))
         batch = {
             s for t in fakes if isinstance(t, torch.Tensor) and t.dim() and (s := symbol_of(t.shape[0])) is not None
         }

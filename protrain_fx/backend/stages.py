@@ -109,7 +109,7 @@ def profile(c: GraphCompile, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.G
     sizes is profiled at two sizes, and its profile at any other fitted from them (backend/sizes.py)."""
     record = c.record
     start = time.perf_counter()
-    sizes = GraphSizes.of(c.example_inputs, c.fakes)
+    sizes = GraphSizes.of(c.example_inputs, c.fakes, c.device)
     first = _profile_at(c, joint, fw, bw, manager, sizes.first if sizes else {})
     if sizes is not None:
         second = sizes.second(next(sizes.bounds(c.config, model))[0])
