@@ -27,6 +27,11 @@ REDUCE_BUFFERS = 2  # master-dtype chunk buffers gradients are reduced in: one c
 HOST_STATES = 3
 # the fewest shared gradient shards a plan may have: one lands while the host updates from the other
 MIN_GRAD_SLOTS = 2
+# the chunk buffers the search gives offloaded chunks at least (planner/search.py `candidates`): the chunk computing
+# and the one loading, and where blocks are recomputed the chunk a recomputed block reads. It gives that many even
+# to a model with fewer chunks, so a forced `n_buffer` may be up to the model's chunk count or this, whichever is
+# more (a searched plan, dumped and replayed, is accepted); a buffer holds one chunk, so more is never used
+LEAST_BUFFERS, LEAST_BUFFERS_RECOMPUTING = 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,9 @@ class Plan:
     swap_interval: int = 1  # blocks of compute that hide one block's swap copy; backward prefetches that far ahead
     n_chunk: int = 0  # chunks of the parameter layout (0: parameters are left where they are)
     n_block: int = 0  # transformer blocks found in the graph
+    # bytes of each chunk: what the layout chose (planner/chunking.py `search_layout`: the least padding), or forced
+    # to lay the chunks out at that size (at least the largest parameter's). Forced as 0 (the default): chosen by
+    # the layout, as when not forced
     chunk_bytes: int = 0
     block_modes: tuple[str, ...] = ()
     # with gradient clipping: the offloaded chunks (the last ones, whose gradients arrive first) that still
@@ -127,7 +135,9 @@ INT_FIELDS = tuple(f.name for f in dataclasses.fields(Plan) if f.type in ("int",
 
 def check_forced_fields(forced: Mapping[str, Any]) -> None:
     """The types of `options['plan']`'s fields, checked once when the options are read (what each field means
-    against the model is checked by `make_plan`): a ValueError naming the field and what it takes."""
+    against the model is checked by `make_plan`, where the chunk layout is known: `n_persist` and `n_buffer`
+    against the chunk count, say): a ValueError naming the field and what it takes. `chunk_bytes` 0 means
+    chosen by the layout, as when it is not given."""
     unknown = sorted(set(forced) - set(PLAN_FIELDS))
     if unknown:
         raise ValueError(f"unknown plan field(s) {unknown} in options['plan']; plan fields are {list(PLAN_FIELDS)}")
@@ -156,6 +166,17 @@ def _check_outputs(forced: Mapping[str, Any], n_block: int, layout: ChunkLayout 
                 "chunk layout and block search, not a setting (a plan file of another model or layout?); drop it, "
                 "and force chunk_bytes to change the layout"
             )
+
+
+def _check_buffers(n_buffer: int, n_chunk: int) -> None:
+    """A forced `n_buffer` the chunks can use: each buffer holds one offloaded chunk, so more buffers than chunks
+    stay empty (up to the search's own least, LEAST_BUFFERS_RECOMPUTING, which it gives a model of fewer chunks)."""
+    most = max(n_chunk, LEAST_BUFFERS_RECOMPUTING)
+    if n_buffer > most:
+        raise ValueError(
+            f"options['plan']['n_buffer']={n_buffer} is more chunk buffers than this model's {n_chunk} chunks can "
+            f"use (a buffer holds one offloaded chunk): at most {most}. Lower it, or drop it to have it searched"
+        )
 
 
 def _int_field(forced: Mapping[str, Any], key: str, default: int) -> int:
@@ -204,7 +225,8 @@ def make_plan(
     """The plan for a graph of `n_block` blocks, after checking the user's forced fields.
 
     Without a chunk layout (parameters not managed in chunks) everything stays where it is. With one, the
-    forced `n_persist` and `n_buffer` are taken, and by default every chunk is persistent. Block modes: the
+    forced `n_persist` and `n_buffer` are taken (each at most what the chunk count allows: `_check_buffers`), and by
+    default every chunk is persistent. Block modes: the
     forced `block_modes`, else the interleaved layout of the forced `n_swap`, `n_checkpoint` and `n_selective`
     (none by default). `swap_interval` is the measured one (planner/cost.py), unless the user forces another.
     """
@@ -244,6 +266,7 @@ def make_plan(
     n_buffer = _int_field(forced, "n_buffer", 0 if n_persist == layout.n_chunk else min(2, layout.n_chunk - n_persist))
     if n_persist < layout.n_chunk and n_buffer < 1:
         raise ValueError("options['plan']['n_buffer'] must be at least 1 when some chunks are not persistent")
+    _check_buffers(n_buffer, layout.n_chunk)
     n_clip_overlap = _int_field(forced, "n_clip_overlap", 0)
     if n_clip_overlap > layout.n_chunk - n_persist:
         raise ValueError(

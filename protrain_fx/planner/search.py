@@ -60,7 +60,14 @@ from typing import Any
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.cost import Candidate, CostModel, ModeTerms
 from protrain_fx.planner.nofit import NoPlanFits, Released, batch_share
-from protrain_fx.planner.plan import MODE_COUNTS, Plan, make_plan, master_bytes
+from protrain_fx.planner.plan import (
+    LEAST_BUFFERS,
+    LEAST_BUFFERS_RECOMPUTING,
+    MODE_COUNTS,
+    Plan,
+    make_plan,
+    master_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +112,7 @@ def candidates(model: CostModel, forced: Mapping[str, Any]):
             continue
         # buffers in use at once: the chunk computing and the one loading, and with recompute the chunk the
         # recomputed block reads; and at least what the graphs hold at once (the chunk passes reject fewer)
-        least = 3 if counts[1] or counts[2] else 2
+        least = LEAST_BUFFERS_RECOMPUTING if counts[1] or counts[2] else LEAST_BUFFERS
         for n_buffer in _values(forced, "n_buffer", range(least, max((MAX_BUFFER, *model.least_buffers)) + 1)):
             row = []
             for n_persist in _values(forced, "n_persist", range(model.n_chunk + 1)):

@@ -70,6 +70,10 @@ class ProfileFit:
         self.graphs = dict(graphs)
         self.cpu = self.profile_a.device.startswith("cpu")
         self.sizes = {kind: _graph_sizes(gm.graph) for kind, gm in self.graphs.items()}
+        # the forward's inputs the backward does not take: its caller holds them through the backward too
+        taken = {n.name for n in self.graphs["backward"].graph.find_nodes(op="placeholder")}
+        held = self.graphs["forward"].graph.find_nodes(op="placeholder")
+        self.held_inputs = sum((_storage_bytes(n) for n in held if n.name not in taken), sympy.Integer(0))
 
     def at(self, x: Sizes) -> GraphProfile:
         """The profile at sizes `x`."""
@@ -77,12 +81,15 @@ class ProfileFit:
         latency_b = {(n.graph, n.name): n.latency_s for n in self.profile_b.nodes}
         kernels = {kind: kernel_classes(gm.graph, cpu=self.cpu, sizes=x) for kind, gm in self.graphs.items()}
         live = {kind: (s.live(a), s.live(x)) for kind, s in self.sizes.items()}
+        held = [evaluate(self.held_inputs, v) for v in (a, x)]
         nodes = []
         for n in pa.nodes:
             s = self.sizes[n.graph]
             work = [evaluate(s.work[n.name], v) for v in (a, b, x)]
             storage = [evaluate(s.storage[n.name], v) for v in (a, x)]
             live_a, live_x = (v[n.name] for v in live[n.graph])
+            if n.graph == "backward":
+                live_x += held[1] - held[0]
             grows = storage if storage[0] else (work[0], work[2])  # (a transient grows as what the node makes)
             k = kernels[n.graph].get(n.name)
             nodes.append(

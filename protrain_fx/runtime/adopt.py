@@ -48,6 +48,8 @@ from protrain_fx.runtime.weights import ModuleFiller
 log = logging.getLogger(__name__)
 
 MODEL_ATTR = "_protrain_model_chunks"  # on the model object: its ChunkManager (MANAGER_ATTR is on each parameter)
+NOTICE_ATTR = "_protrain_unchunked_notice"  # on a parameter compiled outside chunks: another optimizer found for it
+TOLD_ATTR = "_protrain_told_unchunked"  # on an optimizer: logged already as stepping parameters outside chunks
 
 
 def model_manager(model: nn.Module | None) -> ChunkManager | None:
@@ -85,7 +87,50 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 
 def wants_chunks(params: Sequence[nn.Parameter]) -> bool:
-    return any(OPTIMIZER_ATTR in p.__dict__ for p in params)
+    """Whether a graph's parameters go in chunks: a protrain_fx.optim.AdamW steps some of them (asked at a model's
+    compiles until its chunks are built; where none does, `_tell_stepped_elsewhere`)."""
+    if any(OPTIMIZER_ATTR in p.__dict__ for p in params):
+        return True
+    _tell_stepped_elsewhere(params)
+    return False
+
+
+def _tell_stepped_elsewhere(params: Sequence[nn.Parameter]) -> None:
+    """Trainable parameters a compiled graph reads, which another optimizer steps (the Hugging Face Trainer's own
+    torch.optim.AdamW, where no `optimizers=` is passed), train with no chunks and nothing offloaded, and nothing
+    else would say so: at the graph's first compile (in the first training step, once that optimizer is built) a
+    warning says it, with what to pass. The optimizers are found among the objects the garbage collector tracks, as
+    capture finds the model; where none holds them (a backward alone, `explain`), they are looked for again at the
+    next compile. Said once: each optimizer named is marked (TOLD_ATTR: the model's other graphs keep quiet about
+    it), and so are the parameters found held (NOTICE_ATTR: a later compile of the model does not look again)."""
+    trainable = {id(p) for p in params if p.requires_grad and NOTICE_ATTR not in p.__dict__}
+    if not trainable:
+        return
+    # (type(), not isinstance: isinstance reads `__class__`, which a weak proxy to a dead object raises on)
+    holding = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer) and _steps_any(o, trainable)]
+    for p in params if holding else ():
+        p.__dict__[NOTICE_ATTR] = True
+    untold = [o for o in holding if TOLD_ATTR not in o.__dict__]
+    if not untold:
+        return
+    for optimizer in untold:
+        optimizer.__dict__[TOLD_ATTR] = True
+    # (a wrapper, accelerate's AcceleratedOptimizer, reads the groups of the optimizer it wraps: that one is named)
+    named = [o for o in untold if "param_groups" in o.__dict__] or untold
+    log.warning(
+        "the parameters of a model compiled with backend='protrain' are stepped by %s, not protrain_fx.optim.AdamW: "
+        "none of them is in chunks or offloaded to the host (the backend plans activations only). To train in "
+        "chunks, step them with protrain_fx.optim.AdamW(model.parameters(), lr=...) built before the first step; "
+        "with the Hugging Face Trainer, pass optimizers=(protrain_fx.optim.AdamW(model.parameters(), lr=...), "
+        "scheduler)",
+        " and ".join(sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in named})),
+    )
+
+
+def _steps_any(optimizer: torch.optim.Optimizer, ids: set[int]) -> bool:
+    """Whether `optimizer` steps a parameter of `ids` (one whose construction failed has no groups: none)."""
+    groups = getattr(optimizer, "param_groups", None) or ()
+    return any(id(p) in ids for group in groups for p in group.get("params", ()))
 
 
 def _trained_in_chunks(p: nn.Parameter) -> bool:
@@ -239,7 +284,8 @@ def place_chunks(manager: ChunkManager, plan: Plan) -> None:
 def check_params_managed(manager: ChunkManager, param_map: Mapping, example_inputs: Sequence[Any]) -> None:
     """A graph compiled after the chunks were built may read the parameters they hold, and plain ones (frozen, or
     stepped by another optimizer); not a parameter put where a chunked one was, given to a protrain_fx AdamW after
-    the chunks were built, or unfrozen since they were."""
+    the chunks were built, or unfrozen since they were; nor one tied to another since (`check_model_params`)."""
+    manager.check_model_params()
     for entry in param_map.values():
         p = example_inputs[entry.index]
         if manager.holds(p) or not (entry.name in manager.names or _in_chunks(p)):
@@ -265,7 +311,12 @@ def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str
         )
         if manager.n_buffer:
             actual["n_buffer"] = manager.n_buffer
-    clash = {k: (forced[k], v) for k, v in actual.items() if k in forced and forced[k] != v}
+    # (a forced chunk_bytes of 0 is the size the layout chooses: the one it chose)
+    clash = {
+        k: (forced[k], v)
+        for k, v in actual.items()
+        if k in forced and forced[k] != v and (k, forced[k]) != ("chunk_bytes", 0)
+    }
     if clash:
         raise ValueError(
             "options['plan'] asks for "

@@ -86,19 +86,19 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         # and AdamW states, and each view's `step` (None: it had no state)
         self._snapshots: dict[tuple[int, int], tuple[torch.Tensor, dict]] = {}
         self._lock = threading.Lock()
+        # (checked before any parameter is marked as this one's, so that an error leaves them as they were)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p in params:
+            _check_no_other_owner(p)
+        for manager in self._managers():  # chunks built before the optimizer (protrain_fx.prepare, an earlier one)
+            manager.check_model_params()  # (a weight tied since the chunks were built: an error now, not at the step)
         me = weakref.ref(self)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if OPTIMIZER_ATTR in p.__dict__ and p.__dict__[OPTIMIZER_ATTR]() is not None:
-                    raise ValueError(
-                        f"a parameter of shape {tuple(p.shape)} is stepped by another protrain_fx.optim.AdamW "
-                        "already; give each parameter to one optimizer"
-                    )
-                p.__dict__[OPTIMIZER_ATTR] = me
-                # Dynamo's DDPOptimizer does not split a graph inside DDP's forward at buckets of it: its chunks
-                # reduce its gradient (runtime/adopt.py, `pass_through_ddp`)
-                p._ddp_ignored = True
-        for manager in self._managers():  # chunks built before the optimizer (protrain_fx.prepare)
+        for p in params:
+            p.__dict__[OPTIMIZER_ATTR] = me
+            # Dynamo's DDPOptimizer does not split a graph inside DDP's forward at buckets of it: its chunks
+            # reduce its gradient (runtime/adopt.py, `pass_through_ddp`)
+            p._ddp_ignored = True
+        for manager in self._managers():
             manager.forget_owners()
             manager.check_owners()  # (a chunk stepped by two optimizers is an error now, not at the step)
 
@@ -348,6 +348,22 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
             super().zero_grad(set_to_none=set_to_none)
             for manager in self._managers():
                 manager.zero_grad()
+
+
+def _check_no_other_owner(p: nn.Parameter) -> None:
+    """A parameter is stepped by one protrain_fx.optim.AdamW at a time: a ValueError naming it (by its name in the
+    model where it is in chunks) where another one, still alive, steps it."""
+    ref = p.__dict__.get(OPTIMIZER_ATTR)
+    if ref is None or ref() is None:
+        return
+    manager = p.__dict__.get(MANAGER_ATTR)
+    which = repr(manager.slot_of(p).name) if manager is not None else f"of shape {tuple(p.shape)}"
+    raise ValueError(
+        f"parameter {which} is stepped by another protrain_fx.optim.AdamW already, which is still alive: something "
+        "holds it (a variable, an lr scheduler built over it, a Trainer), and a parameter is stepped by one optimizer "
+        "at a time. Drop the old optimizer and every object holding it (e.g. `del optimizer, scheduler`) before "
+        "building this one, or go on with the old one (its param_groups, add_param_group, load_state_dict)"
+    )
 
 
 class _Group(dict):

@@ -44,7 +44,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 
 | module | owns |
 | --- | --- |
-| `common.py` | the attributes set on parameters and models, `skips_nonfinite`, `replaced_param_error`, `unfrozen_param_error` |
+| `common.py` | the attributes set on parameters and models, `skips_nonfinite`, the errors for a replaced, tied or unfrozen parameter |
 | `storage.py` | the chunks' memory (`flat`, `master`, `grad`, the host arena) and where each parameter sits in it |
 | `slots.py` | `SlotPool`: the gradient buffers (device) or shards (host) a group of chunks shares in turn |
 | `placement.py` | the parameters moved into the chunks; `place` for a pending manager, `place_again` (a re-plan) |
@@ -87,6 +87,7 @@ from protrain_fx.runtime.chunks.common import (
     OPTIMIZER_ATTR,
     replaced_param_error,
     skips_nonfinite,
+    tied_param_error,
     unfrozen_param_error,
 )
 from protrain_fx.runtime.chunks.edits import EditsMixin
@@ -111,6 +112,7 @@ __all__ = [
     "check_host_memory",
     "replaced_param_error",
     "skips_nonfinite",
+    "tied_param_error",
     "unfrozen_param_error",
 ]
 
@@ -222,6 +224,24 @@ class ChunkManager(
             deep_copy.note_hooks(model, hook)
             model_hooks.install(self, model)
         self.handle = ops.register(self)
+
+    def check_model_params(self) -> None:
+        """Each name the chunked parameters had in the model when the chunks were built still names the same
+        parameter (a name gone since, its module wrapped, is left alone): a ValueError naming the first that another
+        parameter took, tied to it (`module.weight = other.weight`, a parameter of the chunks too) or replaced.
+        Checked where a step would start from the model (`protrain_fx.optim.AdamW` built, a graph compiled or
+        called), so that it fails there, not in the optimizer's step."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return
+        now = dict(model.named_parameters(remove_duplicate=False))
+        for name, i in self._by_name.items():
+            p = now.get(name)
+            if p is None or p is self.params[i]:
+                continue
+            if self.holds(p):
+                raise tied_param_error(name, self.slot_of(p).name)
+            raise replaced_param_error(name)
 
 
 def _full_values_into_state_dict(

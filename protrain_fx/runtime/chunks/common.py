@@ -1,6 +1,6 @@
 """What the chunk modules and the rest of the runtime share: the attributes the chunks set on parameters and models,
-and rules read outside the manager (which optimizers skip a non-finite step, the errors for a replaced or unfrozen
-parameter).
+and rules read outside the manager (which optimizers skip a non-finite step, the errors for a replaced, tied or
+unfrozen parameter).
 
 Kept apart from the manager's parts so that each of them, and runtime/adopt.py and runtime/optim.py, import these
 without importing the manager.
@@ -35,6 +35,16 @@ def replaced_param_error(name: str) -> ValueError:
         f"parameter {name!r} was created or replaced after the model's chunks were built (at its first compile, "
         "or by protrain_fx.prepare), so no chunk holds it; create and replace parameters before that, then build "
         "the optimizer and compile"
+    )
+
+
+def tied_param_error(name: str, now: str) -> ValueError:
+    return ValueError(
+        f"parameter {name!r} was tied to {now!r} (that parameter assigned in its place, as tie_weights() does) after "
+        "the model's chunks were built (at its first compile, or by protrain_fx.prepare): a chunk holds each "
+        "parameter where it was laid out, and cannot make two of them one. Tie weights before the chunks are built: "
+        "before protrain_fx.prepare (without it, before the first compiled step), then build the optimizer and "
+        "compile"
     )
 
 

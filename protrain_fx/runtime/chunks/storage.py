@@ -249,6 +249,7 @@ class StorageMixin:
                         "and each model's graphs are rewritten for its own chunks; compile each model with its own "
                         "backend object: torch.compile(model, backend=protrain_fx.ProTrainBackend())"
                     )
+                self.check_model_params()  # (a weight tied since says so)
                 raise replaced_param_error(name)
 
     def holds(self, p: nn.Parameter) -> bool:
