@@ -277,3 +277,20 @@ def test_model_frozen_out_of_gc_is_refused_clearly():
     from spawn import in_a_process
 
     assert in_a_process(_compile_a_model_frozen_out_of_gc) == 0
+
+
+def test_blocks_left_uncompiled_by_hf_checkpointing_are_told_once(caplog):
+    """Hugging Face's own checkpointing may keep its layers out of every compiled graph (docs/limitations.md):
+    where no graph runs a block, one warning says so and what to do."""
+    model = models.build("llama", checkpointed=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+    backend = protrain_fx.ProTrainBackend({"executor": "eager"})
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        for step in range(2):
+            compiled(**models.batch("llama", seed=step)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    told = [r for r in caplog.records if "runs none of the model's blocks" in r.getMessage()]
+    ran_blocks = any(g.block_map is not None and g.block_map.blocks_in_graph for g in backend.graphs)
+    assert len(told) == (0 if ran_blocks else 1), [g.block_map.blocks_in_graph for g in backend.graphs]

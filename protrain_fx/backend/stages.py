@@ -51,6 +51,7 @@ from protrain_fx.shapes import at_sizes
 
 log = logging.getLogger(__name__)
 
+UNCOMPILED_BLOCKS_ATTR = "_protrain_told_uncompiled_blocks"  # on a model: warned that no graph runs its blocks
 Cut = Callable[[fx.GraphModule], tuple[fx.GraphModule, fx.GraphModule]]  # a joint graph's forward and backward
 
 
@@ -68,7 +69,22 @@ def capture(c: GraphCompile, joint: fx.GraphModule) -> FrameRoots:
             record.index,
             len(record.param_map),
         )
+    elif record.param_map and not record.block_map.blocks_in_graph and _hf_checkpointing(roots.model):
+        roots.model.__dict__[UNCOMPILED_BLOCKS_ATTR] = True  # (said once per model)
+        log.warning(
+            "graph %d runs none of the model's blocks, and the model checkpoints its own layers "
+            "(gradient_checkpointing_enable): Dynamo may have run them uncompiled (docs/limitations.md), so no plan "
+            "reaches them. Set torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True before the "
+            "first step, or call model.gradient_checkpointing_disable() and leave checkpointing to the plan",
+            record.index,
+        )
     return roots
+
+
+def _hf_checkpointing(model) -> bool:
+    """Whether a Hugging Face model checkpoints its own layers (and was not told so yet)."""
+    told = model is not None and UNCOMPILED_BLOCKS_ATTR in model.__dict__
+    return bool(getattr(model, "is_gradient_checkpointing", False)) and not told
 
 
 def pin_to_frame_modules(dynamo_gm: fx.GraphModule, roots: FrameRoots) -> None:
