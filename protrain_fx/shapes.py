@@ -53,10 +53,6 @@ def size_at(size: Any, values: Sizes | None) -> int:
     return hint(size) if values is None else evaluate(size, values)
 
 
-def is_symbolic(inputs: Sequence[Any]) -> bool:
-    return any(isinstance(x, torch.SymInt) for x in inputs)
-
-
 def at_sizes(inputs: Sequence[Any], fakes: Sequence[Any], values: Sizes) -> list[Any]:
     """The graph's real `inputs` made for the sizes `values`: a `SymInt` input becomes its value, a tensor whose
     compile-time value in `fakes` has symbolic dimensions is tiled (or cut) along them to the sizes they take at
@@ -91,16 +87,11 @@ def _resized(t: torch.Tensor, shape: list[int]) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class ShapeRange:
     """The sizes a plan covers: each symbol's largest value (by name, as JSON keeps it), and the sizes the graph's
-    profile was measured at. A call whose sizes all lie within `largest` runs on the plan."""
+    profile was measured at. A call whose sizes all lie within `largest` runs on the plan (backend/sizes.py guards
+    the graph on them)."""
 
     largest: dict[str, int]
     profiled: tuple[dict[str, int], ...] = ()
-
-    def covers(self, values: Sizes) -> bool:
-        return all(v <= self.largest.get(str(s), v) for s, v in values.items())
-
-    def to_json(self) -> dict[str, Any]:
-        return {"largest": dict(self.largest), "profiled": [dict(p) for p in self.profiled]}
 
     def describe(self) -> str:
         return ", ".join(f"{name} <= {size}" for name, size in sorted(self.largest.items())) or "fixed shapes"

@@ -11,7 +11,6 @@ the user gave it. The compiled graph is guarded on the bound: a call beyond it c
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,8 +20,6 @@ import torch
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.distributed import most_on_every_rank
 from protrain_fx.shapes import ShapeRange, symbol_of, values_of
-
-log = logging.getLogger(__name__)
 
 # model config attributes that bound the sequence length, in the order they are read
 LENGTH_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")

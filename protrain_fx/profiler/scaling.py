@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import operator
 from collections.abc import Mapping
 
@@ -31,8 +30,6 @@ from torch.utils._pytree import tree_leaves
 from protrain_fx.profiler.fusion import kernel_classes
 from protrain_fx.profiler.profile import GraphProfile, aggregate_blocks
 from protrain_fx.shapes import Sizes, evaluate
-
-log = logging.getLogger(__name__)
 
 # kernels whose work grows as the query's elements times the key length, beyond any tensor they read or write
 ATTENTION_KERNELS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
