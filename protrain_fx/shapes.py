@@ -38,11 +38,16 @@ def values_of(inputs: Sequence[Any]) -> dict[sympy.Symbol, int]:
     return {s: hint(x) for x in inputs if (s := symbol_of(x)) is not None}
 
 
+def expr_of(size: Any) -> sympy.Expr:
+    """`size` (an int, a `SymInt` or a sympy expression) as a sympy expression of the graph's symbols."""
+    return sympy.sympify(size.node.expr if isinstance(size, torch.SymInt) else size)
+
+
 def evaluate(size: Any, values: Sizes) -> int:
     """`size` (an int, a `SymInt` or a sympy expression) as an int at `values`."""
     if isinstance(size, int):
         return size
-    expr = sympy.sympify(size.node.expr if isinstance(size, torch.SymInt) else size)
+    expr = expr_of(size)
     found = expr.xreplace({s: sympy.Integer(v) for s, v in values.items()})
     assert found.is_number, f"size {expr} has symbols without a value in {dict(values)}"
     return int(found)

@@ -4,8 +4,9 @@ Its batch symbols are those of an input's first dimension, its sequence symbols 
 first call's sizes and at a second, its sequence sizes doubled (halved where they are at their largest already),
 and planned for the largest sizes the run will see: the options `max_batch_size` and `max_seq_len` where given;
 else the first call's batch size and the model config's `max_position_embeddings` (or NO_LIMIT_GROWTH times the
-first call's length where the model names none). Where no plan fits those, the sequence bound halves down to the first call's, unless
-the user gave it. The compiled graph is guarded on the bound: a call beyond it compiles and plans once more.
+first call's length where the model names none). Where no plan fits those, the sequence bound halves down to the
+first call's, unless the user gave it. The compiled graph is guarded on the bound: a call beyond it compiles and
+plans once more.
 """
 
 from __future__ import annotations

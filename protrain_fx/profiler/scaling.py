@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from protrain_fx.profiler.fusion import kernel_classes
 from protrain_fx.profiler.profile import GraphProfile, aggregate_blocks
-from protrain_fx.shapes import Sizes, evaluate
+from protrain_fx.shapes import Sizes, evaluate, expr_of
 
 # kernels whose work grows as the query's elements times the key length, beyond any tensor they read or write
 ATTENTION_KERNELS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
@@ -138,10 +138,6 @@ def _tensors(node: fx.Node) -> list[torch.Tensor]:
     return [t for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
 
 
-def _expr(size) -> sympy.Expr:
-    return sympy.sympify(size.node.expr if isinstance(size, torch.SymInt) else size)
-
-
 def _work(node: fx.Node) -> sympy.Expr:
     """The node's largest tensor's elements (among what it reads and makes); an attention kernel's query elements
     times the key length."""
@@ -149,14 +145,14 @@ def _work(node: fx.Node) -> sympy.Expr:
     if any(k in name for k in ATTENTION_KERNELS) and len(node.args) > 1:
         q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:2])
         if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and k.dim() >= 2:
-            return _expr(q.numel()) * _expr(k.shape[-2])
+            return expr_of(q.numel()) * expr_of(k.shape[-2])
     tensors = [t for n in [node, *node.all_input_nodes] for t in _tensors(n)]
-    exprs = [_expr(t.numel()) for t in tensors]
+    exprs = [expr_of(t.numel()) for t in tensors]
     return sympy.Max(*exprs) if exprs else sympy.Integer(0)
 
 
 def _storage_bytes(node: fx.Node) -> sympy.Expr:
-    return sum((_expr(t.untyped_storage().nbytes()) for t in _tensors(node)), sympy.Integer(0))
+    return sum((expr_of(t.untyped_storage().nbytes()) for t in _tensors(node)), sympy.Integer(0))
 
 
 def _is_alias(node: fx.Node) -> bool:
