@@ -14,7 +14,9 @@ from protrain_fx.metrics import StepMetrics
 from protrain_fx.planner.plan import Plan
 from protrain_fx.runtime.adopt import no_sync, prepare
 from protrain_fx.runtime.clip import clip_grad_norm_
+from protrain_fx.runtime.pretrained import from_pretrained
 from protrain_fx.runtime.state import full_state_dict, load_state_dict, state_dict
+from protrain_fx.whatif import WhatIf, what_if
 
 __all__ = [
     "clip_grad_norm_",
@@ -22,6 +24,7 @@ __all__ = [
     "no_sync",
     "amp",
     "explain",
+    "from_pretrained",
     "Plan",
     "ProTrainBackend",
     "ProTrainConfig",
@@ -34,6 +37,8 @@ __all__ = [
     "plan_of",
     "prepare",
     "protrain",
+    "what_if",
+    "WhatIf",
 ]
 
 

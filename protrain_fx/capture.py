@@ -10,8 +10,11 @@ Two maps are built per graph and kept on its `GraphRecord`:
 Both need to know where the compiled frame sits in the model. A graph break can start a graph inside a
 decoder layer (OPT on torch 2.11 compiles each layer as its own graph, with the layer as `L['self']`), so
 Dynamo's sources and module stacks are relative to the frame's locals. `find_frame_roots` finds one
-parameter of each local among the parameters of the outermost modules alive (those no other module holds),
-which gives the model and every source's full qualified name.
+parameter of each local among the parameters of the outermost module the frame reaches: its locals and the
+globals its sources name, as Dynamo's translator holds them, and the modules whose call is running (a layer's
+frame is called from its model's call), torch.compile's and DDP's wrappers looked through. That gives the model
+and every source's full qualified name, without the garbage collector (whose every object would be read at each
+compile, and which a `gc.freeze()`d model is out of).
 The blocks are then read off the model with no per-model code: every `ModuleList` (or `Sequential`) of
 repeated children of one type with modules inside, outermost lists only (an MoE block's list of experts is
 inside a block). Hugging Face models name their block types in `_no_split_modules`: where they do, the lists of
@@ -35,10 +38,12 @@ One module for the stage: both maps stand on the frame roots and Dynamo's source
 from __future__ import annotations
 
 import dataclasses
-import gc
+import itertools
 import logging
 import re
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -53,7 +58,9 @@ PRE, POST, OUTSIDE, BLOCK, BETWEEN = "pre", "post", "outside", "block", "between
 # (a graph of the head alone, after a graph break, runs no block and gets none)
 OUTSIDE_WARN_SHARE = 0.5
 
-_SOURCE_PREFIX = re.compile(r"^L\[[^\]]+\](\[\d+\])?")
+# a frame's local (`L['self']`, `L['args'][0]`) or a global its code reads (`G['model']`)
+_SOURCE_PREFIX = re.compile(r"^[LG]\[[^\]]+\](\[\d+\])?")
+_GLOBAL_NAME = re.compile(r"^G\['([^']+)'\]")
 _SOURCE_TOKEN = re.compile(r"\['([^'\]]+)'\]|\.(\w+)|\[(\d+)\]")
 # (Dynamo reaches some submodules through `__dict__['_modules']`)
 _CONTAINER_TOKENS = {"_modules", "_parameters", "_buffers", "__dict__"}
@@ -87,29 +94,71 @@ def _source_text(placeholder: fx.Node) -> str | None:
     return name() if callable(name) else str(name)
 
 
-def _parameter_names() -> dict[int, list[tuple[nn.Module, str]]]:
-    """Every parameter alive in the process (by id) -> (outermost module holding it, its qualified name there),
-    one entry per name (a tied weight has several).
+def _frame_modules(prefixes: Sequence[str]) -> list[Any]:
+    """What the compiled frame's locals are, as Dynamo's translator holds them: every local and the items of a
+    local list or tuple (a frame's sources start at `L['self']`, `L['args'][0]`), and the globals its sources
+    start at (`G['model']`: a compiled function calling a model it reads from its module). Nothing where
+    Dynamo's internals differ."""
+    tx = _translator()
+    f_locals, f_globals = getattr(tx, "f_locals", None) or {}, getattr(tx, "f_globals", None) or {}
+    values = [*f_locals.values(), *(f_globals.get(m.group(1)) for p in prefixes if (m := _GLOBAL_NAME.match(p)))]
+    return [*values, *(item for v in values if type(v) in (list, tuple) for item in v)]
 
-    The outermost modules are those no other module holds in its `_modules`, found in one pass over the objects
-    the garbage collector tracks. torch.compile's wrapper and `DistributedDataParallel`, which hold the model,
-    are left out: names are the model's own, as in its state_dict.
-    """
-    # (type(), not isinstance: isinstance reads `__class__`, which a weak proxy to a dead object raises on; a
-    # module whose __init__ has not run yet has no `_modules`)
-    modules = [
-        o
-        for o in gc.get_objects()
-        if issubclass(type(o), nn.Module)
-        and not issubclass(type(o), (OptimizedModule, DistributedDataParallel))
-        and "_modules" in o.__dict__
-    ]
-    held = {id(child) for m in modules for child in m._modules.values() if child is not None}
+
+def _modules_being_called() -> Iterator[Any]:
+    """The modules whose call runs on this thread now, innermost first: the `self` of each `nn.Module.__call__`
+    frame below the compiled one. A frame that starts inside a block (a graph break there, or each block compiled
+    on its own) is called from its model's call. Only those frames' locals are read: reading another frame's
+    would keep a copy of them alive until it returns (on Python before 3.13), a training loop's for the whole run."""
+    calls = {f.__code__ for name in ("_call_impl", "_wrapped_call_impl") if (f := getattr(nn.Module, name, None))}
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in calls:
+            yield frame.f_locals.get("self")
+        frame = frame.f_back
+
+
+def _unwrapped(value: Any) -> nn.Module | None:
+    """The module `value` is, under torch.compile's wrapper and `DistributedDataParallel` (names are the model's
+    own, as in its state_dict); None for anything else, and for FX graphs (Dynamo's own, on the stack)."""
+    # (type(), not isinstance: isinstance reads `__class__`, which a weak proxy to a dead object raises on)
+    while issubclass(type(value), (OptimizedModule, DistributedDataParallel)):
+        value = value._orig_mod if issubclass(type(value), OptimizedModule) else value.module
+    if not issubclass(type(value), nn.Module) or issubclass(type(value), fx.GraphModule):
+        return None
+    return value if "_modules" in value.__dict__ else None  # (a module whose __init__ has not run has none)
+
+
+def _parameter_names(prefixes: Sequence[str]) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every parameter of the modules the compiled frame reaches (by id) -> (outermost of those modules holding
+    it, its qualified name there), one entry per name (a tied weight has several).
+
+    The modules are the frame's locals and the modules being called (`_frame_modules`, `_modules_being_called`);
+    the outermost are those none of the others holds. Read from Dynamo's translator and the Python stack, not from
+    the garbage collector: the cost does not grow with the process, and a model `gc.freeze()` moved out of the
+    collector's view is found as any other."""
+    found: dict[int, nn.Module] = {}
+    for value in itertools.chain(_frame_modules(prefixes), _modules_being_called()):
+        module = _unwrapped(value)
+        if module is not None:
+            found.setdefault(id(module), module)
+    inner = {id(m) for root in found.values() for m in root.modules() if m is not root}
     names: dict[int, list[tuple[nn.Module, str]]] = {}
-    for root in (m for m in modules if id(m) not in held):
+    for root in (m for key, m in found.items() if key not in inner):
         for name, param in root.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), []).append((root, name))
     return names
+
+
+def _translator() -> Any:
+    """Dynamo's translator of the frame it is compiling now; None outside a compile, or where its internals
+    differ."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx()
+    except AttributeError:  # (no frame being compiled on this thread, or no such method in this torch)
+        return None
 
 
 @dataclasses.dataclass
@@ -121,22 +170,29 @@ class FrameRoots:
 
 
 def find_frame_roots(dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any]) -> FrameRoots:
-    roots, names = FrameRoots(), None
     placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
-    for ph, value in zip(placeholders, example_inputs):
-        text = _source_text(ph)
-        if not isinstance(value, nn.Parameter) or text is None:
-            continue
-        prefix, relative = _split_source(text)
+    params = [
+        (_split_source(text), value)
+        for ph, value in zip(placeholders, example_inputs)
+        if isinstance(value, nn.Parameter) and (text := _source_text(ph)) is not None
+    ]
+    roots = FrameRoots()
+    names = _parameter_names([prefix for (prefix, _), _ in params]) if params else {}
+    for (prefix, relative), value in params:
         if prefix in roots.paths:
             continue
-        names = _parameter_names() if names is None else names
-        located = next(((m, n) for m, n in names.get(id(value), ()) if n.endswith(relative)), None)
+        located = next(((m, n) for m, n in names.get(id(value), ()) if _ends_with(n, relative)), None)
         if located is None:
             continue
         roots.model, full = located
         roots.paths[prefix] = full[: len(full) - len(relative)].rstrip(".")
     return roots
+
+
+def _ends_with(name: str, relative: str) -> bool:
+    """Qualified name `name` ends with the path `relative` (whole names: `blocks.10.weight` does not end with
+    `0.weight`)."""
+    return not relative or name == relative or name.endswith("." + relative)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,10 +423,7 @@ def open_modules(dynamo_gm: fx.GraphModule, roots: FrameRoots) -> list[nn.Module
 def frame_self() -> nn.Module | None:
     """The module whose method Dynamo is compiling now (the frame's `self`), where its translator says. Dynamo's
     internals: nothing where they differ."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    tx = InstructionTranslator.current_tx() if hasattr(InstructionTranslator, "current_tx") else None
-    local = getattr(tx, "symbolic_locals", {}).get("self")
+    local = getattr(_translator(), "symbolic_locals", {}).get("self")
     value = getattr(local, "value", None)
     return value if isinstance(value, nn.Module) else None
 

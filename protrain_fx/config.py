@@ -1,6 +1,7 @@
 """ProTrainConfig: every option of the backend, validated once, and the package's own environment variables
-($PROTRAIN_DUMP_DIR, $PROTRAIN_CACHE_DIR). Variables set by others are read where they are used: LOCAL_WORLD_SIZE
-(host_queue.py, profiler/hardware.py) and OMP_WAIT_POLICY (runtime/chunks/updates.py)."""
+($PROTRAIN_DUMP_DIR, $PROTRAIN_PLAN_CACHE; $PROTRAIN_CACHE_DIR in cache_dir.py). Variables set by others are read
+where they are used: LOCAL_WORLD_SIZE (host_queue.py, profiler/hardware.py) and OMP_WAIT_POLICY
+(runtime/chunks/updates.py)."""
 
 from __future__ import annotations
 
@@ -17,16 +18,9 @@ EXECUTORS = ("inductor", "eager")
 MIN_MEMORY_BYTES = 2**16  # a memory option below this is a mistake (GiB given as bytes, say), not a budget
 ON_OOM = ("raise", "replan")
 REPLAN = ("on", "off")
+PLAN_CACHE = ("on", "off")
 DUMP_DIR_ENV = "PROTRAIN_DUMP_DIR"
-CACHE_DIR_ENV = "PROTRAIN_CACHE_DIR"
-
-
-def default_cache_dir() -> Path:
-    """Where measurements kept across runs go: $PROTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/protrain_fx, else
-    ~/.cache/protrain_fx."""
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "protrain_fx"
+PLAN_CACHE_ENV = "PROTRAIN_PLAN_CACHE"  # the `plan_cache` option's default ("on" or "off") where options name none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +52,10 @@ class ProTrainConfig:
         for them and holds for every smaller shape. Default: the model config's `max_position_embeddings` (as
         far as a plan fits memory) and the batch size of the graph's first call; a larger shape compiles and
         plans the graph once more.
+    plan_cache: "on" (default; $PROTRAIN_PLAN_CACHE where the options name none) keeps each graph's profile, plan
+        and the closed loop's choice in the cache directory ($PROTRAIN_CACHE_DIR/plans, backend/cache.py), keyed by
+        what they depend on, so that a relaunch with nothing changed profiles and searches nothing and starts with
+        the plan the last run ended with; "off" profiles and searches every graph and keeps nothing.
     """
 
     executor: str = "inductor"
@@ -69,6 +67,7 @@ class ProTrainConfig:
     replan: str | tuple[Mapping[str, Any], ...] = "on"
     max_seq_len: int | None = None
     max_batch_size: int | None = None
+    plan_cache: str = "on"
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | ProTrainConfig | None) -> ProTrainConfig:
@@ -82,6 +81,8 @@ class ProTrainConfig:
             raise ValueError(f"unknown protrain option(s) {unknown}; accepted options are {accepted}")
         if "dump_dir" not in options and os.environ.get(DUMP_DIR_ENV):
             options["dump_dir"] = os.environ[DUMP_DIR_ENV]
+        if "plan_cache" not in options and os.environ.get(PLAN_CACHE_ENV):
+            options["plan_cache"] = os.environ[PLAN_CACHE_ENV]
         if "plan" in options:
             options["plan"] = _load_plan_option(options["plan"])
         if isinstance(options.get("replan"), list):
@@ -95,6 +96,10 @@ class ProTrainConfig:
             raise ValueError(f"option 'executor' must be one of {list(EXECUTORS)}, got {self.executor!r}")
         if self.on_oom not in ON_OOM:
             raise ValueError(f"option 'on_oom' must be one of {list(ON_OOM)}, got {self.on_oom!r}")
+        if self.plan_cache not in PLAN_CACHE:
+            raise ValueError(
+                f"option 'plan_cache' (or ${PLAN_CACHE_ENV}) must be one of {list(PLAN_CACHE)}, got {self.plan_cache!r}"
+            )
         if isinstance(self.replan, tuple):
             _check_turns(self.replan)
         elif self.replan not in REPLAN:

@@ -2,23 +2,20 @@
 when a peer is gone, the check that every rank builds the same chunks, and the least or most of a value on any
 rank.
 
-Below the profiler, the planner and the runtime, which all read it; it imports none of them (the chunk
-layout only as a type).
+Below the profiler, the planner and the runtime, which all read it; it imports none of them (`check_ranks_agree`
+reads the chunk layout it is given as a `LayoutLike`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from protrain_fx.real_tensors import real_tensors
-
-if TYPE_CHECKING:
-    from protrain_fx.planner.chunking import ChunkLayout
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -48,7 +45,28 @@ def across_ranks(what: str) -> Iterator[None]:
         ) from e
 
 
-def check_ranks_agree(layout: ChunkLayout, n_persist: int, n_buffer: int) -> None:
+class SlotLike(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def numel(self) -> int: ...
+
+
+class LayoutLike(Protocol):
+    """What `check_ranks_agree` reads of a chunk layout (planner/chunking.py `ChunkLayout`)."""
+
+    @property
+    def chunk_elems(self) -> int: ...
+
+    @property
+    def n_chunk(self) -> int: ...
+
+    @property
+    def slots(self) -> Sequence[SlotLike]: ...
+
+
+def check_ranks_agree(layout: LayoutLike, n_persist: int, n_buffer: int) -> None:
     """Every rank must lay out the same parameters the same way and plan alike; raise on all ranks if not
     (a disagreement would otherwise hang in the first collective of unequal size). Chunks whole on every rank
     (a layout for one) reduce their gradients across all ranks too."""

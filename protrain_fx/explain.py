@@ -7,9 +7,10 @@
 `explain` compiles a throwaway copy of the model's forward with the backend in explain mode: the graph is
 captured, profiled (one real forward and backward of the example batch) and planned as training with
 `protrain_fx.optim.AdamW` would plan it, and nothing is rewritten or moved: the model's parameters stay where
-they are, and no optimizer is needed. Printed, its plan first says what capture found in each graph: the block
-lists (their paths, lengths and block indices in the plan) and how many graph nodes lie outside them, one line
-per graph; for a tiny T5:
+they are, and no optimizer is needed. Its profile and plan are kept in the plan cache as training's are (an entry
+of their own), and a line says what came from there. Printed, its plan first says what capture found in each
+graph: the block lists (their paths, lengths and block indices in the plan) and how many graph nodes lie outside
+them, one line per graph; for a tiny T5:
 
     graph 0: block lists encoder.block (2 x T5Block, blocks 0-1), decoder.block (2 x T5Block, blocks 2-3); 63 of
     1216 graph nodes outside them (pre 2, between 23, post 38)
@@ -64,6 +65,7 @@ def explain(
     plan = _main(planned, lambda g: (len(g.param_map), g.plan))
     lines = [f"graph {g.index}: {g.block_map.describe()}" for g in planned]
     lines += [f"graph {g.index} planned for sizes {g.shapes.describe()}" for g in planned if g.shapes is not None]
+    lines += [f"graph {g.index}: {_cached(g.from_cache)}" for g in planned if g.from_cache]
     return Explained.of(plan, tuple(lines))
 
 
@@ -86,8 +88,9 @@ class Explained(Plan):
 
 def plan_of(compiled_model: nn.Module) -> Plan:
     """The plan in force for a model compiled with the protrain backend (after its first training step); with
-    graph breaks, the plan of the graph reading the most parameters. A graph with symbolic sizes: its plan with a
-    line saying the sizes it covers (an `Explained`)."""
+    graph breaks, the plan of the graph reading the most parameters. A graph with symbolic sizes, or one whose
+    profile or plan came from the plan cache (backend/cache.py): its plan with a line saying the sizes it covers
+    and what came from the cache (an `Explained`)."""
     model = getattr(compiled_model, "_orig_mod", compiled_model)
     plans = model.__dict__.get(PLANS_ATTR) if isinstance(model, nn.Module) else None
     if not plans:
@@ -99,8 +102,16 @@ def plan_of(compiled_model: nn.Module) -> Plan:
             "call torch._dynamo.reset() before compiling each new model"
         )
     plan = _main(plans, lambda entry: entry[:2])
-    shapes = next(entry[2] for entry in reversed(plans) if entry[1] is plan)
-    return plan if shapes is None else Explained.of(plan, (f"planned for sizes {shapes.describe()}",))
+    _, _, shapes, from_cache = next(entry for entry in reversed(plans) if entry[1] is plan)
+    lines = ([f"planned for sizes {shapes.describe()}"] if shapes is not None else []) + (
+        [_cached(from_cache)] if from_cache else []
+    )
+    return Explained.of(plan, tuple(lines)) if lines else plan
+
+
+def _cached(from_cache: tuple[str, ...]) -> str:
+    """What of a graph's plan came from the plan cache of an earlier run (backend/cache.py)."""
+    return f"from the plan cache of an earlier run: {', '.join(from_cache)}"
 
 
 def manager_of(model: nn.Module) -> ChunkManager | None:

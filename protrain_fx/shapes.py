@@ -73,6 +73,25 @@ def at_sizes(inputs: Sequence[Any], fakes: Sequence[Any], values: Sizes) -> list
     return out
 
 
+def dense_order(t: torch.Tensor) -> list[int]:
+    """`t`'s dimensions from innermost to outermost by their strides (at their hints, read without a guard), a
+    dimension of size 1 before others of its stride: the layout `torch.empty_like` gives `t`, as an order that
+    holds at any sizes (`strides_in`)."""
+    sizes, strides = [hint(d) for d in t.shape], [hint(s) for s in t.stride()]
+    return sorted(range(t.dim()), key=lambda d: (strides[d], sizes[d] != 1, -d))
+
+
+def strides_in(shape: Sequence[Any], order: Sequence[int]) -> list[Any]:
+    """The strides of a dense tensor of `shape` (ints or `SymInt`s) whose dimensions go innermost to outermost in
+    `order` (`dense_order`)."""
+    stride: list[Any] = [0] * len(shape)
+    step: Any = 1
+    for d in order:
+        stride[d] = step
+        step = step * shape[d]
+    return stride
+
+
 def _symbolic_dims(fake: torch.Tensor) -> bool:
     return any(isinstance(d, torch.SymInt) and not d.node.is_constant() for d in fake.shape)
 
@@ -97,6 +116,11 @@ class ShapeRange:
 
     largest: dict[str, int]
     profiled: tuple[dict[str, int], ...] = ()
+
+    def at_largest(self, size: Any) -> int:
+        """`size` (an int, a `SymInt` or a sympy expression of the graph's symbols) at the largest sizes covered."""
+        expr = expr_of(size)
+        return evaluate(expr, {s: self.largest[s.name] for s in expr.free_symbols})
 
     def describe(self) -> str:
         return ", ".join(f"{name} <= {size}" for name, size in sorted(self.largest.items())) or "fixed shapes"

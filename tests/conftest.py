@@ -54,6 +54,17 @@ def _threads_per_worker():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _no_plan_cache():
+    """Each test profiles and searches its own graphs: the plan cache (protrain_fx/backend/cache.py) is off for the
+    session, spawned ranks included, unless $PROTRAIN_PLAN_CACHE says otherwise or a test turns it on
+    (tests/test_plan_cache.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if "PROTRAIN_PLAN_CACHE" not in os.environ:
+            patch.setenv("PROTRAIN_PLAN_CACHE", "off")
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _hardware_cache(tmp_path_factory):
     """Hardware profiles measured by the tests go to a directory of this session, not the user's cache (spawned
     ranks inherit it). Under pytest-xdist the workers of one run share it (their base directories lie in the

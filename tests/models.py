@@ -3,6 +3,8 @@ benchmark's 1B size for the GPU tests."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -285,3 +287,33 @@ def big_llama(hidden: int = 2048, layers: int = 16) -> nn.Module:
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).cuda().to(torch.bfloat16)
+
+
+def llama4() -> nn.Module:
+    """A 4-layer LLaMA, hidden 64 (eager attention): chunks whose host AdamW weighs against a block's recompute
+    (tests/test_replan.py)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    cfg._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def samples_of_many_lengths(seed: int, count: int = 13) -> list[dict[str, list[int]]]:
+    """`count` token sequences of lengths between 5 and 59 (distinct, in random order), each its own labels, as a
+    data collator takes them."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for length in random.Random(seed).sample(range(5, 60), count):
+        ids = torch.randint(2, VOCAB, (length,), generator=g).tolist()
+        samples.append({"input_ids": ids, "attention_mask": [1] * length, "labels": ids})
+    return samples

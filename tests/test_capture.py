@@ -1,4 +1,6 @@
-"""Parameter and block maps, built from the graphs alone."""
+"""Parameter and block maps, built from the graphs alone, and the model found from the compiled frame."""
+
+import gc
 
 import models
 import pytest
@@ -80,20 +82,110 @@ def test_param_map_matches_named_parameters(kind):
 
 
 def test_graph_rooted_inside_a_block():
-    """A graph break can make a decoder layer its own graph (OPT on torch 2.11): compiling one layer alone
-    gives the same situation. Sources are relative to the layer; names and block come from the model."""
+    """A graph can start inside a decoder layer: each layer compiled on its own, or a graph break inside the layers
+    (OPT on torch 2.11 compiles each layer as its own graph, with the layer as `L['self']`). Sources are relative
+    to the layer; the model is found among the modules being called, and names and blocks come from it."""
     model = models.build("llama", layers=3)
     layer = model.model.layers[1]
     backend = protrain_fx.ProTrainBackend({"executor": "eager"})
-    compiled = torch.compile(layer, backend=backend, dynamic=False)
-    hidden = torch.randn(2, 16, 32, requires_grad=True)
-    cos_sin = model.model.rotary_emb(hidden, torch.arange(16)[None])
-    compiled(hidden, position_embeddings=cos_sin)[0].sum().backward()
+    layer.compile(backend=backend, dynamic=False)
+    models.loss_of("llama", model(**models.batch("llama"))).backward()
     record = backend.graphs[0]
     assert [f.parent for f in record.block_map.families] == ["model.layers"] and record.block_map.n_blocks == 3
     assert record.block_map.blocks_in_graph == [1]
     names = {e.name for e in record.param_map.values()}
     assert names == {f"model.layers.1.{n}" for n, _ in layer.named_parameters()}
+
+
+# the model a compiled function reads from its module's globals (set by the test that compiles it)
+GLOBAL_MODEL: nn.Module | None = None
+
+
+def _calls_the_global_model(batch):
+    return GLOBAL_MODEL(**batch)
+
+
+def test_a_compiled_function_finds_the_model_it_calls(monkeypatch):
+    """A compiled function that calls the model, read from its module's globals (`G['GLOBAL_MODEL']`) or from its
+    closure: the graph's parameters are named in that model, its blocks found, and it trains in chunks."""
+    monkeypatch.setitem(globals(), "GLOBAL_MODEL", models.build("toy"))
+    in_closure = models.build("toy")
+    for model, step in (
+        (GLOBAL_MODEL, _calls_the_global_model),
+        (in_closure, lambda batch: in_closure(**batch)),
+    ):
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+        backend = protrain_fx.ProTrainBackend({"executor": "eager"})
+        compiled = torch.compile(step, backend=backend, dynamic=False)
+        for i in range(2):
+            compiled(models.batch("toy", seed=i)).backward()
+            opt.step()
+            opt.zero_grad()
+        record = backend.graphs[0]
+        assert {e.name for e in record.param_map.values()} == {n for n, _ in model.named_parameters()}
+        assert record.block_map.n_blocks == 3
+        assert protrain_fx.manager_of(model) is not None
+        torch._dynamo.reset()
+
+
+def test_the_garbage_collector_is_not_asked(monkeypatch):
+    """Capture finds the model, and a model another optimizer steps is told of, without reading the objects the
+    garbage collector tracks (a cost that grows with the process)."""
+
+    def refused(*args):
+        raise AssertionError("the garbage collector was asked")
+
+    monkeypatch.setattr(gc, "get_objects", refused)
+    monkeypatch.setattr(gc, "get_referrers", refused)
+    for adamw in (protrain_fx.optim.AdamW, torch.optim.AdamW):
+        model = models.build("toy")
+        opt = adamw(model.parameters(), lr=1e-2)
+        backend = protrain_fx.ProTrainBackend({"executor": "eager"})
+        models.loss_of("toy", torch.compile(model, backend=backend, dynamic=False)(**models.batch("toy"))).backward()
+        opt.step()
+        assert {e.name for e in backend.graphs[0].param_map.values()} == {n for n, _ in model.named_parameters()}
+        assert (protrain_fx.manager_of(model) is not None) == (adamw is protrain_fx.optim.AdamW)
+        torch._dynamo.reset()
+
+
+def _train_a_model_frozen_out_of_gc() -> None:
+    """In a process of its own (gc.freeze() is process state): a model built before gc.freeze(), out of the
+    collector's view, trains in chunks as eager PyTorch does (fp32 on the CPU: bitwise)."""
+    import copy
+
+    from helpers import OFFLOADED, train
+
+    ref = models.build("toy")
+    model = copy.deepcopy(ref)
+    gc.collect()
+    gc.freeze()
+    try:
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+        compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": OFFLOADED}))
+        losses = train(compiled, "toy", 3, opt=opt)
+    finally:
+        gc.unfreeze()
+    assert losses == train(ref, "toy", 3, opt=torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True))
+    manager = protrain_fx.manager_of(model)
+    assert manager is not None and manager.layout.n_chunk > 1 and manager.n_persist == 1
+
+
+def test_a_model_frozen_out_of_gc_trains():
+    from spawn import in_a_process
+
+    assert in_a_process(_train_a_model_frozen_out_of_gc) == 0
+
+
+def test_parameters_no_module_holds_are_refused():
+    """Parameters trained in chunks reach the graph with no module holding them (a compiled function given them
+    as arguments): a ValueError says to compile the model instead."""
+    weight = nn.Parameter(torch.randn(8, 8))
+    optimizer = protrain_fx.optim.AdamW([weight], lr=1e-2)
+    compiled = torch.compile(lambda w, x: (x @ w).sum(), backend=protrain_fx.ProTrainBackend({"executor": "eager"}))
+    with pytest.raises(Exception, match=r"no module holding the compiled graph's parameters.*compile the model"):
+        compiled(weight, torch.randn(4, 8)).backward()
+        optimizer.step()
+    torch._dynamo.reset()
 
 
 class Layer(nn.Module):

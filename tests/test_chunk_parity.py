@@ -244,12 +244,12 @@ def test_offloaded_chunks_share_the_host_gradient_shards_of_the_plan(monkeypatch
     shard besides the masters. The first step, whose host updates wait for optimizer.step(), holds every
     gradient: it takes plain host memory for the n - 1 shards it lacks and lets it go; later steps update during
     the backward and share the one. Every shard is given back after a step."""
-    from protrain_fx.runtime import chunks
+    from protrain_fx import host
 
     asked = []
-    check = chunks.check_host_memory
+    check = host.check_host_memory
     monkeypatch.setattr(
-        chunks, "check_host_memory", lambda needed, what, *a: (asked.append(what), check(needed, what, *a))
+        host, "check_host_memory", lambda needed, what, *a: (asked.append(what), check(needed, what, *a))
     )
     ref, model, _ = run("gpt2", SHARED_GRADIENTS, steps=4)
     state = protrain_fx.full_state_dict(model)

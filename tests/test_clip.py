@@ -16,6 +16,7 @@ from helpers import PLANS, chunk_grads, train
 from spawn import spawn_gloo
 
 import protrain_fx
+from protrain_fx.runtime.chunks import updates
 
 STEPS = 3
 
@@ -111,7 +112,7 @@ def speculative_clipping_equals_deferred(
     all of them, and 3), kept, and undone where the clip applies: bitwise the weights, AdamW states and norms of
     deferring every update to `step()`, and the norms and losses of eager training. Without host room to keep
     them (`set_undo_reserve(share)` sets the share of the host's memory that must stay available:
-    runtime/chunks UNDO_HOST_RESERVE), updates defer. `micro` > 1: each step accumulates that many
+    runtime/chunks/updates.py UNDO_HOST_RESERVE), updates defer. `micro` > 1: each step accumulates that many
     micro-batches (all but the last inside `protrain_fx.no_sync`), so the chunks' gradients arrive in parts.
     Not `thorough`: only all offloaded chunks overlapped, and no host-room check (CI time)."""
 
@@ -166,7 +167,7 @@ def speculative_clipping_equals_deferred(
 def test_speculative_host_updates_are_undone_where_clipping_applies(monkeypatch, device, micro):
     speculative_clipping_equals_deferred(
         PLANS["offloaded"],
-        lambda share: monkeypatch.setattr(protrain_fx.runtime.chunks, "UNDO_HOST_RESERVE", share),
+        lambda share: monkeypatch.setattr(updates, "UNDO_HOST_RESERVE", share),
         device,
         micro,
         thorough=micro == 1,
@@ -177,7 +178,7 @@ def test_speculative_host_updates_with_shared_gradient_shards(monkeypatch):
     """A speculated chunk keeps its shared gradient shard until its update is final."""
     speculative_clipping_equals_deferred(
         PLANS["shared-gradients"],
-        lambda share: monkeypatch.setattr(protrain_fx.runtime.chunks, "UNDO_HOST_RESERVE", share),
+        lambda share: monkeypatch.setattr(updates, "UNDO_HOST_RESERVE", share),
         thorough=False,
     )
 
@@ -185,7 +186,7 @@ def test_speculative_host_updates_with_shared_gradient_shards(monkeypatch):
 def _ranks_speculate(rank: int, world: int) -> None:
     speculative_clipping_equals_deferred(
         PLANS["offloaded"],
-        lambda share: setattr(protrain_fx.runtime.chunks, "UNDO_HOST_RESERVE", share),
+        lambda share: setattr(updates, "UNDO_HOST_RESERVE", share),
         thorough=False,
     )
 

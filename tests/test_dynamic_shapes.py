@@ -6,6 +6,7 @@ every shape, chunks as in tests/test_chunk_parity.py.
 """
 
 import copy
+import dataclasses
 import random
 
 import models
@@ -84,6 +85,59 @@ def test_every_shape_trains_like_eager_through_one_plan(kind, dynamic, monkeypat
     assert "planned for sizes" in str(protrain_fx.plan_of(model))
 
 
+def test_a_swapped_block_trains_like_eager_from_slots_sized_for_the_largest_shape():
+    (ref, expected), (model, losses), backend = train_both("llama", True, {"plan": {**PLAN, "n_swap": 1}})
+    assert losses == expected
+    state = protrain_fx.full_state_dict(model)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(state[name], value), name
+    (record,) = [g for g in backend.graphs if g.fit is not None]
+    assert record.plan.n_swap == 1 and record.swap is not None
+    # each slot holds its tensor at the largest sizes planned: the saved bytes of the swapped block there
+    swapped = record.plan.block_modes.index("swap")
+    at_largest = record.fit.at({s: record.shapes.largest[str(s)] for s in record.fit.a})
+    assert sum(r.numel() for r in record.swap.regions) >= at_largest.blocks[swapped].saved_bytes > 0
+
+
+def test_steps_of_many_sizes_are_measured_at_the_planned_sizes(monkeypatch):
+    """The step monitor scales each step by the plan's predicted time at the planned sizes over its predicted time
+    at the step's own: steps whose time follows the prediction all measure as the planned step."""
+    from protrain_fx.planner.plan import Plan
+    from protrain_fx.runtime.monitor import StepMonitor
+
+    predicted = {(): (8.0, 3.0, 5.0), (2, 16): (2.0, 1.0, 1.0), (2, 32): (4.0, 1.5, 2.5)}
+    monitor = StepMonitor(
+        torch.device("cpu"), Plan(predicted_step_s=8.0), None, at_sizes=lambda sizes, clipped: predicted[sizes]
+    )
+    clock = iter([0.0, 1.0, 3.0, 5.0, 9.0, 11.0, 15.0, 17.0, 21.0])  # 2 warmup steps, then 2, 4, 2, 4, 2, 4 seconds
+    monkeypatch.setattr(monitor, "_now", lambda: next(clock))
+    for sizes in [(2, 16), (2, 16), (2, 16), (2, 32), (2, 16), (2, 32), (2, 16), (2, 32), (2, 16)]:
+        monitor.mark(sizes)
+    assert monitor.report["measured_step_s"] == 8.0 and monitor.report["step_error"] == 0.0
+    assert monitor.report["step_sizes"] == [[2, 16], [2, 32], [2, 16], [2, 32], [2, 16]]
+
+
+def test_the_closed_loop_keeps_the_plan_of_a_graph_of_symbolic_sizes(monkeypatch, caplog):
+    """A switch decided by the closed loop would compile the graph outside Dynamo at one call's sizes: the plan
+    stays, said in a warning, and training goes on as eager's."""
+    from protrain_fx.runtime.replan import ClosedLoop
+
+    decide = ClosedLoop.decide
+
+    def switching(self, record, manager, chunks_may_move):
+        decide(self, record, manager, chunks_may_move)
+        self.reason, self.switched = "(injected)", True
+        return dataclasses.replace(record.plan, n_checkpoint=0), record.costs
+
+    monkeypatch.setattr(ClosedLoop, "decide", switching)
+    with caplog.at_level("WARNING", logger="protrain_fx.backend.guard"):
+        (ref, expected), (model, losses), backend = train_both("llama", True)
+    assert losses == expected
+    (record,) = [g for g in backend.graphs if g.fit is not None]
+    assert record.plan.n_checkpoint == PLAN["n_checkpoint"] and record.monitor.report["step_sizes"]
+    assert "symbolic sizes and keeps its plan" in caplog.text
+
+
 def test_the_plan_of_the_largest_shape_bounds_every_shape():
     """The plan is searched on the profile fitted at the largest sizes, whose peak bounds every shape's; the fit
     holds where it was measured. (The measured peak of each step against the plan's: bench/, on a GPU.)"""
@@ -138,13 +192,14 @@ def test_no_plan_fitting_the_model_limit_plans_for_shorter(monkeypatch):
     model = models.build("llama")
     batch = {"input_ids": torch.randint(0, models.VOCAB, (2, 12))}
     batch["labels"] = batch["input_ids"]
-    wide = protrain_fx.explain(model, batch, {"executor": "eager"}, dynamic=True)
+    options = {"executor": "eager", "plan": {"n_swap": 0}}  # (memory that no checkpointing frees: nothing swapped)
+    wide = protrain_fx.explain(model, batch, options, dynamic=True)
     assert "s" in str(wide) and "<= 64" in str(wide)
     # a GPU memory bound the widest plan does not fit (the profile's peak at length 64, less a little)
     tried.clear()
     needed = wide.predicted_peak_bytes
     narrow = protrain_fx.explain(
-        model, batch, {"executor": "eager", "gpu_memory_bytes": max(needed * 3 // 4, 2**16)}, dynamic=True
+        model, batch, {**options, "gpu_memory_bytes": max(needed * 3 // 4, 2**16)}, dynamic=True
     )
     assert tried[0] == 64 and len(tried) > 1
     assert "<= 64" not in str(narrow)
@@ -179,11 +234,7 @@ def _trainer_run(out: str, compiled: bool) -> dict:
     """The Trainer on samples of 13 lengths, grouped by length and padded per batch (the last batch partial)."""
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
-    g = torch.Generator().manual_seed(0)
-    samples = []
-    for length in random.Random(1).sample(range(5, 60), 13):
-        ids = torch.randint(2, models.VOCAB, (length,), generator=g).tolist()
-        samples.append({"input_ids": ids, "attention_mask": [1] * length, "labels": ids})
+    samples = models.samples_of_many_lengths(seed=1)
     model = models.build("llama")
     args = TrainingArguments(
         output_dir=out,
@@ -260,3 +311,48 @@ def test_ranks_profile_and_plan_at_the_same_sizes():
     """Ranks whose first batches differ in length profile at the longest and plan alike (their chunks are sharded
     across them: a plan that differed would deadlock their collectives)."""
     spawn_gloo(_ranks_of_other_lengths, 2)
+
+
+def _accelerate_run(compiled: bool) -> dict:
+    """accelerate's loop (gradient accumulation over 2, clipping, a schedule) over 13 lengths padded per batch by
+    the data collator, the last batch partial."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorForSeq2Seq, get_linear_schedule_with_warmup
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # (a fresh Accelerator per run, as in a new process)
+    GradientState._reset_state()
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    samples = models.samples_of_many_lengths(seed=2)
+    model = models.build("llama")
+    if compiled:  # Dynamo's default dynamic shapes
+        model.compile(backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": PLAN}))
+        opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    collator = DataCollatorForSeq2Seq(_tokenizer(), label_pad_token_id=-100)
+    loader = DataLoader(samples, batch_size=2, collate_fn=collator)
+    sched = get_linear_schedule_with_warmup(opt, 2, 7)
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    losses, norms = [], []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    model = accelerator.unwrap_model(model)
+    weights = protrain_fx.full_state_dict(model) if compiled else model.state_dict()
+    return {"losses": losses, "norms": norms, "weights": weights}
+
+
+def test_accelerate_with_padding_per_batch_trains_like_eager():
+    expected, ours = _accelerate_run(compiled=False), _accelerate_run(compiled=True)
+    assert len(ours["losses"]) == 7 and ours["losses"] == expected["losses"] and ours["norms"] == expected["norms"]
+    for name, value in expected["weights"].items():
+        assert torch.equal(ours["weights"][name], value), name

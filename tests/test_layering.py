@@ -1,18 +1,23 @@
-"""The package's imports point one way: capture → profiler → planner → passes → runtime → backend.
+"""The package's imports point one way, along the flow: capture → profiler → planner → passes → runtime → backend.
 
 Read from the source with `ast` (nothing is imported), every import counts: at the top, inside functions and
-under TYPE_CHECKING, absolute or relative. Besides the stages:
-- shared modules (config.py, distributed.py, real_tensors.py, host.py, host_queue.py, progress.py, shapes.py) hold what several
-  stages read; they reach no stage above the planner. config.py checks the forced plan fields with
-  planner/plan.py, and distributed.py names the chunk layout as a type: so a profiler module that reads the
-  cache directory from config.py reaches the plan's records, and no code that plans;
-- debug/ sits between the runtime and the backend: the backend writes its dumps with debug/dump.py, and
-  debug/from_dump.py plans a dumped graph again with the planner (and reads runtime/monitor.py's report);
-- the public modules (__init__.py, explain.py, metrics.py, amp.py, optim.py) sit on top; explain.py compiles with
-  the backend in explain mode, so it imports backend/ as __init__.py does.
+under TYPE_CHECKING, absolute or relative. Every module has one place in PLACES and imports only from its own
+place or earlier ones, with no exception:
+
+    shared    what several stages read (SHARED: distributed.py, host.py, cache_dir.py, ...); no stage
+    capture, profiler, planner
+    options   config.py: ProTrainConfig, whose forced plan fields planner/plan.py checks; the passes, the runtime
+              and the backend read it
+    passes, runtime
+    debug     the backend's dumps (debug/dump.py), a dumped graph planned again (debug/from_dump.py)
+    backend
+    public    __init__.py, explain.py (which compiles with the backend in explain mode), metrics.py, amp.py, optim.py,
+              whatif.py (a profile planned for another machine)
+
 The passes insert the runtime's custom ops (`torch.ops.protrain.*`, registered by runtime/ops.py) by name and
 call the objects the backend hands them in the PassContext (the ChunkManager, the SwapSpace): neither is an
-import, and the passes import nothing of runtime/.
+import, and the passes import nothing of the runtime. A package's modules never import the package itself: its
+`__init__.py` is built from them.
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "protrain_fx"
-STAGES = ("capture", "profiler", "planner", "passes", "runtime", "debug", "backend")
-SHARED = ("config", "distributed", "real_tensors", "host", "host_queue", "progress", "shapes")
-PUBLIC = ("", "explain", "metrics", "amp", "optim")  # "": the package's __init__.py
-LOWER = ("capture", "profiler", "planner")  # never reach runtime/, passes/, backend/ or debug/
+PLACES = ("shared", "capture", "profiler", "planner", "options", "passes", "runtime", "debug", "backend", "public")
+SHARED = ("cache_dir", "distributed", "real_tensors", "host", "host_queue", "progress", "shapes")
+OPTIONS = ("config",)
+PUBLIC = ("", "explain", "metrics", "amp", "optim", "whatif")  # "": the package's __init__.py
 
 
 def module_name(path: Path) -> str:
@@ -50,8 +55,7 @@ def imported(source: str, name: str, is_package: bool, known: set[str]) -> set[s
                 target = ".".join([*base, *([node.module] if node.module else [])])
             else:
                 target = node.module or ""
-            found.add(target)
-            found.update(f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in known)
+            found.update(f"{target}.{a.name}" if f"{target}.{a.name}" in known else target for a in node.names)
     return {m for m in found if m == "protrain_fx" or m.startswith("protrain_fx.")}
 
 
@@ -65,36 +69,22 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def place(module: str) -> str:
-    """The stage, "shared" or "public" a module belongs to."""
+    """Where a module sits in PLACES."""
     rest = module.removeprefix("protrain_fx").removeprefix(".")
     top = rest.split(".")[0]
-    if top in STAGES:
+    if top in OPTIONS:
+        return "options"
+    if top in PLACES:
         return top
     if top in SHARED:
         return "shared"
-    assert top in PUBLIC, f"{module} belongs to no stage: add it to STAGES, SHARED or PUBLIC"
+    assert top in PUBLIC, f"{module} has no place: add it to PLACES, SHARED, OPTIONS or PUBLIC"
     return "public"
-
-
-def entries(graph: dict[str, set[str]], start: str, forbidden: tuple[str, ...]) -> list[str]:
-    """Each chain of imports by which `start` first reaches a module placed in `forbidden`, directly or through
-    other modules (one chain a module)."""
-    chains, todo, found = {start: [start]}, [start], []
-    while todo:
-        here = todo.pop()
-        for there in sorted(graph.get(here, ())):
-            if there in chains:
-                continue
-            chains[there] = [*chains[here], there]
-            if place(there) in forbidden:
-                found.append(" -> ".join(chains[there]))
-            else:
-                todo.append(there)
-    return found
 
 
 def test_the_parser_sees_every_kind_of_import():
     known = {"protrain_fx.runtime", "protrain_fx.runtime.ops", "protrain_fx.backend", "protrain_fx.planner.plan"}
+    known |= {"protrain_fx.profiler.chunking"}
     source = (
         "import torch\n"
         "from typing import TYPE_CHECKING\n"
@@ -105,10 +95,9 @@ def test_the_parser_sees_every_kind_of_import():
     got = imported(source, "protrain_fx.profiler.mod", False, known)
     assert got == {
         "protrain_fx.backend",
-        "protrain_fx.runtime",
         "protrain_fx.runtime.ops",
         "protrain_fx.planner.plan",
-        "protrain_fx.profiler",
+        "protrain_fx.profiler.chunking",
     }
     assert imported("from .chunks import ChunkManager\n", "protrain_fx.runtime", True, set()) == {
         "protrain_fx.runtime.chunks"
@@ -123,39 +112,24 @@ def test_every_module_has_a_place():
         place(name)
 
 
-def test_stages_import_only_their_own_and_earlier_ones():
+def test_imports_follow_the_flow():
+    order = {p: i for i, p in enumerate(PLACES)}
     wrong = [
-        f"{name} imports {other}"
+        f"{name} ({place(name)}) imports {other} ({place(other)})"
         for name, imports in import_graph().items()
-        if place(name) in STAGES
         for other in sorted(imports)
-        if place(other) in STAGES and STAGES.index(place(other)) > STAGES.index(place(name))
+        if order[place(other)] > order[place(name)]
     ]
     assert not wrong, "imports against the flow:\n" + "\n".join(wrong)
 
 
-def test_capture_profiler_and_planner_never_reach_runtime_passes_backend_or_debug():
-    graph = import_graph()
-    above = ("runtime", "passes", "backend", "debug")
-    wrong = [chain for name in graph if place(name) in (*LOWER, "shared") for chain in entries(graph, name, above)]
-    assert not wrong, "lower layers reaching higher ones:\n" + "\n".join(wrong)
-
-
-def test_passes_import_nothing_of_the_runtime_or_the_backend():
-    graph = import_graph()
+def test_no_module_imports_its_own_package():
+    found = modules()
     wrong = [
-        chain
-        for name in graph
-        if place(name) == "passes"
-        for chain in entries(graph, name, ("runtime", "backend", "debug"))
-    ]
-    assert not wrong, "passes reaching the runtime or the backend:\n" + "\n".join(wrong)
-
-
-def test_only_the_public_modules_import_the_backend():
-    importers = {
-        name
+        f"{name} imports {other}"
         for name, imports in import_graph().items()
-        if place(name) != "backend" and any(place(other) == "backend" for other in imports)
-    }
-    assert importers <= {"protrain_fx", "protrain_fx.explain"}, importers
+        if found[name].name != "__init__.py"
+        for other in sorted(imports)
+        if name.startswith(other + ".")
+    ]
+    assert not wrong, "a package's modules importing the package they make up:\n" + "\n".join(wrong)

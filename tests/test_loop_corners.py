@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import models
 import pytest
@@ -135,6 +136,148 @@ def _stepping(scheduler):
     return lambda step: scheduler.step()
 
 
+# -- a step changed after its backward, at a later step only: skipped, clipped first, or its lr set
+
+# offloaded: the last chunk updates during the backward of a step after one that changed nothing, keeping what it
+# changes to undo it where the step is changed after all (`speculates`)
+PLANS = {"persistent": {}, "offloaded": {"n_persist": 0, "n_buffer": 2, "n_clip_overlap": 1}}
+LATER = 2  # the step the loop first changes after its backward (updates ran during the backwards from step 1 on)
+
+
+def _changed_later(corner: str, model, opt, step: int) -> str | None:
+    """Protrain's loop between backward() and the next forward at `step`: at `LATER` (and after, as `corner` says) it
+    skips the step (`zero_grad()`, no `step()`), clips, or sets the lr. An error is caught where it is raised, and
+    the loop goes on as written; returns its message."""
+    try:
+        if corner.startswith("skip") and step in (LATER, LATER + 1):
+            _SKIPS[corner](model, opt)  # (a loss spike: no step)
+            return None
+        if corner == "clip" and step >= LATER:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        if corner == "lr" and step == LATER:
+            opt.param_groups[0]["lr"] = 1e-3
+        try:
+            opt.step()
+        finally:
+            opt.zero_grad()
+    except RuntimeError as e:
+        if corner == "clip":  # (the clip raised: the step goes on)
+            opt.step()
+            opt.zero_grad()
+        return str(e)
+    return None
+
+
+_SKIPS = {  # how a loop drops a step's gradients
+    "skip": lambda model, opt: opt.zero_grad(),
+    "skip-model": lambda model, opt: model.zero_grad(),
+    "skip-zeros": lambda model, opt: opt.zero_grad(set_to_none=False),
+    "skip-said": lambda model, opt: opt.zero_grad(),
+}
+
+
+def _as_told(corner: str, model, opt, step: int) -> None:
+    """Eager PyTorch's loop taking the steps as protrain's error says it took them: the step skipped at `LATER`
+    applied, the clip refused there not made, the lr set there applying from the next step on."""
+    if (corner.startswith("skip") and step == LATER + 1) or (corner == "skip-said" and step == LATER):
+        opt.zero_grad()
+        return
+    if corner == "clip" and step > LATER:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    opt.step()
+    opt.zero_grad()
+    if corner == "lr" and step == LATER:
+        opt.param_groups[0]["lr"] = 1e-3
+
+
+def _assert_told(corner: str, message: str) -> None:
+    """The error says how the step was affected and how a loop has the change apply from the first."""
+    said = {
+        "skip-model": r"the .grad of 'model.embed_tokens.weight' set to None before optimizer.step\(\) \(skipping",
+        "skip-zeros": r"zero_\(\) on the gradient of .* before optimizer.step\(\) \(skipping",
+        "skip": r"before optimizer.step\(\) \(skipping the step\?\).* this step was applied whole, as optimizer.step\(\)",
+        "clip": r"aten::mul_ on the gradient of .*: refused, so this step's optimizer update stays as the backward "
+        r"left the gradients",
+        "lr": r"lr 0.01 -> 0.001\) were not applied to this step.* applied whole with the values of the backward",
+    }[corner]
+    assert re.search(said, message, re.S), message
+    assert "From the next step on updates wait for optimizer.step()" in message, message
+    assert "protrain_fx.optim.AdamW(..., edits_after_backward=True)" in message, message
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("corner", ["skip", "skip-model", "skip-zeros", "clip", "lr", "skip-said"])
+def test_a_step_changed_after_its_backward_at_a_later_step(corner, plan):
+    """From the second step on, chunks update during the backward. A step skipped there (`zero_grad()` of the
+    optimizer or the model, or `zero_grad(set_to_none=False)`; no `step()`), clipped there for the first time, or whose lr is set there, was an error after which the run could
+    not go on (the next backward: "got a gradient after its optimizer step had started"). Now the error says how
+    that step was taken (a skipped one applied whole; a clip refused; an lr kept for the step), training goes on,
+    and later steps change exactly: losses and weights are those of eager PyTorch taking that step as told.
+    "skip-said": an optimizer built with `edits_after_backward=True` skips every step exactly, with no error."""
+    ref = models.build("llama")
+    model = copy.deepcopy(ref)
+    compiled = _compiled(model, {"plan": PLANS[plan]})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, edits_after_backward=corner == "skip-said")
+    runs, told = [], {}
+    for net, o, m, eager in ((ref, ref_opt, ref, True), (compiled, opt, model, False)):
+        runs.append([])
+        for step in range(LATER + 3):
+            loss = models.loss_of("llama", net(**models.batch("llama", seed=step)))
+            loss.backward()
+            if eager:
+                _as_told(corner, m, o, step)
+            elif (message := _changed_later(corner, m, o, step)) is not None:
+                told[step] = message
+            runs[-1].append(loss.item())
+    assert list(told) == ([] if corner == "skip-said" else [LATER]), told
+    for message in told.values():
+        _assert_told(corner, message)
+    assert runs[1] == runs[0]
+    state = protrain_fx.full_state_dict(model)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+# -- torch.autograd.grad over the parameters
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_autograd_grad_of_the_parameters(plan):
+    """`torch.autograd.grad(loss, list(model.parameters()))` gives eager's gradients, bitwise, at the first step
+    and after steps, and leaves `.grad`, the weights and the optimizer alone: training goes on as eager's. (It
+    raised "appears to not have been used in the graph", or with offloaded chunks "modified by an inplace
+    operation".) An unused parameter is told as torch tells it, or given None or zeros as asked."""
+    unused = lambda m: m.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))  # noqa: E731
+    ref = models.build("llama")
+    unused(ref)
+    model = copy.deepcopy(ref)
+    compiled = _compiled(model, {"plan": PLANS[plan]})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def grads(net, m, seed, **kw):
+        return torch.autograd.grad(models.loss_of("llama", net(**models.batch("llama", seed=seed))), m, **kw)
+
+    def used(m):
+        return [p for p in m.parameters() if p is not m.unused]
+
+    for step in range(3):
+        got = grads(compiled, used(model), seed=10 + step)
+        expected = grads(ref, used(ref), seed=10 + step)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert all(p.grad is None for p in model.parameters())
+        assert train(compiled, "llama", 1, opt=opt, first_step=step) == train(
+            ref, "llama", 1, opt=ref_opt, first_step=step
+        )
+    state = protrain_fx.full_state_dict(model)
+    assert all(torch.equal(state[name], value) for name, value in ref.state_dict().items())
+    with pytest.raises(RuntimeError, match="index 1 appears to not have been used in the graph"):
+        grads(compiled, [model.model.norm.weight, model.unused], seed=0)
+    assert grads(compiled, [model.unused], seed=0, allow_unused=True) == (None,)
+    assert torch.equal(grads(compiled, [model.unused], seed=0, materialize_grads=True)[0], torch.zeros(3))
+
+
 # -- the Trainer's own optimizer
 
 
@@ -177,6 +320,38 @@ def test_the_trainer_without_optimizers_says_once_that_nothing_is_chunked(tmp_pa
     assert "stepped by torch.optim.adamw.AdamW, not protrain_fx.optim.AdamW" in told[0]
     assert "optimizers=(protrain_fx.optim.AdamW(model.parameters(), lr=...), scheduler)" in told[0]
     assert protrain_fx.manager_of(model) is None
+
+
+def test_the_trainer_compiles_with_torch_compile_backend_protrain(tmp_path):
+    """`TrainingArguments(torch_compile_backend="protrain")`: accelerate, which takes only the backends its enum lists,
+    raised "'PROTRAIN' is not a valid DynamoBackend". It compiles the model with protrain now, in chunks where
+    `optimizers=` gives it protrain_fx.optim.AdamW, and trains it as the Trainer trains the eager model (bitwise:
+    the eager executor; the Trainer clips every step)."""
+    ref = models.build("llama")
+    model = copy.deepcopy(ref)
+
+    def trainer(net, opt, **kw):
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            max_steps=2,
+            per_device_train_batch_size=2,
+            use_cpu=True,
+            report_to="none",
+            disable_tqdm=True,
+            save_strategy="no",
+            **kw,
+        )
+        return Trainer(model=net, args=args, train_dataset=_Batches(4), optimizers=(opt, None))
+
+    trainer(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)).train()
+    compiled = trainer(model, protrain_fx.optim.AdamW(model.parameters(), lr=1e-2), torch_compile_backend="protrain")
+    plugin = compiled.accelerator.state.dynamo_plugin
+    plugin.options = EAGER  # (what TrainingArguments cannot set; inductor's compile on the CPU takes a minute)
+    assert plugin.to_kwargs() == {"backend": "protrain", "options": EAGER}
+    assert compiled.train().global_step == 2
+    assert protrain_fx.manager_of(model) is not None
+    state = protrain_fx.full_state_dict(model)
+    assert all(torch.equal(state[name], value) for name, value in ref.state_dict().items())
 
 
 def test_a_model_of_two_graphs_is_told_once(caplog):

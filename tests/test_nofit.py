@@ -1,6 +1,6 @@
-"""NoPlanFits (planner/nofit.py, raised by planner/search.py) says what was fixed and what each lever gives, in
+"""NoPlanFits (planner/nofit.py, raised by planner/search.py) says what was forced and what each lever gives, in
 numbers from the same cost model, on the synthetic profiles of cost_models.py: the plan the search finds with a
-fixed n_persist searched instead, the host memory needed and what there is, and the largest share of the batch
+forced n_persist searched instead, the host memory needed and what there is, and the largest share of the batch
 that fits, checked by scaling the model's activations by it."""
 
 import dataclasses
@@ -49,7 +49,7 @@ def _batch_share(message: str) -> float:
 
 
 def test_too_little_gpu_gives_the_smallest_need_and_a_batch_that_fits():
-    """Nothing fixed, no plan fits the GPU: the smallest need, the largest share of the batch that fits (a model
+    """Nothing forced, no plan fits the GPU: the smallest need, the largest share of the batch that fits (a model
     with its activations scaled by it fits; by 0.02 more, not), more GPUs, and that host memory is not the limit."""
     model = synthetic()
     least = min(model.reserved_bytes(c) for c, _, _ in brute_force(model, None))
@@ -59,7 +59,7 @@ def test_too_little_gpu_gives_the_smallest_need_and_a_batch_that_fits():
     message = str(err.value)
     assert f"needs {err.value.peak_bytes / GiB:.2f} GiB, the GPU has {capacity / GiB:.2f} GiB for it." in message
     share = _batch_share(message)
-    assert err.value.fixed == {} and "fixed by" not in message
+    assert err.value.forced == {} and "forced by" not in message
     assert 0 < share < 0.9 and share == pytest.approx(err.value.batch.share, abs=0.01)
     assert _fits(_scaled(model, share), capacity) and not _fits(_scaled(model, share + 0.02), capacity)
     activations = model.activation_peak(model.modes(err.value.batch.config))
@@ -69,8 +69,8 @@ def test_too_little_gpu_gives_the_smallest_need_and_a_batch_that_fits():
 
 
 @pytest.mark.parametrize("compute", [1, 5])
-def test_a_fixed_n_persist_is_named_with_the_plan_that_fits_with_it_searched(compute):
-    """All chunks persistent, fixed (as prepare with n_persist or the user's plan does): the error names the field
+def test_a_forced_n_persist_is_named_with_the_plan_that_fits_with_it_searched(compute):
+    """All chunks persistent, forced (as prepare with n_persist or the user's plan does): the error names the field
     and where it came from, and gives the plan the search finds with it searched (that of an unforced
     plan_graph), its GPU and host bytes, and the most persistent chunks that fit where the search keeps fewer
     (with slow blocks, recompute costs more than uploads hidden behind them); a smaller batch cannot help (the
@@ -82,12 +82,12 @@ def test_a_fixed_n_persist_is_named_with_the_plan_that_fits_with_it_searched(com
     searched = plan_graph(model, {}, layout, capacity, host)
     assert searched.n_persist < model.n_chunk
     with pytest.raises(NoPlanFits) as err:
-        plan_graph(model, {"n_persist": 6}, layout, capacity, host, fixed_by={"n_persist": "the chunks already built"})
+        plan_graph(model, {"n_persist": 6}, layout, capacity, host, forced_by={"n_persist": "the chunks already built"})
     message = str(err.value)
     assert message.startswith("no plan fits the GPU: the smallest (Candidate(n_persist=6, ")
-    assert "for it, with n_persist=6 fixed by the chunks already built. What would make it fit:" in message
+    assert "for it, with n_persist=6 forced by the chunks already built. What would make it fit:" in message
     config = Candidate(searched.n_persist, searched.n_buffer, searched.n_swap, searched.n_checkpoint)
-    assert err.value.fixed == {"n_persist": 6} and err.value.released.config == config
+    assert err.value.forced == {"n_persist": 6} and err.value.released.config == config
     assert (
         f"- with n_persist searched instead, the search plans n_persist={searched.n_persist} "
         f"n_buffer={searched.n_buffer} n_swap={searched.n_swap} n_checkpoint={searched.n_checkpoint} n_selective=0: "
@@ -106,12 +106,12 @@ def test_a_fixed_n_persist_is_named_with_the_plan_that_fits_with_it_searched(com
         in message
     )
     assert "more host memory would not help" not in message
-    with pytest.raises(NoPlanFits, match=re.escape(f"n_persist=6 fixed by {GENERIC_ORIGIN}. What")):
+    with pytest.raises(NoPlanFits, match=re.escape(f"n_persist=6 forced by {GENERIC_ORIGIN}. What")):
         plan_graph(model, {"n_persist": 6}, layout, capacity, host)
 
 
 def test_too_little_host_for_the_plan_that_would_fit_says_offloading_is_not_available():
-    """n_persist fixed too high for the GPU, and the host too small to offload what the GPU has no room for: the
+    """n_persist forced too high for the GPU, and the host too small to offload what the GPU has no room for: the
     error says how much host memory offloading would need and how much there is."""
     model = synthetic()
     layout, capacity = _layout(model), capacities(model)[2]
@@ -129,7 +129,7 @@ def test_too_little_host_for_the_plan_that_would_fit_says_offloading_is_not_avai
 
 
 def test_too_little_host_gives_the_host_needed_and_a_batch_that_fits():
-    """Nothing fixed, plans fit the GPU but not the host: the host memory the least of them needs and what there
+    """Nothing forced, plans fit the GPU but not the host: the host memory the least of them needs and what there
     is, and the share of the batch with which a plan keeping more chunks on the GPU fits both."""
     model = synthetic()
     capacity = capacities(model)[3]
@@ -169,18 +169,18 @@ def test_compiling_in_the_process_is_a_lever_only_where_compile_workers_kept_hos
     assert "go to the model (not enough alone: 1.00 GiB are missing)" in message(GiB // 2)
 
 
-def test_fixed_block_modes_are_named_by_their_counts_and_searched_with_the_rest():
+def test_forced_block_modes_are_named_by_their_counts_and_searched_with_the_rest():
     model = synthetic()
     layout, capacity = _layout(model), capacities(model)[2]
     forced = {"n_persist": 2, "block_modes": ("swap",) + ("checkpoint",) * 7}  # (n_buffer searched)
     with pytest.raises(NoPlanFits) as err:
-        plan_graph(model, forced, layout, capacity, fixed_by={"block_modes": "options['plan']"})
+        plan_graph(model, forced, layout, capacity, forced_by={"block_modes": "options['plan']"})
     message = str(err.value)
     assert (
-        f"with n_persist=2 fixed by {GENERIC_ORIGIN}; block_modes (1 swap, 7 checkpoint, 0 selective of 8 blocks)"
+        f"with n_persist=2 forced by {GENERIC_ORIGIN}; block_modes (1 swap, 7 checkpoint, 0 selective of 8 blocks)"
         in message
     )
-    assert "fixed by options['plan']. What would make it fit:" in message
+    assert "forced by options['plan']. What would make it fit:" in message
     searched = plan_graph(model, {}, layout, capacity)
     assert (
         f"- with n_persist, block_modes searched instead, the search plans n_persist={searched.n_persist} " in message

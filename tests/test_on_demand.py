@@ -36,16 +36,19 @@ def _memory(profile):
     ]
 
 
-def _checkpointed_llama(monkeypatch):
+# (a context manager that restores the option; monkeypatch.setattr would delete it from Dynamo's config on undo)
+CHECKPOINT_EFFECTS_ONCE = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
+def _checkpointed_llama():
     """The llama test model checkpointing its own layers (Hugging Face's gradient checkpointing) with attention
     dropout: its graph saves the generator state of each recomputed dropout (`run_and_save_rng_state`).
 
     Dynamo compiles a checkpointed layer only where its forward has no side effect for the recompute to replay;
     else it runs the layer uncompiled and no graph holds a block. From transformers 5.25 on, which installs
     `kernels`, the attention's forward sets and resets a global in every layer, so Dynamo is told to run such
-    effects once, in the forward (docs/limitations.md); where there is none (older transformers) that changes
-    nothing."""
-    monkeypatch.setattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)
+    effects once, in the forward (docs/limitations.md; `CHECKPOINT_EFFECTS_ONCE` around the compile); where
+    there is none (older transformers, or no checkpointing) that changes nothing."""
     model = models.build("llama", dropout=0.1)
     model.gradient_checkpointing_enable()
     return model
@@ -66,8 +69,9 @@ def test_dropping_activations_and_gradients_keeps_the_profile(kind, monkeypatch)
         return profiles[-1]
 
     monkeypatch.setattr(stages_module, "profile_iteration", both)
-    model = _checkpointed_llama(monkeypatch) if kind == "llama-checkpointed" else models.build(kind)
-    _compiled(model, kind.removesuffix("-checkpointed"))
+    model = _checkpointed_llama() if kind == "llama-checkpointed" else models.build(kind)
+    with CHECKPOINT_EFFECTS_ONCE:
+        _compiled(model, kind.removesuffix("-checkpointed"))
     dropped, full = profiles
     assert _memory(dropped) == _memory(full)
     assert (dropped.peak_bytes, dropped.baseline_bytes, dropped.saved_bytes) == (

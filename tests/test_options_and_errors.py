@@ -1,7 +1,6 @@
 """Options are validated, and what the backend cannot handle fails with a message that says what to do."""
 
 import copy
-import gc
 import io
 import json
 import subprocess
@@ -259,24 +258,6 @@ def test_graph_of_another_model_of_the_same_class():
         opt.step()
         kept.append(model)  # (alive, as a user's first model would be)
     assert len([g for g in backend.graphs if g.param_map]) == 2
-
-
-def _compile_a_model_frozen_out_of_gc() -> None:
-    """In a process of its own (gc.freeze() is process state): a model built before gc.freeze() is out of the
-    collector's view, where the backend finds a frame's model; its chunks are refused with a ValueError."""
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
-    gc.collect()
-    gc.freeze()
-    protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
-    compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend({"executor": "eager"}))
-    with pytest.raises(Exception, match=r"gc\.freeze\(\).*gc\.unfreeze\(\)"):
-        compiled(torch.randn(4, 8))
-
-
-def test_model_frozen_out_of_gc_is_refused_clearly():
-    from spawn import in_a_process
-
-    assert in_a_process(_compile_a_model_frozen_out_of_gc) == 0
 
 
 def test_blocks_left_uncompiled_by_hf_checkpointing_are_told_once(caplog):

@@ -209,9 +209,9 @@ def test_deepcopy_of_a_chunked_model_is_the_eager_models_copy():
     assert losses == train(ref, "llama", 2, opt=ref_opt, first_step=2)
 
 
-def test_no_plan_fits_names_the_fields_fixed_and_the_n_persist_that_fits():
+def test_no_plan_fits_names_the_fields_forced_and_the_n_persist_that_fits():
     """Every chunk kept persistent by prepare's plan, under a GPU too small for that: the error names n_persist as
-    fixed by the chunks already built, and the n_persist the search finds instead, which then trains under that
+    forced by the chunks already built, and the n_persist the search finds instead, which then trains under that
     GPU and is what prepare without a plan gets. The same n_persist in options['plan'] is named as the user's."""
     ref = models.build("llama")
     on_device = _plan_trained(copy.deepcopy(ref), {})
@@ -221,7 +221,7 @@ def test_no_plan_fits_names_the_fields_fixed_and_the_n_persist_that_fits():
         _plan_trained(model, small)
     error = raised.value.inner_exception  # (torch.compile wraps the backend's NoPlanFits)
     message = str(error)
-    built = "fixed by the chunks already built (by protrain_fx.prepare or an earlier graph)"
+    built = "forced by the chunks already built (by protrain_fx.prepare or an earlier graph)"
     assert f"with n_persist={n_chunk}, host_grad_slots=0, device_grad_slots={n_chunk} {built}" in message
     n_persist = error.released.config.n_persist
     assert n_persist < n_chunk and f"searched instead, the search plans n_persist={n_persist} " in message
@@ -229,7 +229,7 @@ def test_no_plan_fits_names_the_fields_fixed_and_the_n_persist_that_fits():
     plan = _plan_trained(model, small)
     assert plan.n_persist == n_persist and plan.predicted_reserved_bytes <= small["gpu_memory_bytes"]
     assert _plan_trained(protrain_fx.prepare(copy.deepcopy(ref), device="cpu"), small).n_persist == n_persist
-    with pytest.raises(Exception, match=re.escape(f"with n_persist={n_chunk} fixed by options['plan']")):
+    with pytest.raises(Exception, match=re.escape(f"with n_persist={n_chunk} forced by options['plan']")):
         _plan_trained(copy.deepcopy(ref), {**small, "plan": {"n_persist": n_chunk}})
 
 
@@ -314,20 +314,31 @@ def test_pretrained_weights_peak_host_memory(tmp_path):
 
 
 def test_pretrained_weights_errors(tmp_path):
-    ref = models.build("llama")
-    ref.save_pretrained(tmp_path)
+    """Where the checkpoint is not found; and for a module that is not a Hugging Face model (filled by its tensors'
+    names: tests/test_pretrained_loading.py has transformers' rules), tensors it lacks, checked before anything is
+    built."""
+    from safetensors.torch import save_model
+
+    models.build("llama").save_pretrained(tmp_path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="neither model.safetensors.index.json nor model.safetensors"):
         protrain_fx.prepare(models.build("llama"), weights=tmp_path / "empty", device="cpu")
     with pytest.raises(ValueError, match="pass a folder saved by save_pretrained"):
         protrain_fx.prepare(models.build("llama"), weights=tmp_path / "missing", device="cpu")
-    with torch.device("meta"):  # (buffers on the meta device too: the checkpoint has none of them)
-        meta = type(ref)(ref.config)
+    ref = models.build("toy")
+    save_model(ref, tmp_path / "toy.safetensors")  # (the tied head once, under the embedding's name)
+    with torch.device("meta"):
+        model = models.ToyTransformer()
+    protrain_fx.prepare(model, weights=tmp_path / "toy.safetensors", device="cpu")
+    state = protrain_fx.full_state_dict(model)
+    assert all(torch.equal(state[name], value) for name, value in ref.state_dict().items())
+    with torch.device("meta"):
+        meta = models.ToyTransformer(layers=4)
     with pytest.raises(ValueError, match="on the meta device and the checkpoint has no values for them .* init=fn"):
-        protrain_fx.prepare(meta, weights=tmp_path, device="cpu")
-    other = models.build("llama", layers=3)
-    with pytest.raises(ValueError, match="the checkpoint has no values for .* parameters"):
-        protrain_fx.prepare(other, weights=tmp_path, device="cpu")
+        protrain_fx.prepare(meta, weights=tmp_path / "toy.safetensors", device="cpu")
+    other = models.build("toy", layers=4)
+    with pytest.raises(ValueError, match="the checkpoint has no values for 12 parameters"):
+        protrain_fx.prepare(other, weights=tmp_path / "toy.safetensors", device="cpu")
     assert protrain_fx.manager_of(other) is None  # (checked before anything is built)
 
 

@@ -49,24 +49,6 @@ STEPS = SWITCH_AT + 4
 SHAPE = (2, 64)
 
 
-def _llama() -> torch.nn.Module:
-    """A 4-layer LLaMA, hidden 64: chunks whose host AdamW weighs against a block's recompute."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=models.VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    cfg._attn_implementation = "eager"
-    return AutoModelForCausalLM.from_config(cfg)
-
-
 def _host_weighing(monkeypatch, backend, params: int, hardware=H100_LIKE, share: float = HOST_SHARE) -> None:
     """The hardware profile the backend plans with: `hardware` (not the one measured under the tests' load, whose
     copy, collective and device AdamW rates move between runs), its host rates such that `params` parameters'
@@ -109,7 +91,7 @@ def _train(model, opt, steps: int, plans: list | None = None, device: str = "cpu
 def _eager_and_protrain(options: dict, steps: int = STEPS, monkeypatch=None):
     """(eager losses, eager model, eager optimizer), (protrain's, and its backend), and the plan after each step.
     With `monkeypatch`, the host's work weighs HOST_SHARE of the forward (`_host_weighing`)."""
-    ref = _llama()
+    ref = models.llama4()
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -243,7 +225,7 @@ def test_a_switch_lets_go_of_the_old_gradient_buffers():
     """`place_again` builds the persistent chunks' gradient buffers anew, and the old ones are freed before: none is
     kept by the optimizer's views of it, which hold a chunk's own buffer as `.grad` between its updates (a 5.5B
     switch from 9 buffers to 2 shared ran out of GPU memory on two GPUs while they were kept)."""
-    model = _llama()
+    model = models.llama4()
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)
     backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_swap": 0}, "replan": "off"})
     _train(torch.compile(model, backend=backend, dynamic=False), opt, 2)
@@ -303,7 +285,7 @@ def _ranks_train(rank: int, world: int, options: dict, *, prepared: bool = False
     ranks' plans agree; (first plan, last plan)."""
     import torch.distributed as dist
 
-    ref = _llama()
+    ref = models.llama4()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     model = copy.deepcopy(ref)
     if prepared:
@@ -528,7 +510,7 @@ def _switch_on_cuda(device: str, forced: dict, fields: dict, rank: int = 0) -> N
     it (losses to 1e-4; parameters to STEPS * lr: the offloaded chunks step with the CPU's AdamW, eager with CUDA's
     fused one, whose roundings differ by an ulp, and AdamW moves a parameter by about lr whatever its gradient's
     size)."""
-    ref = _llama().to(device)
+    ref = models.llama4().to(device)
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -177,7 +177,7 @@ def test_where_memory_forces_offloading_the_search_still_offloads():
     assert all(model.reserved_bytes(r[0], r[2]) <= capacity for r in runners_up)
 
 
-def test_forced_fields_are_held():
+def test_forced_fields_are_kept():
     model = synthetic()
     capacity = capacities(model)[3]
     best, _ = search(model, capacity, {"n_persist": 2, "n_checkpoint": 3})
@@ -335,7 +335,7 @@ def test_shared_gradient_shards_hold_the_backward_up_where_the_host_is_slower():
     def host(s_per_param: float, slots: int | None) -> CostModel:
         rates = {f: s_per_param for f in ("host_adam", "host_adam_h2d", "host_adam_d2h", "host_adam_both")}
         hardware = dataclasses.replace(H100_LIKE, **{f"{k}_s_per_param": v for k, v in rates.items()})
-        return dataclasses.replace(model, hardware=hardware, grad_slots_held=slots)
+        return dataclasses.replace(model, hardware=hardware, forced_grad_slots=slots)
 
     slow_each, slow_shared = host(2e-9, None), host(2e-9, 2)
     assert slow_each.grad_slots(config) == 5 and slow_shared.grad_slots(config) == 2
@@ -393,11 +393,11 @@ def test_persistent_chunks_share_device_gradient_buffers_only_where_nothing_else
     assert (plan.n_persist, plan.device_grad_slots) == (4, MIN_GRAD_SLOTS), plan
     with pytest.raises(NoPlanFits):
         plan_graph(model, {**forced, "device_grad_slots": 4}, layout, capacity, host)
-    held = {**forced, "n_persist": 4}
-    assert plan_graph(model, {**held, "device_grad_slots": 1}, layout, None).device_grad_slots == 1
-    assert plan_graph(model, {**held, "device_grad_slots": 9}, layout, None).device_grad_slots == 4  # one each
+    persist = {**forced, "n_persist": 4}
+    assert plan_graph(model, {**persist, "device_grad_slots": 1}, layout, None).device_grad_slots == 1
+    assert plan_graph(model, {**persist, "device_grad_slots": 9}, layout, None).device_grad_slots == 4  # one each
     with pytest.raises(ValueError, match=r"device_grad_slots'\] must be at least 1 where chunks are persistent"):
-        plan_graph(model, {**held, "device_grad_slots": 0}, layout, None)
+        plan_graph(model, {**persist, "device_grad_slots": 0}, layout, None)
 
 
 def test_uploads_run_ahead_as_far_as_the_buffers_allow():

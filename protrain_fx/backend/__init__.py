@@ -21,6 +21,8 @@ The modules, in the order a graph meets them:
     partition.py  Partitioner: one graph's stages in order, each a function below
     stages.py     capture, chunks_built, profile, runtime_for, rewrite, attach_runtime, open_dump, dump_plan, dump
     planning.py   plan: the planner's inputs, the search, the model's chunks built or placed for the plan
+    cache.py      the plan cache: each graph's profiles, searches' results and the closed loop's decision, on disk
+    phases.py     one log line per long phase (capture, profile, search, compile) and the plan chosen, on rank 0
     guard.py      Guarded: a training graph as it runs; re-plans out of GPU memory, and from the measured steps
     run.py        ChunkedRun: a chunked model's graph as it runs (its parameters checked, lent at a graph break)
     inference.py  InferencePasses: inference graphs of a model with offloaded chunks

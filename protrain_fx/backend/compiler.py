@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from protrain_fx.backend.guard import Guarded
 from protrain_fx.backend.inference import InferencePasses
 from protrain_fx.backend.partition import Partitioner
+from protrain_fx.backend.phases import phase_done
 from protrain_fx.backend.record import GraphCompile, GraphRecord
 from protrain_fx.backend.run import ChunkedRun, lent_at_break
 from protrain_fx.capture import check_inputs
@@ -90,9 +92,12 @@ class ProTrainBackend:
                     "fx_graph_cache": False,
                     "fx_graph_remote_cache": False,
                 }
-                inner = functools.partial(_inductor_inner_compile, inference, guard)
+                inner = functools.partial(_inductor_inner_compile, inference, guard, record.index)
                 with functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
-                    return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+                    compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+                if compiling.partitioned is not None:  # (a training graph: its partitioner ran)
+                    phase_done(record.index, "forward", time.perf_counter() - compiling.partitioned)
+                return compiled
             eager = make_boxed_compiler(lambda g, _: g)
             more = {"inference_compiler": make_boxed_compiler(lambda g, _: inference(g))} if inference else {}
             if guard is not None:
@@ -114,15 +119,22 @@ def _offloaded_manager(example_inputs: Sequence[Any]):
     return None
 
 
-def _inductor_inner_compile(inference: InferencePasses | None, guard, gm: fx.GraphModule, example_inputs, **kwargs):
+def _inductor_inner_compile(
+    inference: InferencePasses | None, guard, index: int, gm: fx.GraphModule, example_inputs, **kwargs
+):
     """Inductor's per-graph compile, with the inference graph rewritten first (training graphs come rewritten
-    by the partitioner) and the backward under the graph's out-of-memory guard."""
+    by the partitioner) and the backward under the graph's out-of-memory guard (its compile's time logged: it
+    runs at the first backward)."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     if kwargs.get("is_inference") and inference is not None:
         gm = inference(gm)
+    start = time.perf_counter()
     compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-    return guard.backward(compiled, gm) if kwargs.get("is_backward") and guard is not None else compiled
+    if not kwargs.get("is_backward"):
+        return compiled
+    phase_done(index, "backward", time.perf_counter() - start)
+    return guard.backward(compiled, gm) if guard is not None else compiled
 
 
 def make_boxed_compiler(compile_fn):

@@ -141,23 +141,33 @@ class Guarded:
         switch = self.loop.decide(record, manager, self._chunks_may_move(manager))
         if switch is None:
             if self.loop.done:
-                self._dump_replan()
+                self._decided()
             return
         before, plan = record.plan, switch[0]
+        if self.symbolic:  # (compiled again outside Dynamo, its sizes would become this call's)
+            log.warning(
+                "graph %d has symbolic sizes and keeps its plan; the closed loop would switch %s\nto: %s",
+                record.index,
+                self.loop.reason,
+                plan_summary(plan),
+            )
+            self.loop.switched = False
+            self._decided()
+            return
         if manager is not None and moves_chunks(plan, manager):
             if not manager.place_again(plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots):
                 log.warning(
                     "graph %d: no room to place the chunks for the plan %s; kept", record.index, self.loop.reason
                 )
                 self.loop.not_placed()
-                self._dump_replan()
+                self._decided()
                 return
         self.switching = switch
         try:
             self._compile_again(args)
         finally:
             self.switching = None
-        self._dump_replan()
+        self._decided()
         log.warning(
             "graph %d re-planned %s\nbefore: %s\nafter:  %s\n%s",
             record.index,
@@ -172,9 +182,15 @@ class Guarded:
         and ends in no graph break (the other graphs, and the Python after a break, read them where they are)."""
         return manager is not None and not self.graph_break and manager.graphs_reading == {self.record.key}
 
-    def _dump_replan(self) -> None:
+    def _decided(self) -> None:
+        """The loop's decision to the dump (replan.json) and to the plan cache (backend/cache.py), for the next run
+        to start with."""
         if self.record.dumper is not None:
             self.record.dumper.write_json(REPLAN_FILE, self.loop.to_json())
+        decision = self.loop.decision()
+        if decision is not None and self.record.cache is not None:
+            calibration, switched = decision
+            self.record.cache.keep_loop(calibration, self.record.plan if switched else None)
 
     def _compile_again(self, args: Sequence[Any]) -> None:
         """The graph compiled again from its stored profile (its swap space and monitor made anew)."""

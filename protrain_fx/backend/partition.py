@@ -4,16 +4,23 @@ one training graph, one named stage a line (docs/design.md):
     capture -> partition -> profile -> plan -> rewrite -> attach runtime -> dump
     (stages.py)  (min-cut)   (stages.py) (planning.py) (stages.py)  (stages.py)  (stages.py)
 
+The profile and the plan may come from the plan cache of an earlier run (cache.py), opened before the profile;
+each long phase logs one line (phases.py).
+
 The partition is AOTAutograd's min-cut rematerialization partitioner, as inductor calls it; the rewrite cuts the
 joint graph again where the plan recomputes blocks.
 """
 
 from __future__ import annotations
 
+import time
+
 from torch import fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from protrain_fx.backend.cache import open_cache
+from protrain_fx.backend.phases import phase_done
 from protrain_fx.backend.planning import check_states_fit, plan
 from protrain_fx.backend.record import GraphCompile
 from protrain_fx.backend.stages import (
@@ -59,7 +66,9 @@ class Partitioner(CustomPartitionerFn):
         dumper = open_dump(c, joint)
         fw, bw = cut(joint)
         manager = chunks_built(c, roots)
+        phase_done(record.index, "capture", time.perf_counter() - c.started)
         if record.profile is None:  # (a re-plan after running out of memory reuses the graph's profile)
+            record.cache = open_cache(c, joint, manager)
             check_states_fit(c, manager)
             profile(c, joint, fw, bw, manager, roots.model)
         manager = plan(c, roots, manager, (fw, bw))
@@ -75,4 +84,5 @@ class Partitioner(CustomPartitionerFn):
         attach_runtime(c, runtime, fw, bw)
         record.forward, record.backward = fw, bw
         dump(record)
+        c.partitioned = time.perf_counter()
         return fw, bw

@@ -1,7 +1,8 @@
 """The plan stage of one graph (backend/partition.py calls `plan`): the planner's inputs built from the graph, its
 model and the machine (`PlanningInputs`, planner/inputs.py), the search (planner/search.py), and the model's chunks
 built or placed for the plan (runtime/adopt.py). A re-plan out of GPU memory reuses the graph's profile and comes
-here again with a lower capacity."""
+here again with a lower capacity. The search's result, and the closed loop's decision, may come from the plan cache
+of an earlier run (backend/cache.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from protrain_fx.backend.cache import resumed, searched
+from protrain_fx.backend.phases import phase_done, plan_chosen
 from protrain_fx.backend.record import PLANS_ATTR, GraphCompile, GraphRecord
 from protrain_fx.backend.sizes import guard_within
 from protrain_fx.capture import FrameRoots, ParamEntry
@@ -57,7 +60,7 @@ def plan(c: GraphCompile, roots: FrameRoots, manager, graphs: tuple[fx.GraphModu
     if manager is None and (wants_chunks(params) or (c.explain and any(p.requires_grad for p in params))):
         layout = model_layout(roots, record, c.example_inputs, config.plan, every_trainable=c.explain)
         c.config = config = dataclasses.replace(config, plan=with_default_master(config.plan, layout))
-        record.plan = _search(c, config.plan, layout, graphs, roots.model, None)
+        record.plan = resumed(c, _search_at_largest_sizes(c, config.plan, layout, graphs, roots.model, None))
         if not c.explain:
             manager = _build_chunks(c, roots.model, layout, graphs)
     else:
@@ -70,7 +73,7 @@ def plan(c: GraphCompile, roots: FrameRoots, manager, graphs: tuple[fx.GraphModu
         if c.switching is not None:  # (placed for it: runtime/replan.py)
             record.plan, record.costs = c.switching
         else:
-            record.plan = _search(c, forced, layout, graphs, roots.model, manager)
+            record.plan = resumed(c, _search_at_largest_sizes(c, forced, layout, graphs, roots.model, manager))
         if manager is not None and manager.pending_plan is not None and params:
             place_chunks(manager, record.plan)
     log.info(
@@ -79,6 +82,10 @@ def plan(c: GraphCompile, roots: FrameRoots, manager, graphs: tuple[fx.GraphModu
         ", ".join(f"{stage} {s:.2f} s" for stage, s in record.seconds.items()),
         record.plan,
     )
+    if c.switching is None:  # (the closed loop's switch is logged as a warning, with both plans)
+        searched_s = None if "plan" in record.from_cache else record.seconds.get("search")
+        phase_done(record.index, "search", searched_s, record.cache)
+        plan_chosen(record.index, record.plan, record.from_cache)
     record.model = weakref.ref(roots.model) if roots.model is not None else None
     record.manager = weakref.ref(manager) if manager is not None else None
     if manager is not None and params:  # (the latest plan of the model's graphs decides)
@@ -86,7 +93,8 @@ def plan(c: GraphCompile, roots: FrameRoots, manager, graphs: tuple[fx.GraphModu
         manager.note_read_by_graph(params, record.key)
     if roots.model is not None and params and not c.explain:
         _warn_if_reshaped(roots.model, record, c.example_inputs)
-        roots.model.__dict__.setdefault(PLANS_ATTR, []).append((len(params), record.plan, record.shapes))
+        entry = (len(params), record.plan, record.shapes, record.from_cache)
+        roots.model.__dict__.setdefault(PLANS_ATTR, []).append(entry)
     return manager
 
 
@@ -105,10 +113,10 @@ def _build_chunks(c: GraphCompile, model: nn.Module, layout, graphs: tuple[fx.Gr
         if not replanning.lower(record.capacity):
             raise replanning.error("chunk building", record.index, record.plan, record.capacity, state, cause)
         c.config = replanning.config
-        record.plan = _search(c, c.config.plan, layout, graphs, model, None)
+        record.plan = _search_at_largest_sizes(c, c.config.plan, layout, graphs, model, None)
 
 
-def _search(
+def _search_at_largest_sizes(
     c: GraphCompile, forced: dict[str, Any], layout, graphs: tuple[fx.GraphModule, fx.GraphModule], model, manager
 ) -> Plan:
     """`_search_profile`, for a graph with symbolic sizes at the largest sizes it will see (backend/sizes.py):
@@ -116,13 +124,6 @@ def _search(
     record = c.record
     if record.fit is None:
         return _search_profile(c, forced, layout, graphs, model, manager)
-    if forced.get("n_swap"):
-        raise ValueError(
-            f"graph {record.index} has symbolic sizes (dynamic shapes), where swapping is not supported yet: "
-            "drop 'n_swap' from the plan, or compile with dynamic=False"
-        )
-    if record.block_map.families:
-        forced = {**forced, "n_swap": 0}
     for largest, smaller_follows in record.sizes.bounds(c.config, model):
         record.profile = record.fit.at(largest)
         try:
@@ -195,14 +196,14 @@ def _search_profile(
     record.costs = costs
     start = time.perf_counter()
     record.capacity, host, workers = _capacities(c, manager)
-    found = plan_graph(
-        costs,
-        forced,
-        layout,
-        record.capacity,
-        host,
-        fixed_by=_fixed_by(config.plan, manager),
-        compile_workers_bytes=workers,
+    forced_by = _forced_by(config.plan, manager)
+    found = searched(
+        c,
+        (costs, sorted(forced.items()), layout, sorted(forced_by.items()), workers),  # (all the search reads)
+        (record.capacity, host),
+        lambda: plan_graph(
+            costs, forced, layout, record.capacity, host, forced_by=forced_by, compile_workers_bytes=workers
+        ),
     )
     record.seconds["search"] = time.perf_counter() - start
     record.planning = dataclasses.replace(inputs, capacity_bytes=record.capacity, host_bytes=host)
@@ -222,7 +223,7 @@ def check_states_fit(c: GraphCompile, manager) -> None:
         states_alone(CostModel.of_states(manager.layout, master_bytes(forced)), capacity, host)
     except NoPlanFits as error:  # (true whatever other fields are forced: it holds none of them)
         log.info("graph %d: no placement of the chunks fits even with no activations; not profiled", c.record.index)
-        raise error.told(fixed={}, fixed_by={}, released=None, compile_workers_bytes=workers) from None
+        raise error.told(forced={}, forced_by={}, released=None, compile_workers_bytes=workers) from None
 
 
 def _capacities(c: GraphCompile, manager) -> tuple[int | None, int | None, int]:
@@ -239,7 +240,7 @@ def _capacities(c: GraphCompile, manager) -> tuple[int | None, int | None, int]:
     return gpu, host, workers
 
 
-def _fixed_by(options_plan: Mapping[str, Any], manager) -> dict[str, str]:
+def _forced_by(options_plan: Mapping[str, Any], manager) -> dict[str, str]:
     """Where each forced plan field came from, for NoPlanFits to say: options['plan'], prepare's plan where the
     chunks wait for their plan, or the chunks already built (whose fields plan_fields_of forces)."""
     origin = {k: "options['plan']" for k in options_plan}

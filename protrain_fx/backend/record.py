@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,8 @@ from protrain_fx.planner.plan import Plan
 from protrain_fx.profiler.profile import GraphProfile
 
 RUNTIME_ATTR = "_protrain_runtime"  # on the model: the swap spaces and step monitors of its graphs
-# on the model: (parameters read, Plan, ShapeRange or None) of each graph compiled for training
+# on the model: (parameters read, Plan, ShapeRange or None, what came from the plan cache) of each graph compiled
+# for training
 PLANS_ATTR = "_protrain_plans"
 
 
@@ -48,6 +50,9 @@ class GraphRecord:
     fit: Any = None
     shapes: Any = None
     key: object = dataclasses.field(default_factory=object, repr=False)  # the graph's, among those reading chunks
+    cache: Any = None  # its entry in the plan cache (backend/cache.py: GraphCache), None with the cache off
+    # what came from the cache of an earlier run: "profile", "plan", "closed loop" (its calibration and choice)
+    from_cache: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -63,6 +68,8 @@ class GraphCompile:
     explain: bool = False  # plan only (protrain_fx.explain): no chunks built, graphs left as they are
     guard: Any = None  # the training graph's Guarded (backend/guard.py); None to explain, or under no_grad
     device: torch.device = dataclasses.field(init=False)
+    started: float = dataclasses.field(default_factory=time.perf_counter)  # when the compile began (its phase lines)
+    partitioned: float | None = None  # when the partitioner returned the rewritten graphs
 
     def __post_init__(self) -> None:
         self.device = device_of(self.example_inputs)

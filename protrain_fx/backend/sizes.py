@@ -20,6 +20,8 @@ import torch
 
 from protrain_fx.config import ProTrainConfig
 from protrain_fx.distributed import most_on_every_rank
+from protrain_fx.planner.calibrate import device_phases, plan_step_s
+from protrain_fx.planner.inputs import cost_model
 from protrain_fx.shapes import ShapeRange, symbol_of, values_of
 
 # model config attributes that bound the sequence length, in the order they are read
@@ -98,3 +100,22 @@ def guard_within(example_inputs: Sequence[Any], largest: dict[sympy.Symbol, int]
         s = symbol_of(x)
         if s is not None and s in largest:
             assert bool(x <= largest[s]), f"size {s} = {x} beyond the planned {largest[s]}"
+
+
+def step_predictor(record, example_inputs: Sequence[Any]):
+    """For the step monitor of a graph with symbolic sizes (runtime/monitor.py `at_sizes`): the plan's predicted
+    step, forward and backward at a step's sizes (its `SymInt` inputs in order, as `step_mark` passes them; none:
+    the largest sizes planned), each from the profile fitted there (`ProfileFit.at`); None for fixed sizes."""
+    if record.fit is None or record.planning is None or record.shapes is None:
+        return None
+    symbols = [symbol_of(x) for x in example_inputs if isinstance(x, torch.SymInt)]
+    largest = {s: record.shapes.largest[s.name] for s in record.fit.a}
+    plan, planning, fit = record.plan, record.planning, record.fit
+
+    def predict(sizes: tuple[int, ...], clipped: bool) -> tuple[float, float, float]:
+        assert not sizes or len(sizes) == len(symbols), f"graph {record.index}: sizes {sizes} for symbols {symbols}"
+        values = {**largest, **{s: v for s, v in zip(symbols, sizes) if s is not None}}
+        costs = cost_model(fit.at(values), planning)
+        return (plan_step_s(costs, plan, clipped=clipped), *device_phases(costs, plan))
+
+    return predict

@@ -3,7 +3,8 @@ them in order; the plan stage is backend/planning.py):
 
     capture         the frame's modules, the block map, the parameter map (capture.py)
     chunks_built    the model's chunks, where built already (by protrain_fx.prepare or an earlier graph)
-    profile         one real iteration of the partitioned graphs, on every rank (profiler/)
+    profile         one real iteration of the partitioned graphs, on every rank (profiler/), or the profiles the plan
+                    cache kept (backend/cache.py)
     runtime_for     the swap space, step monitor and gradient source the rewritten graphs' ops reach
     rewrite         the plan carried out: joint passes, the partition again, forward and backward passes (passes/)
     attach_runtime  the swap space's slots and the chunks' expected gradients, for the graphs as rewritten
@@ -26,8 +27,9 @@ from torch import fx
 from torch._dynamo.guards import GuardBuilder
 from torch._functorch.partitioners import must_recompute
 
+from protrain_fx.backend.phases import phase_done
 from protrain_fx.backend.record import RUNTIME_ATTR, GraphCompile, GraphRecord
-from protrain_fx.backend.sizes import GraphSizes
+from protrain_fx.backend.sizes import GraphSizes, step_predictor
 from protrain_fx.capture import FrameRoots, build_block_map, build_param_map, find_frame_roots
 from protrain_fx.debug.dump import GRAPHS_FILE, PLANNING_FILE, Dumper
 from protrain_fx.passes.pipeline import GRAPH_PASSES, JOINT_PASSES, PassContext, run_passes
@@ -126,15 +128,31 @@ def profile(c: GraphCompile, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.G
     record = c.record
     start = time.perf_counter()
     sizes = GraphSizes.of(c.example_inputs, c.fakes, c.device)
-    first = _profile_at(c, joint, fw, bw, manager, sizes.first if sizes else {})
+    at = [sizes.first, sizes.second(next(sizes.bounds(c.config, model))[0])] if sizes is not None else [{}]
+    profiles = record.cache.profiles(at) if record.cache is not None else None
+    if profiles is not None:
+        record.from_cache += ("profile",)
+        _annotate(profiles[-1], fw, bw)
+    else:
+        profiles = [_profile_at(c, joint, fw, bw, manager, s) for s in at]
+        record.seconds["profile"] = time.perf_counter() - start
+        if record.cache is not None:
+            record.cache.keep_profiles(at, profiles)
     if sizes is not None:
-        second = sizes.second(next(sizes.bounds(c.config, model))[0])
-        measured = ((sizes.first, first), (second, _profile_at(c, joint, fw, bw, manager, second)))
-        record.fit = ProfileFit({"forward": fw, "backward": bw}, measured)
+        record.fit = ProfileFit({"forward": fw, "backward": bw}, tuple(zip(at, profiles)))
         record.sizes = sizes
-        log.info("graph %d has symbolic sizes; profiled at %s and %s", record.index, *(dict(m[0]) for m in measured))
-    record.profile = first
-    record.seconds["profile"] = time.perf_counter() - start
+        log.info("graph %d has symbolic sizes; profiled at %s and %s", record.index, *(dict(s) for s in at))
+    record.profile = profiles[0]
+    phase_done(record.index, "profile", record.seconds.get("profile"), record.cache)
+
+
+def _annotate(profiled: GraphProfile, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+    """`node.meta["protrain"]` of the graphs' nodes from a profile the cache kept, as profiling writes it."""
+    for kind, gm in (("forward", fw), ("backward", bw)):
+        named = {n.name: n for n in profiled.nodes if n.graph == kind}
+        for node in gm.graph.nodes:
+            if node.name in named:
+                node.meta["protrain"] = named[node.name]
 
 
 def _profile_at(c: GraphCompile, joint, fw, bw, manager, sizes: dict) -> GraphProfile:
@@ -232,6 +250,7 @@ def _monitor(c: GraphCompile, roots: FrameRoots, manager) -> StepMonitor | None:
         hardware=hardware,
         retime=retime,
         phases=phases,
+        at_sizes=step_predictor(record, c.example_inputs),
         report_file=report,
     )
     return record.monitor
@@ -288,12 +307,18 @@ def attach_runtime(c: GraphCompile, runtime: GraphRuntime, fw: fx.GraphModule, b
             fw.graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default),
             key=lambda n: n.args[1],
         )
+        at = c.record.shapes.at_largest if c.record.shapes is not None else int  # (symbolic sizes: the largest)
         with real_tensors():  # the partitioner runs under AOTAutograd's fake mode
-            runtime.swap.allocate([n.meta["val"] for n in outs])
+            runtime.swap.allocate([_at_sizes(n.meta["val"], at) for n in outs])
         c.record.swap = runtime.swap
     if runtime.manager is not None:
         for node in bw.graph.find_nodes(op="call_function", target=torch.ops.protrain.reduce_grads.default):
             runtime.manager.expect_gradients(node.args[1], node.args[2])
+
+
+def _at_sizes(t: torch.Tensor, at) -> torch.Tensor:
+    """`t`'s dtype and dense layout on the meta device, each size (and stride) given by `at`."""
+    return torch.empty_strided([at(d) for d in t.shape], [at(s) for s in t.stride()], dtype=t.dtype, device="meta")
 
 
 def open_dump(c: GraphCompile, joint: fx.GraphModule) -> Dumper | None:

@@ -25,28 +25,44 @@ from __future__ import annotations
 
 import bisect
 import logging
+from typing import cast
 
 import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from protrain_fx.capture import is_backward
+from protrain_fx.passes.contract import (
+    AC_GRAPH_ID,
+    BACKWARD,
+    FORWARD,
+    JOINT,
+    RECOMPUTE,
+    PassContext,
+    graph_pass,
+    required_block_map,
+    required_plan,
+)
 from protrain_fx.passes.views import view_base
 from protrain_fx.profiler.selective import policy
+from protrain_fx.shapes import dense_order, strides_in
 
 log = logging.getLogger(__name__)
 
 
-def checkpoint_tag_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@graph_pass(graphs=(JOINT,), requires=("plan", "record"), provides=(RECOMPUTE, AC_GRAPH_ID))
+def checkpoint_tag_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Tag the forward ops of checkpointed and selective blocks for recomputation (see the module docstring)."""
-    modes = ctx.plan.block_modes
+    modes = required_plan(ctx).block_modes
     if "checkpoint" not in modes and "selective" not in modes:
         return gm
-    block_of, region = ctx.record.block_map.block, ctx.record.block_map.region
+    block_map = required_block_map(ctx)
+    block_of, region = block_map.block, block_map.region
     for node in gm.graph.nodes:
         if node.op != "call_function" or is_backward(node) or region.get(node.name) != "block":
             continue
         block = block_of[node.name]
+        assert block is not None, f"{node.name}: in the block region with no block"
         if modes[block] == "checkpoint":
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         elif modes[block] == "selective":
@@ -57,7 +73,8 @@ def checkpoint_tag_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-def recompute_order_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@graph_pass(graphs=(BACKWARD,), requires=("plan", "forward_placeholders"), requires_tags=(RECOMPUTE, AC_GRAPH_ID))
+def recompute_order_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Backward: a checkpointed block's recompute starts only after the backward work before it. The partitioner
     puts each recompute right before its first use, but inductor fuses kernels of nearby nodes that read the
     same buffers (the rotary cos/sin every block reads), which pulled block b-1's recompute into block b's
@@ -70,7 +87,7 @@ def recompute_order_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         before:  ...block b's backward...; h = mm(x, w); ...                 # h: block b-1 recomputed
         after:   ...block b's backward...; x2 = protrain.after(x, [dx, dw, ...]); h = mm(x2, w); ...
     """
-    if ctx.stage != "backward" or "checkpoint" not in ctx.plan.block_modes:
+    if ctx.stage != "backward" or "checkpoint" not in required_plan(ctx).block_modes:
         return gm
     graph = gm.graph
     regions: dict[int, list[fx.Node]] = {}
@@ -138,20 +155,23 @@ def _parameter_views(forward_placeholders, backward: fx.Graph) -> set[str]:
 SWAP = "protrain_swap"  # on a forward swap_out node: (slot, block)
 
 
-def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@graph_pass(graphs=(FORWARD,), requires=("plan", "record", "saved", "needed_from", "swap"), provides=(SWAP,))
+def swap_out_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Forward: every tensor a swapped block saves for backward goes to its host slot after its last forward use,
     and the graph hands the host copy to the backward instead of the device tensor; but for one the backward of a
     block beyond its prefetch reads (an attention mask made in the first block, read by every block): that one
     would come back where the backward starts, and stays.
 
         before:  h = mm(x, w); y = relu(h); return (y, h)          # h saved for backward
-        after:   h = mm(x, w); y = relu(h); h_ = protrain.swap_out(space, 0, h, h.stride()); ...
+        after:   h = mm(x, w); y = relu(h); h_ = protrain.swap_out(space, 0, h, [1, 0]); ...
                  a = <first node of block b + swap_interval>; protrain.swap_settle(space, [0], [h_], [h], a); ...
                  return (y, h_)
     """
-    modes = ctx.plan.block_modes
+    plan = required_plan(ctx)
+    modes = plan.block_modes
     if ctx.stage != "forward" or "swap" not in modes:
         return gm
+    assert ctx.swap is not None, f"the {ctx.stage} graph swaps blocks {modes} with no swap space"
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
@@ -163,19 +183,20 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for position, node in enumerate(outs):
         if position < first_saved or not isinstance(node, fx.Node) or node.name not in ctx.saved:
             continue
-        block = ctx.record.block_map.block.get(node.name)
+        block = required_block_map(ctx).block.get(node.name)
         val = node.meta.get("val")
         if block is None or modes[block] != "swap" or not isinstance(val, torch.Tensor):
             continue
         if view_base(node).op == "placeholder":
             continue  # a parameter or an input (or a view of one): its memory is not the block's to free
-        if ctx.needed_from.get(node.name, block) > block + ctx.plan.swap_interval:
+        if ctx.needed_from.get(node.name, block) > block + plan.swap_interval:
             continue  # read by the backward of a block before this one's prefetch: kept (MemoryModel.kept_from_swap)
         last = max([node, *(u for u in node.users if u.op != "output")], key=order.__getitem__)
-        with val.fake_mode:  # the slot: val's strides where it is dense (a transpose, say), else contiguous
-            host_val = torch.empty_like(val, device="cpu")
+        layout = dense_order(val)  # the slot: val's layout where it is dense (a transpose, say), else contiguous
+        with val.fake_mode:  # type: ignore[attr-defined]  # (a FakeTensor: the partitioner's values)
+            host_val = torch.empty_strided(val.shape, strides_in(val.shape, layout), dtype=val.dtype, device="cpu")
         with graph.inserting_after(last):
-            args = (ctx.swap.handle, slot, node, list(host_val.stride()))
+            args = (ctx.swap.handle, slot, node, layout)
             host = graph.call_function(torch.ops.protrain.swap_out.default, args)
         host.meta["val"] = host_val
         host.meta[SWAP] = (slot, block)
@@ -188,15 +209,17 @@ def swap_out_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-def _first_nodes(graph: fx.Graph, ctx, among: set[fx.Node] | None = None) -> dict[int | str, fx.Node]:
+def _first_nodes(graph: fx.Graph, ctx: PassContext, among: set[fx.Node] | None = None) -> dict[int | str, fx.Node]:
     """Block -> its first computing node in `graph` (of `among`, if given), and "post" -> the first one after the
     last block."""
-    block_of, region = ctx.record.block_map.block, ctx.record.block_map.region
+    block_map = required_block_map(ctx)
+    block_of, region = block_map.block, block_map.region
     first: dict[int | str, fx.Node] = {}
     for n in graph.nodes:
         if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor) and (among is None or n in among):
             if n.name in block_of:
-                first.setdefault(block_of[n.name], n)
+                if (block := block_of[n.name]) is not None:
+                    first.setdefault(block, n)
             elif region.get(n.name) == "post":
                 first.setdefault("post", n)
     return first
@@ -212,12 +235,13 @@ def _reached_from(graph: fx.Graph, roots: set[fx.Node]) -> set[fx.Node]:
     return reached
 
 
-def _settle_forward(graph: fx.Graph, ctx) -> None:
+def _settle_forward(graph: fx.Graph, ctx: PassContext) -> None:
     """Swapped block b's copies must be done swap_interval blocks later (the plan counts on it): there, a
     `swap_settle` makes the compute stream wait for them and frees their device tensors. A tensor swapped out
     only after that point is settled at the forward's last node. The settle reads the device tensors, so no
     compiler reuses their memory before it while a copy on the side stream may still be reading them."""
-    block_of = ctx.record.block_map.block
+    block_of, interval = required_block_map(ctx).block, required_plan(ctx).swap_interval
+    assert ctx.swap is not None, "swap_out_pass settles its copies with the swap space"
     # the forward's last computed value: a settle there waits for the copies once all compute is queued
     last = next(
         n
@@ -234,7 +258,7 @@ def _settle_forward(graph: fx.Graph, ctx) -> None:
         first = _first_nodes(
             graph, ctx, among=_reached_from(graph, {n for n in graph.nodes if block_of.get(n.name) == block})
         )
-        anchor = first.get(block + ctx.plan.swap_interval, first.get("post"))
+        anchor = first.get(block + interval, first.get("post"))
         for n in outs:
             at.setdefault(anchor if anchor is not None and order[n] < order[anchor] else last, []).append(n)
     for anchor, outs in at.items():
@@ -243,7 +267,8 @@ def _settle_forward(graph: fx.Graph, ctx) -> None:
             graph.call_function(torch.ops.protrain.swap_settle.default, (ctx.swap.handle, slots, outs, sources, anchor))
 
 
-def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@graph_pass(graphs=(BACKWARD,), requires=("plan", "record", "forward_outputs"), requires_forward_tags=(SWAP,))
+def swap_in_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Backward: each swapped tensor comes back through `swap_in` before its first use; block b's tensors are
     prefetched together when the gradient reaches block b + swap_interval (the plan's), or at the start when
     that block is not in this graph (no prefetch where the first use comes before that point).
@@ -258,7 +283,7 @@ def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """
     if ctx.stage != "backward":
         return gm
-    swapped = {n.args[2].name: n for n in ctx.forward_outputs if SWAP in n.meta}
+    swapped = {cast(fx.Node, n.args[2]).name: n for n in ctx.forward_outputs if SWAP in n.meta}  # (swap_out's tensor)
     if not swapped:
         return gm
     graph = gm.graph
@@ -296,7 +321,7 @@ def swap_in_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     # holding a tensor: on CUDA the recompute's RNG generators come last)
     inputs = [n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
     for block, slots in by_block.items():
-        anchor = first_of.get(block + ctx.plan.swap_interval, inputs[-1])
+        anchor = first_of.get(block + required_plan(ctx).swap_interval, inputs[-1])
         ahead = [slot for slot, back in slots if order[anchor] < order[back]]  # else it would fetch for nobody
         if ahead:
             with graph.inserting_after(anchor):

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Callable
 
 import networkx as nx
 import torch
@@ -58,9 +59,11 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from protrain_fx.capture import is_backward
+from protrain_fx.passes.contract import BACKWARD, FORWARD, JOINT, RECOMPUTE, PassContext, graph_pass
 from protrain_fx.passes.views import is_view, view_base
 
 TAG = "protrain_param"
+RELEASES = "protrain.release"  # the tag of the release ops chunk_gather_pass places, where grad_reduce_pass reduces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +79,8 @@ class ParamTag:
     own_master: bool = False
 
 
-def param_view_recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@graph_pass(graphs=(JOINT,), requires=("manager", "record", "example_inputs"), provides=(RECOMPUTE,))
+def param_view_recompute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Tag the forward's views of offloaded parameters for recomputation (see the module docstring)."""
     manager = ctx.manager
     if manager is None:
@@ -95,7 +99,8 @@ def param_view_recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-def chunk_tag_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@graph_pass(graphs=(FORWARD, BACKWARD), requires=("manager", "record", "example_inputs"), provides=(TAG,))
+def chunk_tag_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Tag the parameter placeholders of a forward or backward graph with their chunk (names are AOT primal names)."""
     manager = ctx.manager
     if manager is None:
@@ -164,7 +169,8 @@ def _downstream(outputs: list[fx.Node], dag: nx.DiGraph, order: dict[fx.Node, in
     return sorted(kept, key=order.__getitem__)
 
 
-def chunk_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@graph_pass(graphs=(FORWARD, BACKWARD), requires=("manager",), requires_tags=(TAG,), provides=(RELEASES,))
+def chunk_gather_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Route every read of an offloaded parameter through its chunk's gather (see the module docstring)."""
     graph = gm.graph
     by_chunk: dict[int, list[fx.Node]] = defaultdict(list)
@@ -340,12 +346,17 @@ def _reroute(graph: fx.Graph, node: fx.Node, stand_ins: dict[int, fx.Node], run_
         copies = {}
         for k in sorted({run_of[r] for r in _data_readers(user)}):
             with graph.inserting_after(stand_ins[k]):
-                copies[k] = graph.node_copy(user, lambda a, k=k: stand_ins[k] if a is node else a)
+                copies[k] = graph.node_copy(user, _reading(node, stand_ins[k]))
         _reroute(graph, user, copies, run_of)
         graph.erase_node(user)
 
 
-def _prefetch_first(graph: fx.Graph, first: fx.Node, ctx) -> None:
+def _reading(node: fx.Node, stand_in: fx.Node) -> Callable[[fx.Node], fx.Node]:
+    """`Graph.node_copy`'s map of a copy's inputs: `stand_in` in place of `node`, the others as they are."""
+    return lambda a: stand_in if a is node else a
+
+
+def _prefetch_first(graph: fx.Graph, first: fx.Node, ctx: PassContext) -> None:
     """A forward starts loading the first chunk it gathers as it starts (`prefetch` loads it if its host update
     is done, as it mostly is by then), not once the CPU reaches the gather, after launching every persistent
     chunk's kernels: the chunk's copy runs beside their compute then, as planner/timeline.py lays it out. (A
@@ -386,7 +397,7 @@ def _order_gathers(graph: fx.Graph) -> None:
             node.args = (*node.args[:2], list(released))
 
 
-def _check_buffers(graph: fx.Graph, ctx) -> None:
+def _check_buffers(graph: fx.Graph, ctx: PassContext) -> None:
     """A plan with fewer chunk buffers than the graph holds chunks at once cannot run: say so at compile time."""
     live: set[int] = set()
     worst: tuple[int, str, list[int]] = (0, "", [])
@@ -397,6 +408,7 @@ def _check_buffers(graph: fx.Graph, ctx) -> None:
                 worst = (len(live), node.name, sorted(live))
         elif node.target is torch.ops.protrain.release.default:
             live.discard(node.args[1])
+    assert ctx.manager is not None, f"the {ctx.stage} graph gathers chunks {worst[2]} with no chunk manager"
     if worst[0] > ctx.manager.n_buffer:
         raise ValueError(
             f"the plan has n_buffer={ctx.manager.n_buffer} chunk buffers, but the {ctx.stage} graph uses chunks "
@@ -405,7 +417,13 @@ def _check_buffers(graph: fx.Graph, ctx) -> None:
         )
 
 
-def grad_reduce_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@graph_pass(
+    graphs=(BACKWARD,),
+    requires=("forward_placeholders", "forward_outputs", "grad_source"),
+    requires_tags=(TAG, RELEASES),
+    requires_forward_tags=(TAG,),
+)
+def grad_reduce_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Hand each chunk's gradients to the ChunkManager and return None for them (see the module docstring)."""
     graph = gm.graph
     if ctx.stage != "backward" or not any(TAG in p.meta for p in ctx.forward_placeholders):

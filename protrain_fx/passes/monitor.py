@@ -3,11 +3,12 @@ loop), the forward graph marks each training step's start, and the forward and b
 the StepMonitor, which sets measured step time, phases and peak memory beside the plan's predictions.
 
     forward before:  x = placeholder; ...; output(outs)
-    forward after:   x = placeholder; protrain.step_mark(monitor, x); ...;
+    forward after:   x = placeholder; protrain.step_mark(monitor, x, [s0, ...]); ...;
                      protrain.phase_mark(monitor, FORWARD_END, last); output(outs)
     backward after:  ...; protrain.phase_mark(monitor, BACKWARD_END, last); output(outs)
 
-where `last` (`_last_values`) are the tensors the graph's work ends in, which order the end mark after it.
+where `last` (`_last_values`) are the tensors the graph's work ends in, which order the end mark after it, and
+`[s0, ...]` the graph's `SymInt` inputs (none where its sizes are fixed): the step's sizes.
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
+from protrain_fx.passes.contract import BACKWARD, FORWARD, PassContext, graph_pass
+
 FORWARD_END, BACKWARD_END = 1, 2  # the phase marks' `phase` (runtime/monitor.py StepMonitor.phase_mark)
 
 
-def step_mark_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@graph_pass(graphs=(FORWARD, BACKWARD), requires=("monitor",))
+def step_mark_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Mark the step's start and the forward's and backward's ends for the step monitor (see the module
+    docstring)."""
     if ctx.stage not in ("forward", "backward") or ctx.monitor is None:
         return gm
     graph = gm.graph
@@ -28,8 +34,9 @@ def step_mark_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         first = next((n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)), None)
         if first is None:
             return gm
+        sizes = [n for n in placeholders if isinstance(n.meta.get("val"), torch.SymInt)]  # (symbolic sizes)
         with graph.inserting_after(placeholders[-1]):
-            graph.call_function(torch.ops.protrain.step_mark.default, (ctx.monitor.handle, first))
+            graph.call_function(torch.ops.protrain.step_mark.default, (ctx.monitor.handle, first, sizes))
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     phase = FORWARD_END if ctx.stage == "forward" else BACKWARD_END
     with graph.inserting_before(output):

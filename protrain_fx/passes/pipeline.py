@@ -1,7 +1,11 @@
 """The pass pipeline: one ordered list per stage, each pass `fn(gm, ctx) -> gm`.
 
 A pass reads its decisions from `ctx` (the plan, the chunk manager, the capture record) and tags in `node.meta`;
-a pass with nothing to do returns the graph unchanged. Stages:
+a pass with nothing to do returns the graph unchanged. Each pass declares the graphs it rewrites, the context
+fields and tags it requires and the tags it provides (passes/contract.py `graph_pass`), and each list is checked
+against those declarations as it is built here (`check_order`): a pass before the one whose tags it reads, or run
+on a context without a field it reads, fails at import; and `run_passes` hands each pass a context that refuses the
+fields it does not declare. Stages:
   JOINT_PASSES   on the joint forward+backward graph, before it is partitioned again: the recompute tags of
                  checkpointed and selective blocks, and of the views of offloaded parameters (activations.py,
                  chunks.py)
@@ -16,12 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from torch import fx
 
-from protrain_fx.config import ProTrainConfig
 from protrain_fx.passes.activations import checkpoint_tag_pass, recompute_order_pass, swap_in_pass, swap_out_pass
 from protrain_fx.passes.chunks import (
     chunk_gather_pass,
@@ -29,57 +31,49 @@ from protrain_fx.passes.chunks import (
     grad_reduce_pass,
     param_view_recompute_pass,
 )
+from protrain_fx.passes.contract import (
+    BACKWARD,
+    FORWARD,
+    INFERENCE,
+    JOINT,
+    Pass,
+    PassContext,
+    as_declared,
+    check_order,
+)
 from protrain_fx.passes.monitor import step_mark_pass
-from protrain_fx.planner.plan import Plan
+
+__all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "Pass", "PassContext", "run_passes"]
 
 log = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass
-class PassContext:
-    """What every pass may read: the options, the plan and the capture record of the graph."""
-
-    config: ProTrainConfig
-    plan: Plan
-    record: Any  # protrain_fx.backend.record.GraphRecord
-    dumper: Any = None  # protrain_fx.debug.dump.Dumper or None
-    manager: Any = None  # the model's protrain_fx.runtime.chunks.ChunkManager, None when not chunked
-    example_inputs: Sequence[Any] = ()  # the graph's real inputs (parameters by position)
-    stage: str = ""  # joint | forward | backward: the graph being rewritten
-    forward_placeholders: Sequence[fx.Node] = ()  # the forward graph's inputs, for backward passes
-    forward_outputs: Sequence[fx.Node] = ()  # the rewritten forward graph's outputs, for backward passes
-    saved: frozenset[str] = frozenset()  # names of the values the forward saves for the backward
-    # saved value -> the highest block whose backward reads it (capture.py BlockMap.needed_from)
-    needed_from: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    swap: Any = None  # the graph's protrain_fx.runtime.swap.SwapSpace, None when no block swaps
-    monitor: Any = None  # the graph's protrain_fx.runtime.monitor.StepMonitor, with a dump directory only
-    grad_source: int = 0  # the graph's frame, as the ChunkManager counts gradients (ChunkManager.grad_source)
-
-
-Pass = Callable[..., fx.GraphModule]
-
-JOINT_PASSES: tuple[Pass, ...] = (checkpoint_tag_pass, param_view_recompute_pass)
-GRAPH_PASSES: tuple[Pass, ...] = (
-    recompute_order_pass,
-    swap_out_pass,
-    swap_in_pass,
-    chunk_tag_pass,
-    chunk_gather_pass,
-    grad_reduce_pass,
-    step_mark_pass,
+JOINT_PASSES = check_order((checkpoint_tag_pass, param_view_recompute_pass), runs_on=[(JOINT, JOINT)])
+GRAPH_PASSES = check_order(
+    (
+        recompute_order_pass,
+        swap_out_pass,
+        swap_in_pass,
+        chunk_tag_pass,
+        chunk_gather_pass,
+        grad_reduce_pass,
+        step_mark_pass,
+    ),
+    runs_on=[(FORWARD, FORWARD), (BACKWARD, BACKWARD)],
+    after=JOINT_PASSES,
 )
 # the graph AOTAutograd compiles for inference (no_grad): offloaded parameters read through gather/release
-INFERENCE_PASSES: tuple[Pass, ...] = (chunk_tag_pass, chunk_gather_pass)
+INFERENCE_PASSES = check_order((chunk_tag_pass, chunk_gather_pass), runs_on=[(FORWARD, INFERENCE)])
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *, stage: str) -> fx.GraphModule:
-    """Apply `passes` in order; an error names the failing pass and those that ran before it."""
+    """Apply `passes` in order, each seeing only the context fields it requires (`as_declared`); an error names the
+    failing pass and those that ran before it."""
     ctx = dataclasses.replace(ctx, stage=stage)
     done: list[str] = []
     for i, pass_fn in enumerate(passes):
         name = pass_fn.__name__
         try:
-            gm = pass_fn(gm, ctx)
+            gm = pass_fn(gm, as_declared(ctx, pass_fn))
             gm.graph.lint()
         except Exception as e:
             raise RuntimeError(

@@ -4,6 +4,7 @@ follow a parameter or a saved tensor through its views use these (chunks.py, act
 from __future__ import annotations
 
 import operator
+from typing import cast
 
 from torch import fx
 
@@ -18,5 +19,5 @@ def is_view(node: fx.Node) -> bool:
 def view_base(node: fx.Node) -> fx.Node:
     """The node whose storage `node` views (itself when it is no view)."""
     while is_view(node):
-        node = node.args[0]
+        node = cast(fx.Node, node.args[0])  # (a view's first argument is a node: `is_view`)
     return node

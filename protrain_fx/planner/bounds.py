@@ -13,6 +13,9 @@ from protrain_fx.planner.link import Link
 
 if TYPE_CHECKING:
     from protrain_fx.planner.cost import Candidate, ModeTerms
+    from protrain_fx.planner.cost_fields import CostFields
+else:
+    CostFields = object  # (planner/cost_fields.py: the type checker's view of CostModel)
 
 
 def _plus_step_offset(bound):
@@ -26,7 +29,7 @@ def _plus_step_offset(bound):
     return with_offset
 
 
-class StepBounds:
+class StepBounds(CostFields):
     """Lower bounds of `Timeline.step_s`: a base of `CostModel`, whose fields and timelines these read."""
 
     @_plus_step_offset
@@ -56,6 +59,7 @@ class StepBounds:
         if self.n_chunk == 0:
             return forward + backward
         hw, per, load, offloaded = self.hardware, terms.per_chunk, self._load_floor_s(), self.n_chunk - config.n_persist
+        assert per is not None, "mode_terms(config) splits the work per chunk where there are chunks"
         uploads = (offloaded * load, max(0, offloaded - max(1, config.n_buffer)) * load)
         swapped = (terms.swapped_bytes / hw.d2h_bytes_per_s, terms.swapped_bytes / hw.h2d_bytes_per_s)
         work = sum(self.chunk_params[config.n_persist :]) / self.world_size * self._host_floor_s()

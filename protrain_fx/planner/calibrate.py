@@ -138,33 +138,33 @@ def switch_margin(costs: CostModel) -> float:
 
 def searches(costs: CostModel, forced: Mapping[str, Any], layout) -> bool:
     """Whether `plan_graph` searches any field under `forced` (with every one forced it only times the plan)."""
-    held = set(forced) & set(SEARCHED)
+    counts = set(forced) & set(SEARCHED)
     if "block_modes" in forced:
-        held |= {"n_swap", "n_checkpoint", "n_selective"}
+        counts |= {"n_swap", "n_checkpoint", "n_selective"}
     if not costs.prices_selective:
-        held.add("n_selective")
+        counts.add("n_selective")
     if layout is None or forced.get("n_persist") == layout.n_chunk:
-        held.add("n_buffer")
+        counts.add("n_buffer")
     if layout is None:
-        held.add("n_persist")
-    return not set(SEARCHED) <= held
+        counts.add("n_persist")
+    return not set(SEARCHED) <= counts
 
 
 def ranked_s(costs: CostModel, plan: Plan) -> float:
-    """The plan's step time as the search ranks it (`ranked_step_s`), its block modes and gradient slots held."""
-    return ranked_step_s(_held(costs, plan))(_candidate(plan))
+    """The plan's step time as the search ranks it (`ranked_step_s`), its block modes and gradient slots forced."""
+    return ranked_step_s(_forcing_plan(costs, plan))(_candidate(plan))
 
 
 def plan_step_s(costs: CostModel, plan: Plan, *, clipped: bool = False) -> float:
     """The plan's step time (`Timeline.step_s`; `clipped`: a step with clipping that does not apply), its block
-    modes and gradient slots held."""
-    return _held(costs, plan).step_s(_candidate(plan), plan.n_clip_overlap if clipped else None)
+    modes and gradient slots forced."""
+    return _forcing_plan(costs, plan).step_s(_candidate(plan), plan.n_clip_overlap if clipped else None)
 
 
 def plan_phases(costs: CostModel, plan: Plan) -> dict[str, float]:
     """The terms of the plan's step time (`Timeline.phases`: forward, backward, optimizer, the wait for the host),
-    its block modes and gradient slots held."""
-    return _held(costs, plan).phases(_candidate(plan))
+    its block modes and gradient slots forced."""
+    return _forcing_plan(costs, plan).phases(_candidate(plan))
 
 
 def device_phases(costs: CostModel, plan: Plan) -> tuple[float, float]:
@@ -174,12 +174,13 @@ def device_phases(costs: CostModel, plan: Plan) -> tuple[float, float]:
     return t["forward_s"] + t["cpu_optim_wait_s"], t["backward_s"]
 
 
-def _held(costs: CostModel, plan: Plan) -> CostModel:
+def _forcing_plan(costs: CostModel, plan: Plan) -> CostModel:
+    """`costs` with the plan's block modes and gradient slots forced."""
     return dataclasses.replace(
         costs,
         forced_modes=tuple(plan.block_modes),
-        grad_slots_held=plan.host_grad_slots,
-        device_grad_slots_held=plan.device_grad_slots,
+        forced_grad_slots=plan.host_grad_slots,
+        forced_device_grad_slots=plan.device_grad_slots,
     )
 
 

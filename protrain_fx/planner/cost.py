@@ -15,7 +15,7 @@ fused kernels move at the device's memory bandwidth instead (`node_s`, profiler/
 
 swap_interval: how many blocks of forward compute it takes to hide one block's swap-out copy,
     N_interval = ceil(max over blocks of (bytes the block saves / device-to-host bandwidth) / block forward time)
-It is fixed before the search (paper line 231).
+It is settled before the search (paper line 231).
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from protrain_fx.planner.bounds import StepBounds
 from protrain_fx.planner.chunking import ChunkLayout
 from protrain_fx.planner.memory_model import MemoryModel, Segment
 from protrain_fx.planner.plan import interleaved_modes
 from protrain_fx.planner.selective import selective_terms
-from protrain_fx.planner.timeline import Timeline
+from protrain_fx.planner.timeline import ModeWork, Timeline
 from protrain_fx.profiler.fusion import EXTERN, is_matmul
 from protrain_fx.profiler.hardware import HardwareProfile
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile
@@ -76,7 +77,7 @@ class ModeTerms:
     activation_peak: int  # `CostModel.activation_peak` of its modes
     recompute_s: float  # seconds its blocks recompute in the backward
     swapped_bytes: int  # bytes its swapped blocks keep on the host
-    per_chunk: dict[str, list[float]] | None  # `CostModel._per_chunk_of_modes` (None without chunks)
+    per_chunk: ModeWork | None  # `CostModel._per_chunk_of_modes` (None without chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +116,8 @@ class CostModel(MemoryModel, Timeline, StepBounds):
     forced_modes: tuple[str, ...] = ()  # the user's block_modes, in place of the interleaved layout
     overlap: bool = True  # copies and host work run beside the compute (False on the CPU: the same cores do all)
     host_budget: int | None = None  # the host memory this rank has for offloaded chunks and swap (None: not budgeted)
-    grad_slots_held: int | None = None  # the user's host_grad_slots (at most one per offloaded chunk is used)
-    device_grad_slots_held: int | None = None  # the user's device_grad_slots (at most one per persistent chunk)
+    forced_grad_slots: int | None = None  # the user's host_grad_slots (at most one per offloaded chunk is used)
+    forced_device_grad_slots: int | None = None  # the user's device_grad_slots (at most one per persistent chunk)
     # the persistent chunks share MIN_GRAD_SLOTS gradient buffers (the search's last resort, planner/search.py)
     share_device_grads: bool = False
     timing_noise: float = 0.0  # the profile's (GraphProfile.timing_noise): the search ties step times within it
@@ -165,118 +166,42 @@ class CostModel(MemoryModel, Timeline, StepBounds):
         the backward nodes that are parameter gradients (with a layout, the runtime frees each after its chunk's
         reduce); `fused`: the graphs run under a fusing compiler (inductor), see `node_s`; `master_bytes`: the
         plan's master dtype's (planner/plan.py master_bytes)."""
+        places = _places(profile, n_block)
+        seconds, matmuls, stretch = _sustained_seconds(profile, hardware, fused=fused)
+        times = _BlockTimes.of(profile, n_block, places, seconds, matmuls)
+        selective = selective_terms(profile.nodes, seconds, n_block)
+        segments = _segments(profile, places, grad_outputs if layout is not None else frozenset(), fused=fused)
         blocks = {b.block: b for b in profile.blocks}
-        fwd, bwd = [0.0] * n_block, [0.0] * n_block
-        saved = [blocks[b].saved_bytes if b in blocks else 0 for b in range(n_block)]
-        for_later: list[list[tuple[int, int]]] = [[] for _ in range(n_block)]
-        for node in profile.nodes:
-            if node.graph == "forward" and node.block is not None and node.block < n_block and node.saved_bytes:
-                if node.needed_from_block is not None and node.needed_from_block > node.block:
-                    for_later[node.block].append((node.needed_from_block, node.saved_bytes))
-        output, transient = [0] * n_block, [0] * n_block
-        other = {("forward", "pre"): 0.0, ("forward", "post"): 0.0, ("backward", "pre"): 0.0, ("backward", "post"): 0.0}
-        segments: list[Segment] = []
-        grads_held = 0
-        backward_s, matmul_s = 0.0, 0.0
-        # Where each node is, -1 before the blocks to n_block after them. Forward: the highest block reached so far
-        # (the views AOTAutograd adds at the end of the forward, tagged with early blocks, stay after the last
-        # block); a node outside the blocks once the last block is entered is after them. Backward: the highest
-        # block with nodes still to come (nodes tagged with a lower block that run early, as shared gradients do,
-        # do not end the blocks above them); a node outside the blocks sits before that block (n_block at the
-        # start), or before the blocks (-1) once none is to come.
-        places, highest = [0] * len(profile.nodes), -1
-        for i in reversed(range(len(profile.nodes))):
-            node = profile.nodes[i]
-            if node.graph == "backward":
-                if node.block is not None:
-                    highest = max(highest, node.block)
-                    places[i] = highest
-                else:
-                    places[i] = highest + 1 if highest >= 0 else -1
-        reached = -1
-        for i, node in enumerate(profile.nodes):
-            if node.graph == "forward":
-                if node.block is not None:
-                    reached = max(reached, node.block)
-                elif reached == n_block - 1:
-                    reached = n_block
-                places[i] = reached
-        # Each node's time as profiled in a short burst; matmuls slower in the sustained workload of training, by
-        # the hardware profile's stretch at this graph's share of matmul time (its clocks at the power limit)
-        base = [node_s(node, hardware) if fused else node.latency_s for node in profile.nodes]
-        bound = [is_matmul(node.target) for node in profile.nodes]
-        total_s = sum(base)
-        share = sum(s for s, b in zip(base, bound) if b) / total_s if total_s > 0 else 0.0
-        stretch = hardware.sustained_matmul_stretch(share)
-        selective = selective_terms(profile.nodes, [s * stretch if b else s for s, b in zip(base, bound)], n_block)
-        for node, at, seconds, matmul in zip(profile.nodes, places, base, bound):
-            seconds *= stretch if matmul else 1.0
-            if node.graph == "backward":
-                backward_s += seconds
-                matmul_s += seconds if matmul else 0.0
-            if node.block is None or at != node.block:
-                key = (node.graph, "post" if at == n_block else "pre")
-                other[key] += seconds
-            elif node.graph == "backward":
-                bwd[node.block] += seconds
-            else:
-                fwd[node.block] += seconds
-                if node.output_bytes:
-                    output[node.block] = node.output_bytes  # the block's last new tensor, in the end
-                transient[node.block] = max(transient[node.block], node.intra_delta_bytes)
-            spike = max(node.intra_delta_bytes, node.inter_delta_bytes, 0)
-            peak = node.allocated_before + spike - profile.baseline_bytes - grads_held
-            if fused:  # tensors a fused kernel never allocates
-                peak -= node.unfused_bytes
-            if layout is not None and node.graph == "backward" and node.name in grad_outputs:
-                grads_held += node.output_bytes
-            if segments and (segments[-1].graph, segments[-1].place) == (node.graph, at):
-                segments[-1] = dataclasses.replace(segments[-1], peak=max(segments[-1].peak, peak))
-            else:
-                segments.append(Segment(node.graph, at, peak))
-        chunks = {}
-        if layout is not None:
-            block_chunk = [layout.n_chunk - 1] * n_block
-            for slot, block in zip(layout.slots, block_of_param):
-                if block is not None and block < n_block:
-                    block_chunk[block] = min(block_chunk[block], slot.chunk)
-            chunks = dict(
-                **_layout_fields(layout),
-                block_chunk=tuple(block_chunk),
-                regathers=tuple(
-                    (chunk, block_chunk[b] if b < n_block else layout.n_chunk - 1) for chunk, b in regathers
-                ),
-                master_bytes=master_bytes,
+        for_later = _saved_for_later(profile, n_block)
+        chunks = _chunk_fields(layout, block_of_param, regathers, n_block, master_bytes) if layout is not None else {}
+        priced: dict[str, Any] = {}  # a selective block's terms, where the profile prices it
+        if selective is not None:
+            priced = dict(
+                block_kept=selective.kept,
+                block_selective_s=selective.recompute_s,
+                block_selective_transient=selective.transient,
             )
         return cls(
             n_block=n_block,
             swap_interval=swap_interval,
-            block_fwd_s=tuple(fwd),
-            block_bwd_s=tuple(bwd),
-            block_saved=tuple(saved),
+            block_fwd_s=times.fwd,
+            block_bwd_s=times.bwd,
+            block_saved=tuple(blocks[b].saved_bytes if b in blocks else 0 for b in range(n_block)),
             block_saved_for_later=tuple(tuple(pairs) for pairs in for_later) if any(for_later) else (),
-            block_output=tuple(output),
-            block_transient=tuple(transient),
-            other_fwd_s=(other[("forward", "pre")], other[("forward", "post")]),
-            other_bwd_s=(other[("backward", "pre")], other[("backward", "post")]),
-            segments=tuple(segments),
+            block_output=times.output,
+            block_transient=times.transient,
+            other_fwd_s=times.other_fwd,
+            other_bwd_s=times.other_bwd,
+            segments=segments,
             hardware=hardware,
             alpha=profile.fragmentation,
             timing_noise=profile.timing_noise,
             overlap=not profile.device.startswith("cpu"),
             other_bytes=other_bytes,
-            backward_matmul_share=matmul_s / backward_s if backward_s > 0 else 0.0,
+            backward_matmul_share=times.backward_matmul_share,
             matmul_stretch=stretch,
             **chunks,
-            **(
-                dict(
-                    block_kept=selective.kept,
-                    block_selective_s=selective.recompute_s,
-                    block_selective_transient=selective.transient,
-                )
-                if selective is not None
-                else {}
-            ),
+            **priced,
         )
 
     # ----- block modes -------------------------------------------------------------------------------
@@ -297,7 +222,7 @@ class CostModel(MemoryModel, Timeline, StepBounds):
             other_fwd_s=(0.0, 0.0),
             other_bwd_s=(0.0, 0.0),
             segments=(),
-            hardware=None,
+            hardware=None,  # type: ignore[arg-type]  # (its memory methods read no hardware)
             **_layout_fields(layout),
             master_bytes=master_bytes,
             share_device_grads=True,
@@ -344,4 +269,149 @@ def _layout_fields(layout: ChunkLayout) -> dict:
         element_size=layout.element_size,
         world_size=layout.world_size,
         chunk_params=tuple(chunk_params),
+    )
+
+
+def _places(profile: GraphProfile, n_block: int) -> list[int]:
+    """Where each node is, -1 before the blocks to n_block after them. Forward: the highest block reached so far
+    (the views AOTAutograd adds at the end of the forward, tagged with early blocks, stay after the last block); a
+    node outside the blocks once the last block is entered is after them. Backward: the highest block with nodes
+    still to come (nodes tagged with a lower block that run early, as shared gradients do, do not end the blocks
+    above them); a node outside the blocks sits before that block (n_block at the start), or before the blocks
+    (-1) once none is to come."""
+    places, highest = [0] * len(profile.nodes), -1
+    for i in reversed(range(len(profile.nodes))):
+        node = profile.nodes[i]
+        if node.graph == "backward":
+            if node.block is not None:
+                highest = max(highest, node.block)
+                places[i] = highest
+            else:
+                places[i] = highest + 1 if highest >= 0 else -1
+    reached = -1
+    for i, node in enumerate(profile.nodes):
+        if node.graph == "forward":
+            if node.block is not None:
+                reached = max(reached, node.block)
+            elif reached == n_block - 1:
+                reached = n_block
+            places[i] = reached
+    return places
+
+
+def _sustained_seconds(
+    profile: GraphProfile, hardware: HardwareProfile, *, fused: bool
+) -> tuple[list[float], list[bool], float]:
+    """Each node's time as profiled in a short burst (`node_s` under a fusing compiler), its matmuls' slower in the
+    sustained workload of training, by the hardware profile's stretch at this graph's share of matmul time (its
+    clocks at the power limit); which nodes are matmuls; and that stretch."""
+    burst = [node_s(node, hardware) if fused else node.latency_s for node in profile.nodes]
+    matmuls = [is_matmul(node.target) for node in profile.nodes]
+    total_s = sum(burst)
+    share = sum(s for s, matmul in zip(burst, matmuls) if matmul) / total_s if total_s > 0 else 0.0
+    stretch = hardware.sustained_matmul_stretch(share)
+    return [s * stretch if matmul else s for s, matmul in zip(burst, matmuls)], matmuls, stretch
+
+
+_OTHER = (("forward", "pre"), ("forward", "post"), ("backward", "pre"), ("backward", "post"))  # outside the blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockTimes:
+    """The compute seconds of each block's forward and backward and of what runs outside the blocks, and the
+    block terms read off the same walk over the nodes (`of`): the CostModel fields of the same names."""
+
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    other_fwd: tuple[float, float]  # the forward's seconds before and after the blocks
+    other_bwd: tuple[float, float]
+    output: tuple[int, ...]  # bytes of each block's output: its forward's last new tensor
+    transient: tuple[int, ...]  # each block's highest intra-op spike in its forward
+    backward_matmul_share: float  # of the backward's seconds, the share in matmuls
+
+    @classmethod
+    def of(
+        cls, profile: GraphProfile, n_block: int, places: list[int], seconds: list[float], matmuls: list[bool]
+    ) -> _BlockTimes:
+        """`places`: each node's (`_places`); `seconds`: each node's time and `matmuls` whether it is one
+        (`_sustained_seconds`)."""
+        fwd, bwd, output, transient = [0.0] * n_block, [0.0] * n_block, [0] * n_block, [0] * n_block
+        other = dict.fromkeys(_OTHER, 0.0)
+        backward_s, matmul_s = 0.0, 0.0
+        for node, at, s, matmul in zip(profile.nodes, places, seconds, matmuls):
+            if node.graph == "backward":
+                backward_s += s
+                matmul_s += s if matmul else 0.0
+            if node.block is None or at != node.block:
+                other[(node.graph, "post" if at == n_block else "pre")] += s
+            elif node.graph == "backward":
+                bwd[node.block] += s
+            else:
+                fwd[node.block] += s
+                if node.output_bytes:
+                    output[node.block] = node.output_bytes  # the block's last new tensor, in the end
+                transient[node.block] = max(transient[node.block], node.intra_delta_bytes)
+        return cls(
+            fwd=tuple(fwd),
+            bwd=tuple(bwd),
+            other_fwd=(other[("forward", "pre")], other[("forward", "post")]),
+            other_bwd=(other[("backward", "pre")], other[("backward", "post")]),
+            output=tuple(output),
+            transient=tuple(transient),
+            backward_matmul_share=matmul_s / backward_s if backward_s > 0 else 0.0,
+        )
+
+
+def _segments(
+    profile: GraphProfile, places: list[int], grad_outputs: frozenset[str], *, fused: bool
+) -> tuple[Segment, ...]:
+    """The peaks above the profile's baseline, one per run of nodes in one place (`_places`): each node's allocated
+    bytes and spike, less the parameter gradients made before it (`grad_outputs`: those the runtime frees after
+    their chunk's reduce) and, under a fusing compiler, the tensors its fused kernels never allocate."""
+    segments: list[Segment] = []
+    grads_freed = 0
+    for node, at in zip(profile.nodes, places):
+        spike = max(node.intra_delta_bytes, node.inter_delta_bytes, 0)
+        peak = node.allocated_before + spike - profile.baseline_bytes - grads_freed
+        if fused:
+            peak -= node.unfused_bytes
+        if node.graph == "backward" and node.name in grad_outputs:
+            grads_freed += node.output_bytes
+        if segments and (segments[-1].graph, segments[-1].place) == (node.graph, at):
+            segments[-1] = dataclasses.replace(segments[-1], peak=max(segments[-1].peak, peak))
+        else:
+            segments.append(Segment(node.graph, at, peak))
+    return tuple(segments)
+
+
+def _saved_for_later(profile: GraphProfile, n_block: int) -> list[list[tuple[int, int]]]:
+    """Per block, (the highest block whose backward reads it, bytes) of each tensor it saves that a later block's
+    backward reads too (`CostModel.block_saved_for_later`)."""
+    for_later: list[list[tuple[int, int]]] = [[] for _ in range(n_block)]
+    for node in profile.nodes:
+        if node.graph == "forward" and node.block is not None and node.block < n_block and node.saved_bytes:
+            if node.needed_from_block is not None and node.needed_from_block > node.block:
+                for_later[node.block].append((node.needed_from_block, node.saved_bytes))
+    return for_later
+
+
+def _chunk_fields(
+    layout: ChunkLayout,
+    block_of_param: Sequence[int | None],
+    regathers: Sequence[tuple[int, int]],
+    n_block: int,
+    master_bytes: int,
+) -> dict[str, Any]:
+    """The CostModel fields of a chunked graph: the layout's (`_layout_fields`), the chunk holding each block's
+    parameters (its first), and each chunk gathered again beside the forward of the chunk of the block it is read
+    in (the last chunk's, after the blocks)."""
+    block_chunk = [layout.n_chunk - 1] * n_block
+    for slot, block in zip(layout.slots, block_of_param):
+        if block is not None and block < n_block:
+            block_chunk[block] = min(block_chunk[block], slot.chunk)
+    return dict(
+        **_layout_fields(layout),
+        block_chunk=tuple(block_chunk),
+        regathers=tuple((chunk, block_chunk[b] if b < n_block else layout.n_chunk - 1) for chunk, b in regathers),
+        master_bytes=master_bytes,
     )

@@ -101,7 +101,7 @@ class Link:
         next_forward: float = 0.0,
     ):
         self.hardware, self.host, self.next_forward = hardware, _Busy(host), next_forward
-        no_copies = {"h2d": [], "d2h": []}
+        no_copies: dict[str, list[tuple[float, float]]] = {"h2d": [], "d2h": []}
         spans = step_clock(forward or no_copies, backward or no_copies, next_forward)
         self.busy = {way: _Busy(spans[way]) for way in spans}
 

@@ -35,6 +35,9 @@ from protrain_fx.planner.plan import HOST_STATES, MIN_GRAD_SLOTS, REDUCE_BUFFERS
 
 if TYPE_CHECKING:
     from protrain_fx.planner.cost import Candidate, ModeTerms
+    from protrain_fx.planner.cost_fields import CostFields
+else:
+    CostFields = object  # (planner/cost_fields.py: the type checker's view of CostModel)
 
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, each of the master dtype, per parameter element
 
@@ -49,7 +52,7 @@ class Segment:
     peak: int
 
 
-class MemoryModel:
+class MemoryModel(CostFields):
     """Peak memory and host memory of a configuration: a base of `CostModel`, whose fields these read."""
 
     def saving(self, block: int, mode: str) -> int:
@@ -137,22 +140,22 @@ class MemoryModel:
         return chunks + (terms or self.mode_terms(config, chunks=False)).swapped_bytes
 
     def grad_slots(self, config: Candidate) -> int:
-        """The host gradient shards the offloaded chunks of `config` get (the user's, if held): one each where
+        """The host gradient shards the offloaded chunks of `config` get (the user's, if forced): one each where
         `host_budget` has room (or is not set), else as many as it has, and no fewer than MIN_GRAD_SLOTS
         (`least_host_bytes`), which they share (runtime/chunks/slots.py)."""
         offloaded = self.n_chunk - config.n_persist
-        if self.grad_slots_held is not None:
-            return min(offloaded, self.grad_slots_held)
+        if self.forced_grad_slots is not None:
+            return min(offloaded, self.forced_grad_slots)
         if self.host_budget is None or not offloaded:
             return offloaded
         room = (self.host_budget - self.host_bytes(config, 0)) // (self.shard_elems * self.master_bytes)
         return max(min(offloaded, MIN_GRAD_SLOTS), min(offloaded, room))
 
     def device_grad_slots(self, config: Candidate) -> int:
-        """The gradient buffers the persistent chunks of `config` get on the device (the user's, if held):
+        """The gradient buffers the persistent chunks of `config` get on the device (the user's, if forced):
         one each, or MIN_GRAD_SLOTS, which they share (runtime/chunks/slots.py), with `share_device_grads`."""
-        if self.device_grad_slots_held is not None:
-            return min(config.n_persist, self.device_grad_slots_held)
+        if self.forced_device_grad_slots is not None:
+            return min(config.n_persist, self.forced_device_grad_slots)
         if self.share_device_grads:
             return min(config.n_persist, MIN_GRAD_SLOTS)
         return config.n_persist

@@ -2,8 +2,8 @@
 
     raise NoPlanFits(reserved, smallest, capacity, n_chunk=8, batch=batch_share(model, configs, capacity, host))
 
-Its message names the fields held fixed (the user's plan, or chunks already built) and the levers:
-- the fixed fields searched instead (`Released`: `plan_graph` searches a copy without them): the plan it finds,
+Its message names the forced fields (the user's plan, or chunks already built) and the levers:
+- the forced fields searched instead (`Released`: `plan_graph` searches a copy without them): the plan it finds,
   its GPU and host bytes, the most persistent chunks that fit; or that offloading needs more host than there is;
 - a smaller batch (`batch_share`): the cost model's activation terms (the profile's per-node peaks, each block's
   saved, output and transient bytes) all scale with the batch, so a configuration's activation peak is linear
@@ -20,10 +20,11 @@ from typing import Any
 
 from protrain_fx.planner.cost import Candidate, CostModel, ModeTerms
 
-GENERIC_ORIGIN = "the plan given (options['plan'] or protrain_fx.prepare's plan) or the chunks already built"
+GENERIC_ORIGIN = "options['plan'], protrain_fx.prepare's plan or the chunks already built"
 
 
-def _gib(n: float) -> str:
+def _gib(n: float | None) -> str:
+    assert n is not None, "a size the message names is known"
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
@@ -47,9 +48,9 @@ class BatchShare:
 
 @dataclasses.dataclass(frozen=True)
 class Released:
-    """The search with the fixed `fields` searched too: the plan it finds (`config`, its reserved bytes and its
+    """The search with the forced `fields` searched too: the plan it finds (`config`, its reserved bytes and its
     host bytes) and the most persistent chunks of any configuration that fits (None where n_persist was not
-    fixed); or `error`, where it finds none."""
+    forced); or `error`, where it finds none."""
 
     fields: tuple[str, ...]
     config: Candidate | None = None
@@ -78,13 +79,13 @@ def batch_share(
             known[key] = ModeTerms(model.activation_peak(modes), 0.0, swapped, None)
         terms = known[key]
         activations, swapped = terms.activation_peak, terms.swapped_bytes
-        fixed = model.state_bytes(config) + model.other_bytes
+        unbatched = model.state_bytes(config) + model.other_bytes
         chunks = model.least_host_bytes(config, terms) - swapped
         if host_bytes is not None and chunks > host_bytes:
             continue
-        if least is None or fixed < least:
-            least = fixed
-        share = (gpu - fixed) / activations if activations else (math.inf if fixed <= gpu else -math.inf)
+        if least is None or unbatched < least:
+            least = unbatched
+        share = (gpu - unbatched) / activations if activations else (math.inf if unbatched <= gpu else -math.inf)
         if host_bytes is not None and swapped:
             share = min(share, (host_bytes - chunks) / swapped)
         if share > best.share:
@@ -97,7 +98,7 @@ class NoPlanFits(ValueError):
     """No configuration fits. Either even the one needing the least GPU memory does not fit the GPU (`peak_bytes`:
     its reserved bytes), or every one that fits the GPU needs more host memory than this rank has (`host_needed`:
     the least of them, `config`; `host_bytes`: what there is). What would fit: `batch` (a smaller batch),
-    `released` (the `fixed` fields searched instead; `fixed_by`: where each came from)."""
+    `released` (the `forced` fields searched instead; `forced_by`: where each came from)."""
 
     def __init__(
         self,
@@ -109,8 +110,8 @@ class NoPlanFits(ValueError):
         *,
         n_chunk: int = 0,
         batch: BatchShare | None = None,
-        fixed: Mapping[str, Any] | None = None,
-        fixed_by: Mapping[str, str] | None = None,
+        forced: Mapping[str, Any] | None = None,
+        forced_by: Mapping[str, str] | None = None,
         released: Released | None = None,
         compile_workers_bytes: int = 0,
     ):
@@ -118,18 +119,18 @@ class NoPlanFits(ValueError):
         self.host_needed, self.host_bytes = host_needed, host_bytes
         self.n_chunk, self.batch, self.released = n_chunk, batch, released
         self.compile_workers_bytes = compile_workers_bytes
-        self.fixed, self.fixed_by = dict(fixed or {}), dict(fixed_by or {})
+        self.forced, self.forced_by = dict(forced or {}), dict(forced_by or {})
         super().__init__(self._message())
 
     def told(
         self,
         *,
-        fixed: Mapping[str, Any],
-        fixed_by: Mapping[str, str],
+        forced: Mapping[str, Any],
+        forced_by: Mapping[str, str],
         released: Released | None,
         compile_workers_bytes: int = 0,
     ):
-        """The same error, also naming the fields held fixed, what searching them would give, and the host memory
+        """The same error, also naming the forced fields, what searching them would give, and the host memory
         kept for inductor's compile workers (`compile_workers_bytes`)."""
         return NoPlanFits(
             self.peak_bytes,
@@ -139,8 +140,8 @@ class NoPlanFits(ValueError):
             self.host_bytes,
             n_chunk=self.n_chunk,
             batch=self.batch,
-            fixed=fixed,
-            fixed_by=fixed_by,
+            forced=forced,
+            forced_by=forced_by,
             released=released,
             compile_workers_bytes=compile_workers_bytes,
         )
@@ -149,14 +150,14 @@ class NoPlanFits(ValueError):
         if self.host_needed is None:
             head = (
                 f"no plan fits the GPU: the smallest ({self.config}) needs {_gib(self.peak_bytes)}, the GPU has "
-                f"{_gib(self.capacity_bytes)} for it{self._fixed_text()}."
+                f"{_gib(self.capacity_bytes)} for it{self._forced_text()}."
             )
         else:
             head = (
                 f"no plan fits the host memory: the plans that fit the GPU need at least {_gib(self.host_needed)} "
                 f"of it for this rank (the least, {self.config}, for its offloaded chunks' masters, AdamW states "
                 f"and gradients and its swap space), and there are {_gib(self.host_bytes)}: too little to offload "
-                f"the chunks the GPU has no room for{self._fixed_text()}."
+                f"the chunks the GPU has no room for{self._forced_text()}."
             )
         levers = [self._released_text(), self._batch_text()]
         if self.host_needed is None:
@@ -164,7 +165,7 @@ class NoPlanFits(ValueError):
                 "more GPUs: chunks are sharded across ranks, each holding its share of the model states",
                 "free GPU memory; if the capacity is wrong, set options={'gpu_memory_bytes': ...}",
             ]
-            if self.n_chunk and "n_persist" not in self.fixed:
+            if self.n_chunk and "n_persist" not in self.forced:
                 levers.append(
                     f"more host memory would not help: the smallest plan offloads {self.n_chunk - self.config.n_persist}"
                     f" of the {self.n_chunk} chunks already"
@@ -182,6 +183,7 @@ class NoPlanFits(ValueError):
         """The host memory kept for inductor's compile workers, where some was: compiling in the process frees it."""
         if not self.compile_workers_bytes:
             return ""
+        assert self.host_needed is not None and self.host_bytes is not None, "named where the host is short"
         short = self.host_needed - self.host_bytes
         enough = "enough" if self.compile_workers_bytes >= short else f"not enough alone: {_gib(short)} are missing"
         return (
@@ -190,18 +192,18 @@ class NoPlanFits(ValueError):
             f"({enough})"
         )
 
-    def _fixed_text(self) -> str:
-        """', with n_persist=14 fixed by ...' (the fields grouped by where they came from)."""
-        if not self.fixed:
+    def _forced_text(self) -> str:
+        """', with n_persist=14 forced by ...' (the fields grouped by where they came from)."""
+        if not self.forced:
             return ""
         by: dict[str, list[str]] = {}
-        for key, value in self.fixed.items():
+        for key, value in self.forced.items():
             shown = f"{key}={value}"
             if key == "block_modes":  # (one mode a block: their counts)
                 counts = ", ".join(f"{value.count(m)} {m}" for m in ("swap", "checkpoint", "selective"))
                 shown = f"block_modes ({counts} of {len(value)} blocks)"
-            by.setdefault(self.fixed_by.get(key, GENERIC_ORIGIN), []).append(shown)
-        return ", with " + "; ".join(f"{', '.join(fields)} fixed by {origin}" for origin, fields in by.items())
+            by.setdefault(self.forced_by.get(key, GENERIC_ORIGIN), []).append(shown)
+        return ", with " + "; ".join(f"{', '.join(fields)} forced by {origin}" for origin, fields in by.items())
 
     def _released_text(self) -> str:
         released = self.released
@@ -220,6 +222,7 @@ class NoPlanFits(ValueError):
                 f"with {names} searched instead none fits either: the smallest ({error.config}) needs "
                 f"{_gib(error.peak_bytes)}"
             )
+        assert released.config is not None, "a search that raised no error found a plan"
         text = (
             f"with {names} searched instead, the search plans {_config(released.config)}: predicted "
             f"{_gib(released.reserved_bytes)} of the GPU"
@@ -228,7 +231,7 @@ class NoPlanFits(ValueError):
             text += f" and {_gib(released.host_bytes)} of host memory (its offloaded chunks and swap space)"
         if released.most_persistent not in (None, released.config.n_persist):
             text += f"; at most n_persist={released.most_persistent} fits"
-        return text + ". Leave them out where they were fixed (or give these values there)"
+        return text + ". Leave them out where they were forced (or force these values there)"
 
     def _batch_text(self) -> str:
         batch = self.batch

@@ -137,7 +137,7 @@ def check_forced_fields(forced: Mapping[str, Any]) -> None:
     """The types of `options['plan']`'s fields, checked once when the options are read (what each field means
     against the model is checked by `make_plan`, where the chunk layout is known: `n_persist` and `n_buffer`
     against the chunk count, say): a ValueError naming the field and what it takes. `chunk_bytes` 0 means
-    chosen by the layout, as when it is not given."""
+    chosen by the layout, as when it is not forced."""
     unknown = sorted(set(forced) - set(PLAN_FIELDS))
     if unknown:
         raise ValueError(f"unknown plan field(s) {unknown} in options['plan']; plan fields are {list(PLAN_FIELDS)}")
@@ -237,7 +237,7 @@ def make_plan(
     interval = _int_field(forced, "swap_interval", swap_interval)
     if interval < 1:
         raise ValueError("options['plan']['swap_interval'] must be at least 1 (blocks)")
-    activations = {"block_modes": modes, "swap_interval": interval}
+    activations: dict[str, Any] = {"block_modes": modes, "swap_interval": interval}
     activations.update({key: modes.count(mode) for key, mode in MODE_COUNTS.items()})
     size, master_dtype = master_bytes(forced), forced.get("master_dtype", "float32")
     if layout is None:

@@ -9,7 +9,7 @@ and n_persist with the paper's pruning:
   copy behind, so n_swap <= n_block // swap_interval;
 - what depends on the block modes alone (the activation peak, the recompute seconds, the per-chunk split) is
   computed once per block layout (`_ByModes`), not once per configuration;
-- for fixed activation modes and buffers, memory grows with n_persist, so n_persist is visited upwards and
+- for one block layout and buffer count, memory grows with n_persist, so n_persist is visited upwards and
   the first configuration over capacity ends that row (every later one is larger);
 - configurations over capacity are never timed; nor are those whose least host memory
   (`CostModel.least_host_bytes`, its offloaded chunks sharing the fewest gradient shards: shrinks as n_persist
@@ -37,7 +37,7 @@ the one with the most headroom. (A swap hidden behind compute is priced at nothi
 settle points take some time: with memory to spare it buys nothing.) Two profiles of one model differ by their
 noise, and plans whose copies hide behind the compute are predicted within a fraction of a percent of each other:
 a margin under the noise would let the noise choose between them, so it counts as a tie. A field the user forces
-is held at its value and the rest searched.
+keeps its value and the rest are searched.
 
 Last resort (`plan_graph`): where nothing fits, the search runs again with the persistent chunks sharing
 MIN_GRAD_SLOTS gradient buffers on the device instead of one each (`CostModel.share_device_grads`): the GPU
@@ -84,6 +84,8 @@ SAFE_HEADROOM = 0.1  # a plan predicted to leave this share of the capacity free
 MAX_BUFFER = 4
 N_RUNNERS_UP = 3
 BOUND_ROUNDING = 1e-9  # step-time bounds are taken this much lower: where one adds up to the step, it may round above
+
+Ranked = tuple[Candidate, float, int]  # a configuration, its step seconds as ranked (`ranked_step_s`), its peak bytes
 
 
 def _values(forced: Mapping[str, Any], key: str, values) -> list[int]:
@@ -138,7 +140,8 @@ class _ByModes:
     block layout."""
 
     def __init__(self, model: CostModel):
-        self.model, self.known = model, {}
+        self.model = model
+        self.known: dict[tuple[int, int, int], ModeTerms] = {}
 
     def __call__(self, config: Candidate) -> ModeTerms:
         key = (config.n_swap, config.n_checkpoint, config.n_selective)
@@ -333,49 +336,55 @@ def brute_force(
 
 
 SEARCHED = tuple(f.name for f in dataclasses.fields(Candidate))
-# the fields a plan may fix that the search would otherwise choose; where none fits, the error says what searching
+# the fields a plan may force that the search would otherwise choose; where none fits, the error says what searching
 # them gives
-FIXABLE = SEARCHED + ("block_modes", "host_grad_slots", "device_grad_slots")
+FORCEABLE = SEARCHED + ("block_modes", "host_grad_slots", "device_grad_slots")
 
 
-def _search(costs: CostModel, capacity_bytes: int | None, held: Mapping[str, Any], may_share: bool):
+def _search_with_last_resort(
+    costs: CostModel, capacity_bytes: int | None, forced: Mapping[str, Any], may_share: bool
+) -> tuple[Ranked, list[Ranked], CostModel]:
     """`search` under `costs.host_budget`, and where nothing fits and `may_share`, again with the persistent
     chunks sharing device gradient buffers (the last resort): (best, runners-up, the cost model they fit)."""
     try:
-        return (*search(costs, capacity_bytes, held, costs.host_budget), costs)
+        return (*search(costs, capacity_bytes, forced, costs.host_budget), costs)
     except NoPlanFits:
         if not may_share:
             raise
         costs = dataclasses.replace(costs, share_device_grads=True)
-        return (*search(costs, capacity_bytes, held, costs.host_budget), costs)
+        return (*search(costs, capacity_bytes, forced, costs.host_budget), costs)
 
 
 def _released(
-    costs: CostModel, fixed: Mapping[str, Any], layout: ChunkLayout | None, capacity_bytes: int | None, host_bytes
+    costs: CostModel,
+    forced: Mapping[str, Any],
+    layout: ChunkLayout | None,
+    capacity_bytes: int | None,
+    host_bytes: int | None,
 ) -> Released:
-    """What the search finds with the `fixed` fields searched too (the host budgeted where n_persist is then
-    searched), on a copy of `costs` that holds none of them."""
-    held = {} if costs.prices_selective else {"n_selective": 0}
+    """What the search finds with the `forced` fields searched too (the host budgeted where n_persist is then
+    searched), on a copy of `costs` that forces none of them."""
+    still_forced = {} if costs.prices_selective else {"n_selective": 0}
     if layout is None:
-        held.update(n_persist=0, n_buffer=0)
-    fields = tuple(k for k in fixed if k not in held)
+        still_forced.update(n_persist=0, n_buffer=0)
+    fields = tuple(k for k in forced if k not in still_forced)
     if not fields:
         return Released(())
     free = dataclasses.replace(
         costs,
         forced_modes=(),
-        grad_slots_held=None,
-        device_grad_slots_held=None,
+        forced_grad_slots=None,
+        forced_device_grad_slots=None,
         share_device_grads=False,
-        host_budget=host_bytes if "n_persist" not in held else None,
+        host_budget=host_bytes if "n_persist" not in still_forced else None,
     )
     try:
-        (config, _, peak), _, free = _search(free, capacity_bytes, held, layout is not None)
+        (config, _, peak), _, free = _search_with_last_resort(free, capacity_bytes, still_forced, layout is not None)
     except NoPlanFits as error:
         return Released(fields, error=error)
     most = None
     if "n_persist" in fields:
-        fitting, _, _ = _scan(free, capacity_bytes, held, free.host_budget, _ByModes(free))
+        fitting, _, _ = _scan(free, capacity_bytes, still_forced, free.host_budget, _ByModes(free))
         most = max(c.n_persist for c, _ in fitting)
     host = free.host_bytes(config) if layout is not None else 0
     return Released(fields, config, free.reserved_bytes(config, peak), host, most)
@@ -388,97 +397,127 @@ def plan_graph(
     capacity_bytes: int | None,
     host_bytes: int | None = None,
     *,
-    fixed_by: Mapping[str, str] | None = None,
+    forced_by: Mapping[str, str] | None = None,
     compile_workers_bytes: int = 0,
 ) -> Plan:
-    """The plan of one graph: the forced fields as given (checked by make_plan), the rest searched, with the
+    """The plan of one graph: the forced fields kept (checked by make_plan), the rest searched, with the
     predictions and the runners-up. Fully forced plans are not searched; one predicted over capacity is kept,
     with a warning. The host memory (`host_bytes`) is budgeted only where `n_persist` is searched: a forced one
     is the user's or that of the model's chunks, already built (their host memory is in use, not available).
-    Where none fits, NoPlanFits names the forced fields (`fixed_by`: where each came from, as "options['plan']";
+    Where none fits, NoPlanFits names the forced fields (`forced_by`: where each came from, as "options['plan']";
     default: nofit.GENERIC_ORIGIN), what searching them instead gives, and the host memory kept out of
     `host_bytes` for inductor's compile workers (`compile_workers_bytes`), which compiling in the process frees."""
-    forced, given = dict(forced), costs
+    forced = dict(forced)
     make_plan(costs.n_block, forced, layout, swap_interval=costs.swap_interval)  # the user's fields, checked
-    held = {k: forced[k] for k in SEARCHED if k in forced}
-    if "host_grad_slots" in forced:
-        costs = dataclasses.replace(costs, grad_slots_held=forced["host_grad_slots"])
-    if "device_grad_slots" in forced:
-        costs = dataclasses.replace(costs, device_grad_slots_held=forced["device_grad_slots"])
     assert layout is None or costs.master_bytes == master_bytes(forced), "CostModel.build got another master_dtype"
+    model = _forcing(costs, forced)
+    counts = _forced_counts(model, forced, layout)
+    runners_up: list[Ranked] = []
+    if all(k in counts for k in SEARCHED):
+        best = _timed_as_forced(model, Candidate(**counts), capacity_bytes)
+    else:
+        if "n_persist" not in counts:
+            model = dataclasses.replace(model, host_budget=host_bytes)
+        may_share = layout is not None and "device_grad_slots" not in forced
+        try:
+            best, runners_up, model = _search_with_last_resort(model, capacity_bytes, counts, may_share)
+        except NoPlanFits as error:
+            searchable = {k: forced[k] for k in FORCEABLE if k in forced}
+            released = _released(costs, searchable, layout, capacity_bytes, host_bytes) if searchable else None
+            raise error.told(
+                forced=searchable,
+                forced_by=forced_by or {},
+                released=released,
+                compile_workers_bytes=compile_workers_bytes,
+            ) from None
+        if model.share_device_grads:
+            _warn_device_grads_shared(model, best[0])
+    plan = _to_plan(model, forced, layout, best, chosen=True)
+    return dataclasses.replace(plan, runners_up=tuple(_to_plan(model, forced, layout, r) for r in runners_up))
+
+
+def _forcing(costs: CostModel, forced: Mapping[str, Any]) -> CostModel:
+    """`costs` with the forced fields that are no count of the search: the block modes and the gradient slots."""
+    if "host_grad_slots" in forced:
+        costs = dataclasses.replace(costs, forced_grad_slots=forced["host_grad_slots"])
+    if "device_grad_slots" in forced:
+        costs = dataclasses.replace(costs, forced_device_grad_slots=forced["device_grad_slots"])
+    if "block_modes" in forced:
+        costs = dataclasses.replace(costs, forced_modes=tuple(forced["block_modes"]))
+    return costs
+
+
+def _forced_counts(costs: CostModel, forced: Mapping[str, Any], layout: ChunkLayout | None) -> dict[str, int]:
+    """The searched fields (`SEARCHED`) the search takes as they are: those forced, the mode counts of forced block
+    modes, no selective block where the profile does not price them, and no chunk fields without a layout (no
+    buffer where every chunk is forced persistent)."""
+    counts = {k: forced[k] for k in SEARCHED if k in forced}
     if "block_modes" in forced:
         modes = tuple(forced["block_modes"])
-        held.update({key: modes.count(mode) for key, mode in MODE_COUNTS.items()})
-        costs = dataclasses.replace(costs, forced_modes=modes)
+        counts.update({key: modes.count(mode) for key, mode in MODE_COUNTS.items()})
     if not costs.prices_selective:
-        held.setdefault("n_selective", 0)
+        counts.setdefault("n_selective", 0)
     if layout is None:
-        held.update(n_persist=0, n_buffer=0)
-    elif held.get("n_persist") == layout.n_chunk:
-        held["n_buffer"] = 0
-    if all(k in held for k in SEARCHED):
-        config = Candidate(**held)
-        best, runners_up = (config, costs.step_s(config), costs.peak_bytes(config)), []
-        if capacity_bytes is not None and costs.reserved_bytes(config) > capacity_bytes:
-            log.warning(
-                "the forced plan %s is predicted to need %.2f GiB, more than the %.2f GiB the GPU has for it",
-                config,
-                costs.reserved_bytes(config) / 2**30,
-                capacity_bytes / 2**30,
-            )
-    else:
-        if "n_persist" not in held:
-            costs = dataclasses.replace(costs, host_budget=host_bytes)
-        try:
-            best, runners_up, costs = _search(
-                costs, capacity_bytes, held, layout is not None and "device_grad_slots" not in forced
-            )
-        except NoPlanFits as error:
-            fixed = {k: forced[k] for k in FIXABLE if k in forced}
-            released = _released(given, fixed, layout, capacity_bytes, host_bytes) if fixed else None
-            raise error.told(
-                fixed=fixed, fixed_by=fixed_by or {}, released=released, compile_workers_bytes=compile_workers_bytes
-            ) from None
-        if costs.share_device_grads:
-            log.warning(
-                "no plan with a gradient buffer for each persistent chunk fits this machine: the %d "
-                "persistent chunks share %d. Steps whose updates wait for optimizer.step() (gradient clipping, "
-                "accumulation) hold every persistent gradient and need %.2f GiB more GPU memory",
-                best[0].n_persist,
-                costs.device_grad_slots(best[0]),
-                (best[0].n_persist - costs.device_grad_slots(best[0])) * costs.chunk_elems * costs.master_bytes / 2**30,
-            )
+        counts.update(n_persist=0, n_buffer=0)
+    elif counts.get("n_persist") == layout.n_chunk:
+        counts["n_buffer"] = 0
+    return counts
 
-    def to_plan(found: tuple[Candidate, float, int], chosen: bool) -> Plan:
-        """`chosen`: the plan in force, which also gets how a clipped step runs (runners-up are shown, not run)."""
-        config, _, peak = found
-        step_s = costs.step_s(config)
-        fields = dataclasses.asdict(config)
-        if layout is None:
-            fields = {k: v for k, v in fields.items() if k not in ("n_persist", "n_buffer")}
-        clipped_s, fields["n_clip_overlap"] = None, 0
-        if layout is not None:
-            fields["host_grad_slots"] = costs.grad_slots(config)
-            fields["device_grad_slots"] = costs.device_grad_slots(config)
-        if chosen and layout is not None:  # how many offloaded chunks update during the backward of a clipped step
-            options = (
-                [forced["n_clip_overlap"]]
-                if "n_clip_overlap" in forced
-                else range(layout.n_chunk - config.n_persist + 1)
-            )
-            clipped_s, fields["n_clip_overlap"] = min((costs.step_s(config, clipped=k), k) for k in options)
-        elif chosen:
-            clipped_s = step_s
-        plan = make_plan(costs.n_block, {**forced, **fields}, layout, swap_interval=costs.swap_interval)
-        reserved = costs.reserved_bytes(config, peak)
-        return dataclasses.replace(
-            plan,
-            predicted_step_s=step_s,
-            predicted_slow_host_step_s=slow_host(costs).step_s(config),
-            predicted_clipped_step_s=clipped_s,
-            predicted_host_adam_s_per_param=costs.host_adam_mean_s(config) if chosen else None,
-            predicted_peak_bytes=peak,
-            predicted_reserved_bytes=reserved,
+
+def _timed_as_forced(costs: CostModel, config: Candidate, capacity_bytes: int | None) -> Ranked:
+    """A configuration with every searched field forced, timed (not ranked: nothing to rank it against); one
+    predicted over capacity is kept, with a warning."""
+    if capacity_bytes is not None and costs.reserved_bytes(config) > capacity_bytes:
+        log.warning(
+            "the forced plan %s is predicted to need %.2f GiB, more than the %.2f GiB the GPU has for it",
+            config,
+            costs.reserved_bytes(config) / 2**30,
+            capacity_bytes / 2**30,
         )
+    return config, costs.step_s(config), costs.peak_bytes(config)
 
-    return dataclasses.replace(to_plan(best, True), runners_up=tuple(to_plan(r, False) for r in runners_up))
+
+def _warn_device_grads_shared(costs: CostModel, config: Candidate) -> None:
+    """The search found a plan only with the persistent chunks sharing device gradient buffers (the last resort)."""
+    log.warning(
+        "no plan with a gradient buffer for each persistent chunk fits this machine: the %d "
+        "persistent chunks share %d. Steps whose updates wait for optimizer.step() (gradient clipping, "
+        "accumulation) hold every persistent gradient and need %.2f GiB more GPU memory",
+        config.n_persist,
+        costs.device_grad_slots(config),
+        (config.n_persist - costs.device_grad_slots(config)) * costs.chunk_elems * costs.master_bytes / 2**30,
+    )
+
+
+def _to_plan(
+    costs: CostModel, forced: Mapping[str, Any], layout: ChunkLayout | None, found: Ranked, *, chosen: bool = False
+) -> Plan:
+    """The plan of a configuration the search found (`found`: as `search` ranks it), with its predictions by
+    `costs`. `chosen`: the plan in force, which also gets how a clipped step runs (runners-up are shown, not
+    run)."""
+    config, _, peak = found
+    step_s = costs.step_s(config)
+    fields: dict[str, Any] = dataclasses.asdict(config)
+    if layout is None:
+        fields = {k: v for k, v in fields.items() if k not in ("n_persist", "n_buffer")}
+    clipped_s, fields["n_clip_overlap"] = None, 0
+    if layout is not None:
+        fields["host_grad_slots"] = costs.grad_slots(config)
+        fields["device_grad_slots"] = costs.device_grad_slots(config)
+    if chosen and layout is not None:  # how many offloaded chunks update during the backward of a clipped step
+        options = (
+            [forced["n_clip_overlap"]] if "n_clip_overlap" in forced else range(layout.n_chunk - config.n_persist + 1)
+        )
+        clipped_s, fields["n_clip_overlap"] = min((costs.step_s(config, clipped=k), k) for k in options)
+    elif chosen:
+        clipped_s = step_s
+    plan = make_plan(costs.n_block, {**forced, **fields}, layout, swap_interval=costs.swap_interval)
+    return dataclasses.replace(
+        plan,
+        predicted_step_s=step_s,
+        predicted_slow_host_step_s=slow_host(costs).step_s(config),
+        predicted_clipped_step_s=clipped_s,
+        predicted_host_adam_s_per_param=costs.host_adam_mean_s(config) if chosen else None,
+        predicted_peak_bytes=peak,
+        predicted_reserved_bytes=costs.reserved_bytes(config, peak),
+    )

@@ -46,16 +46,37 @@ first chunk; post-block ones to the last). Without a chunk layout the step is th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from protrain_fx.planner.link import HostRates, Link, step_clock
 from protrain_fx.planner.plan import REDUCE_BUFFERS
 
 if TYPE_CHECKING:
     from protrain_fx.planner.cost import Candidate
+    from protrain_fx.planner.cost_fields import CostFields
+else:
+    CostFields = object  # (planner/cost_fields.py: the type checker's view of CostModel)
 
 
-class Timeline:
+class ModeWork(TypedDict):
+    """Each chunk's share of the work that the block modes alone set (`Timeline._per_chunk_of_modes`): seconds of
+    forward and backward compute and of recompute, bytes of the swap-out and swap-in copies beside it."""
+
+    forward: list[float]
+    backward: list[float]
+    recompute: list[float]
+    swap_out: list[float]
+    swap_in: list[float]
+
+
+class ChunkWork(ModeWork):
+    """Each chunk's share of the work (`Timeline._per_chunk`): its block modes' and the offloaded chunks the forward
+    gathers again beside it."""
+
+    regather: list[int]
+
+
+class Timeline(CostFields):
     """Step time of a configuration: a base of `CostModel`, whose fields these read."""
 
     def _collective_s(self, op: str) -> float:
@@ -144,13 +165,13 @@ class Timeline:
         swapped = [self.saving(b, m) if m == "swap" else 0 for b, m in enumerate(modes)]
         return recompute, swapped
 
-    def _per_chunk(self, config: Candidate, of_modes: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    def _per_chunk(self, config: Candidate, of_modes: ModeWork | None = None) -> ChunkWork:
         """Each chunk's share of the work (`_per_chunk_of_modes`, unless given as `of_modes`: the block layout's)
         and the offloaded chunks the forward gathers again beside it (`_regathered`)."""
         of_modes = self._per_chunk_of_modes(config) if of_modes is None else of_modes
-        return {**of_modes, "regather": self._regathered(config)}
+        return ChunkWork(**of_modes, regather=self._regathered(config))
 
-    def _per_chunk_of_modes(self, config: Candidate) -> dict[str, list[float]]:
+    def _per_chunk_of_modes(self, config: Candidate) -> ModeWork:
         """What of each chunk's share of the work the block modes alone set: seconds of forward and backward compute
         and of recompute, bytes of the swap-out copies (forward) and swap-in copies (backward) that run beside it."""
         n = self.n_chunk
@@ -170,13 +191,7 @@ class Timeline:
             for j in range(1, k + 1):
                 out_c[self.block_chunk[min(b + j, last)]] += swapped[b] / k
                 in_c[self.block_chunk[min(b + j, last)]] += swapped[b] / k
-        return {
-            "forward": fwd_c,
-            "backward": bwd_c,
-            "recompute": rec_c,
-            "swap_out": out_c,
-            "swap_in": in_c,
-        }
+        return ModeWork(forward=fwd_c, backward=bwd_c, recompute=rec_c, swap_out=out_c, swap_in=in_c)
 
     def _regathered(self, config: Candidate) -> list[int]:
         """Per chunk, the offloaded chunks the forward gathers again beside it (`regathers`): with `n_persist`, not
@@ -186,7 +201,7 @@ class Timeline:
         ]
 
     def _forward_timeline(
-        self, config: Candidate, per: dict[str, list[float]], link: Link, ready: Sequence[float] | None = None
+        self, config: Candidate, per: ChunkWork, link: Link, ready: Sequence[float] | None = None
     ) -> dict:
         """The forward, chunk by chunk, on three lanes: the compute, the copies to the device and those to the
         host. A non-persistent chunk's upload (its shard up, then the all-gather, on one stream) starts once the
@@ -199,7 +214,9 @@ class Timeline:
         `per`: `_per_chunk(config)`. Returns the end and the copies' (start, end) each way."""
         n, persist, (gather, slower) = self.n_chunk, config.n_persist, self._gather_s()
         shard = self.shard_elems * self.master_bytes  # an offloaded shard's master going up, its gradient down
-        t, up, down, h2d, d2h = 0.0, 0.0, 0.0, [], []
+        t, up, down = 0.0, 0.0, 0.0
+        h2d: list[tuple[float, float]] = []
+        d2h: list[tuple[float, float]] = []
         if not self.overlap:
             for c in range(n):
                 load = link.seconds("h2d", shard, t, forward=True) + gather if c >= persist else 0.0
@@ -226,9 +243,7 @@ class Timeline:
             end[c] = t
         return {"end": t, "h2d": h2d, "d2h": d2h}
 
-    def _backward_timeline(
-        self, config: Candidate, per: dict[str, list[float]], link: Link, host_ends: list | None = None
-    ) -> dict:
+    def _backward_timeline(self, config: Candidate, per: ChunkWork, link: Link, host_ends: list | None = None) -> dict:
         """The backward, chunk by chunk (last to first), on the same three lanes. The last n_buffer non-persistent
         chunks are still in their buffers from the forward; each one before them is uploaded once the link is
         free and a buffer is (the chunk n_buffer before it in this order has been computed). A chunk computes
@@ -250,10 +265,12 @@ class Timeline:
         uploaded = set(order[buffers:])  # (the others are still in their buffers from the forward)
         t, up, copy_end, link_free, end, loaded, following = 0.0, 0.0, [0.0] * n, 0.0, [0.0] * n, {}, buffers
         reduced: list[int] = []  # offloaded chunks in the order they took a reduce buffer
-        h2d, d2h = [], []
+        h2d: list[tuple[float, float]] = []
+        d2h: list[tuple[float, float]] = []
         slots = self.grad_slots(config) if host_ends is not None else n - persist  # (the bound's first pass: none)
         shared = slots < n - persist
-        freed = sorted(e for e in host_ends if e is not None) if shared else []  # when each shard is given back
+        # when each shard is given back (`shared`: only with `host_ends`)
+        freed = sorted(e for e in host_ends if e is not None) if shared and host_ends is not None else []
         beside = 0.0  # what the collectives running beside the next chunk's compute add to it
         for c in reversed(range(n)):
             done = n - 1 - c  # chunks the backward has done so far (the first len(order) are `order`)
@@ -313,7 +330,9 @@ class Timeline:
                     arrival[c] = max(arrival[c], next_forward)
                 else:
                     work[c] += undo
-        pending, clock, ends, spans = set(range(config.n_persist, n)), 0.0, [None] * n, []
+        pending, clock = set(range(config.n_persist, n)), 0.0
+        ends: list[float | None] = [None] * n
+        spans: list[tuple[float, float]] = []
         if pending:  # (built only where the host has work: the search visits many configurations)
             rates = HostRates(hw, **step_clock(forward, backward, next_forward), master_bytes=self.master_bytes)
         while pending:
@@ -361,13 +380,14 @@ class Timeline:
             }
         per = self._per_chunk(config)
         link, host = Link(hw), None
-        for _ in range(2):
+        for _ in range(2):  # (the first pass at the idle rates, then at those beside what it laid out)
             forward = self._forward_timeline(config, per, link)
             backward = self._backward_timeline(config, per, link, host["ends"] if host else None)
             gpu_optim = self._gpu_optim_s(config, backward["copy_end"], backward["end"], early=clipped is None)
             next_forward = backward["end"] + gpu_optim
             host = self._host_timeline(config, forward, backward, next_forward, clipped)
             link = Link(hw, forward, backward, host["spans"], next_forward)
+        assert host is not None
         ready = [0.0 if end is None else end - next_forward for end in host["ends"]]
         waited = self._forward_timeline(config, per, link, ready)
         return {

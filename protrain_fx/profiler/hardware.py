@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from protrain_fx.config import default_cache_dir
+from protrain_fx.cache_dir import default_cache_dir
 from protrain_fx.distributed import least_on_every_rank, rank_and_world_size
 from protrain_fx.host import available_host_bytes, release_cached_pinned
 from protrain_fx.host_queue import host_threads
@@ -265,7 +265,12 @@ def host_capacity(device: torch.device) -> int | None:
     if available is None:
         return None
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    reserve = HOST_RESERVE_BYTES + compile_workers_bytes()  # (each rank's process)
+    return host_share(available, ranks, HOST_RESERVE_BYTES + compile_workers_bytes())
+
+
+def host_share(available: int, ranks: int, reserve: int) -> int:
+    """What each of `ranks` ranks of one machine may take of `available` host bytes for offloaded chunks and swap
+    space, each rank's process keeping `reserve` bytes for the rest of its training."""
     return max(0, available - reserve * ranks) // ranks
 
 

@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -161,63 +161,32 @@ def profile_iteration(
     device = next((t.device for t in primals if isinstance(t, torch.Tensor) and t.device.type != "cpu"), None)
     device = device or torch.device("cpu")
     timed_graphs: dict[str, TimedGraph] = {}  # built once (thousands of nodes to generate code for), run each time
+
+    def iteration(tracker) -> tuple[list[NodeProfile], int, int, int]:
+        return _iteration(fw, bw, primals, block_map, device, tracker, on_demand, timed_graphs)
+
     n_nodes = len(fw.graph.nodes) + len(bw.graph.nodes)
     runs = TIMED_RUNS + (2 if device.type == "cuda" else 1)
     bar = progress(total=runs, desc=f"profiling {n_nodes} nodes", unit="run")
-    if device.type == "cuda":
-        # blocks cached before (the hardware profile's, ...) would take what the first run leaves allocated and
-        # then could not be freed: the fragmentation below would count them
-        torch.cuda.empty_cache()
-        # on demand, what to drop and fetch is learned here for the timed run
-        warm = AbsentCounting(CudaMemoryTracker(device), on_demand) if on_demand is not None else None
-        _iteration(fw, bw, primals, block_map, device, warm, on_demand, timed_graphs)
-        bar.update()
-        # so that the reserved bytes read after the memory run, over its peak, are the fragmentation of that run
-        torch.cuda.empty_cache()
-    tracker = CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()
-    if on_demand is not None:
-        tracker = AbsentCounting(tracker, on_demand)
-    nodes, baseline, peak, saved_bytes = _iteration(
-        fw, bw, primals, block_map, device, tracker, on_demand, timed_graphs
-    )
-    bar.update()
-    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    memory = _memory_run(iteration, device, on_demand, bar)
+    nodes = memory.nodes
     if device.type == "cuda":  # (inductor's compile workers start as the compile begins: profiler/quiet.py)
         wait_until_children_quiet()
-    latencies, probes = [], []
-    with _one_thread_on_cpu(device):
-        for _ in range(TIMED_RUNS):
-            timed, *_ = _iteration(fw, bw, primals, block_map, device, None, on_demand, timed_graphs)
-            bar.update()
-            assert [r.name for r in timed] == [r.name for r in nodes], "timing and memory runs saw different nodes"
-            latencies.append([t.latency_s for t in timed])
-            if device.type == "cuda":
-                probes.append([t for kind in ("forward", "backward") for t in timed_graphs[kind].probe_at_records()])
+    latencies, probes = _timed_runs(iteration, nodes, device, timed_graphs, bar)
     bar.close()
     clock_stretch, noise = least_at_burst_clocks(nodes, latencies, probes)
-    needed_from = block_map.needed_from(bw.graph)
-    for record in nodes:
-        if record.graph == "forward" and record.saved_bytes:
-            record.needed_from_block = needed_from.get(record.name)
-    by_graph = {"forward": fw, "backward": bw}
-    sizes = _sizes(fw, primals)
-    for kind, gm in by_graph.items():
-        named = {r.name: r for r in nodes if r.graph == kind}
-        classify(named, gm.graph, cpu=device.type == "cpu", sizes=sizes)
-        for node in gm.graph.nodes:
-            if node.name in named:
-                node.meta["protrain"] = named[node.name]
+    _annotate(nodes, fw, bw, primals, block_map, device)
     profile = GraphProfile(
         device=str(device),
         forward_s=sum(r.latency_s for r in nodes if r.graph == "forward"),
         backward_s=sum(r.latency_s for r in nodes if r.graph == "backward"),
-        peak_bytes=peak,
-        baseline_bytes=baseline,
-        saved_bytes=saved_bytes,
+        peak_bytes=memory.peak,
+        baseline_bytes=memory.baseline,
+        saved_bytes=memory.saved_bytes,
         nodes=nodes,
         blocks=aggregate_blocks(nodes),
-        reserved_bytes=reserved,
-        measured_peak_bytes=tracker.measured_peak if on_demand is not None else peak,
+        reserved_bytes=memory.reserved,
+        measured_peak_bytes=memory.measured_peak,
         matmul_clock_stretch=clock_stretch,
         timing_noise=noise,
     )
@@ -229,10 +198,90 @@ def profile_iteration(
         profile.forward_s * 1e3,
         profile.backward_s * 1e3,
         noise * 100,
-        peak / 2**20,
-        saved_bytes / 2**20,
+        memory.peak / 2**20,
+        memory.saved_bytes / 2**20,
     )
     return profile
+
+
+# `_iteration` of one pair of graphs, given its memory tracker (None: timed): (node records, baseline, peak, saved bytes)
+_Iteration = Callable[[Any], tuple[list[NodeProfile], int, int, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _MemoryRun:
+    """What the memory iteration measured (`_memory_run`)."""
+
+    nodes: list[NodeProfile]
+    baseline: int  # bytes allocated at the start
+    peak: int
+    saved_bytes: int  # activation bytes the forward saves for the backward
+    reserved: int  # the allocator's reserved bytes after it (0 on the CPU)
+    measured_peak: int  # the peak it held (on demand: less than `peak`, which counts what it dropped)
+
+
+def _memory_run(iteration: _Iteration, device: torch.device, on_demand: OnDemand | None, bar) -> _MemoryRun:
+    """The memory iteration, after an untimed one on CUDA (`iteration(tracker)`: `_iteration` of the graphs, see
+    `profile_iteration`)."""
+    if device.type == "cuda":
+        # blocks cached before (the hardware profile's, ...) would take what the first run leaves allocated and
+        # then could not be freed: the fragmentation below would count them
+        torch.cuda.empty_cache()
+        # on demand, what to drop and fetch is learned here for the timed run
+        iteration(AbsentCounting(CudaMemoryTracker(device), on_demand) if on_demand is not None else None)
+        bar.update()
+        # so that the reserved bytes read after the memory run, over its peak, are the fragmentation of that run
+        torch.cuda.empty_cache()
+    tracker = CudaMemoryTracker(device) if device.type == "cuda" else CpuMemoryTracker()
+    if on_demand is not None:
+        tracker = AbsentCounting(tracker, on_demand)
+    nodes, baseline, peak, saved_bytes = iteration(tracker)
+    bar.update()
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    measured_peak = tracker.measured_peak if on_demand is not None else peak
+    return _MemoryRun(nodes, baseline, peak, saved_bytes, reserved, measured_peak)
+
+
+def _timed_runs(
+    iteration: _Iteration, nodes: list[NodeProfile], device: torch.device, timed_graphs: dict[str, TimedGraph], bar
+) -> tuple[list[list[float]], list[list[float]]]:
+    """TIMED_RUNS timed iterations (`iteration(None)`, by the TimedGraphs of `timed_graphs`): each node's time in
+    each run, and on CUDA the probes' times in each (`least_at_burst_clocks`). `nodes`: the memory run's, which
+    every timed run must see alike."""
+    latencies: list[list[float]] = []
+    probes: list[list[float]] = []
+    with _one_thread_on_cpu(device):
+        for _ in range(TIMED_RUNS):
+            timed, *_ = iteration(None)
+            bar.update()
+            assert [r.name for r in timed] == [r.name for r in nodes], "timing and memory runs saw different nodes"
+            latencies.append([t.latency_s for t in timed])
+            if device.type == "cuda":
+                probes.append([t for kind in ("forward", "backward") for t in timed_graphs[kind].probe_at_records()])
+    return latencies, probes
+
+
+def _annotate(
+    nodes: list[NodeProfile],
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    primals: Sequence[Any],
+    block_map: BlockMap,
+    device: torch.device,
+) -> None:
+    """Complete the node records with what the graphs tell of them (the highest block whose backward reads a saved
+    value, fusion.py's classes) and write each into its node's `meta["protrain"]`."""
+    needed_from = block_map.needed_from(bw.graph)
+    for record in nodes:
+        if record.graph == "forward" and record.saved_bytes:
+            record.needed_from_block = needed_from.get(record.name)
+    sizes = _sizes(fw, primals)
+    for kind, gm in {"forward": fw, "backward": bw}.items():
+        named = {r.name: r for r in nodes if r.graph == kind}
+        classify(named, gm.graph, cpu=device.type == "cpu", sizes=sizes)
+        for node in gm.graph.nodes:
+            if node.name in named:
+                node.meta["protrain"] = named[node.name]
 
 
 def least_at_burst_clocks(

@@ -160,11 +160,14 @@ def _both_ways(dev, host, host2, dev2, device: torch.device) -> Callable[[], obj
 
 def _adam_s_per_param(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
     """torch's fused AdamW on the device, per parameter: the fastest of a few steps on ADAM_PARAMS parameters of
-    `dtype` (with gradients and states of that dtype)."""
+    `dtype` (with gradients and states of that dtype). On the CPU, whose ranks share the host's cores and memory
+    bandwidth, every rank times it at once (`_together`)."""
     p = torch.zeros(ADAM_PARAMS, device=device, dtype=dtype)
     p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
     opt.step()  # the states are allocated in the first step
+    if device.type == "cpu":
+        _together()
     times = []
     for _ in range(ADAM_STEPS):
         _sync(device)

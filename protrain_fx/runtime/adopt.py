@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import gc
 import logging
 import os
 import weakref
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from protrain_fx.capture import FrameRoots, block_index, find_block_families
 from protrain_fx.distributed import rank_and_world_size
@@ -48,7 +48,7 @@ from protrain_fx.runtime.weights import ModuleFiller
 log = logging.getLogger(__name__)
 
 MODEL_ATTR = "_protrain_model_chunks"  # on the model object: its ChunkManager (MANAGER_ATTR is on each parameter)
-NOTICE_ATTR = "_protrain_unchunked_notice"  # on a parameter compiled outside chunks: another optimizer found for it
+NOTICE_ATTR = "_protrain_unchunked_notice"  # on a parameter compiled outside chunks: watched for its optimizer
 TOLD_ATTR = "_protrain_told_unchunked"  # on an optimizer: logged already as stepping parameters outside chunks
 
 
@@ -98,39 +98,58 @@ def wants_chunks(params: Sequence[nn.Parameter]) -> bool:
 def _tell_stepped_elsewhere(params: Sequence[nn.Parameter]) -> None:
     """Trainable parameters a compiled graph reads, which another optimizer steps (the Hugging Face Trainer's own
     torch.optim.AdamW, where no `optimizers=` is passed), train with no chunks and nothing offloaded, and nothing
-    else would say so: at the graph's first compile (in the first training step, once that optimizer is built) a
-    warning says it, with what to pass. The optimizers are found among the objects the garbage collector tracks, as
-    capture finds the model; where none holds them (a backward alone, `explain`), they are looked for again at the
-    next compile. Said once: each optimizer named is marked (TOLD_ATTR: the model's other graphs keep quiet about
-    it), and so are the parameters found held (NOTICE_ATTR: a later compile of the model does not look again)."""
-    trainable = {id(p) for p in params if p.requires_grad and NOTICE_ATTR not in p.__dict__}
-    if not trainable:
-        return
-    # (type(), not isinstance: isinstance reads `__class__`, which a weak proxy to a dead object raises on)
-    holding = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer) and _steps_any(o, trainable)]
-    for p in params if holding else ():
+    else would say so: the first step of such an optimizer (in the first training step) says it, with what to
+    pass. The optimizer is met where it steps (`_StepWatch`, a hook torch.optim runs before every optimizer's
+    step), not looked for at the compile, which would read every object the garbage collector tracks; a backward
+    alone or `explain` steps nothing and hears nothing. Said once: each optimizer named is marked (TOLD_ATTR: the
+    watches of the model's other graphs keep quiet about it), and so are the parameters watched (NOTICE_ATTR: a
+    later compile of the model does not watch them again)."""
+    trainable = [p for p in params if p.requires_grad and NOTICE_ATTR not in p.__dict__]
+    for p in trainable:
         p.__dict__[NOTICE_ATTR] = True
-    untold = [o for o in holding if TOLD_ATTR not in o.__dict__]
-    if not untold:
-        return
-    for optimizer in untold:
+    if trainable:
+        _StepWatch(trainable)
+
+
+class _StepWatch:
+    """A hook before every optimizer's step (torch.optim's `register_optimizer_step_pre_hook`), watching
+    parameters compiled outside chunks: the first optimizer that steps one of them, and no protrain_fx.optim.AdamW
+    steps it, is told of once (`_tell_stepped_elsewhere`). It holds the parameters weakly and is removed when the
+    first of them is collected; once told, it does nothing (torch runs the hooks from the dict it would be removed
+    from)."""
+
+    def __init__(self, params: Sequence[nn.Parameter]):
+        self.params = weakref.WeakValueDictionary({id(p): p for p in params})
+        self.told = False
+        handle = register_optimizer_step_pre_hook(self)
+        weakref.finalize(params[0], handle.remove)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.told or not any(self._watched(p) for p in _stepped_by(optimizer)):
+            return
+        self.told = True
+        if TOLD_ATTR in optimizer.__dict__:
+            return
         optimizer.__dict__[TOLD_ATTR] = True
-    # (a wrapper, accelerate's AcceleratedOptimizer, reads the groups of the optimizer it wraps: that one is named)
-    named = [o for o in untold if "param_groups" in o.__dict__] or untold
-    log.warning(
-        "the parameters of a model compiled with backend='protrain' are stepped by %s, not protrain_fx.optim.AdamW: "
-        "none of them is in chunks or offloaded to the host (the backend plans activations only). To train in "
-        "chunks, step them with protrain_fx.optim.AdamW(model.parameters(), lr=...) built before the first step; "
-        "with the Hugging Face Trainer, pass optimizers=(protrain_fx.optim.AdamW(model.parameters(), lr=...), "
-        "scheduler)",
-        " and ".join(sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in named})),
-    )
+        log.warning(
+            "the parameters of a model compiled with backend='protrain' are stepped by %s.%s, not "
+            "protrain_fx.optim.AdamW: none of them is in chunks or offloaded to the host (the backend plans "
+            "activations only). To train in chunks, step them with protrain_fx.optim.AdamW(model.parameters(), "
+            "lr=...) built before the first step; with the Hugging Face Trainer, pass "
+            "optimizers=(protrain_fx.optim.AdamW(model.parameters(), lr=...), scheduler)",
+            type(optimizer).__module__,
+            type(optimizer).__qualname__,
+        )
+
+    def _watched(self, p: nn.Parameter) -> bool:
+        """A parameter of this watch, which no protrain_fx.optim.AdamW steps."""
+        return self.params.get(id(p)) is p and OPTIMIZER_ATTR not in p.__dict__
 
 
-def _steps_any(optimizer: torch.optim.Optimizer, ids: set[int]) -> bool:
-    """Whether `optimizer` steps a parameter of `ids` (one whose construction failed has no groups: none)."""
-    groups = getattr(optimizer, "param_groups", None) or ()
-    return any(id(p) in ids for group in groups for p in group.get("params", ()))
+def _stepped_by(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
+    """The parameters `optimizer` steps (one whose construction failed has no groups: none)."""
+    for group in getattr(optimizer, "param_groups", None) or ():
+        yield from group.get("params", ())
 
 
 def _trained_in_chunks(p: nn.Parameter) -> bool:
@@ -185,11 +204,11 @@ def _ordered_params(
     chunked = (lambda p: p.requires_grad) if every_trainable else _in_chunks
     ordered = [(e.name, example_inputs[e.index]) for e in entries if chunked(example_inputs[e.index])]
     seen = {id(p) for _, p in ordered}
-    if roots.model is None and gc.get_freeze_count():  # (frozen objects are not in gc.get_objects())
+    if roots.model is None:
         raise ValueError(
-            "protrain found no module holding the compiled model's parameters: gc.freeze() has moved the model out "
-            "of the garbage collector's view, where the backend looks for it. Build the model after gc.freeze(), "
-            "or call gc.unfreeze() before the first compiled step"
+            "protrain found no module holding the compiled graph's parameters among the compiled frame's locals, "
+            "the globals it reads and the modules being called: compile the model (torch.compile(model) or "
+            "model.compile()), or a function that calls it, rather than a function given its parameters"
         )
     for name, p in roots.model.named_parameters():
         if chunked(p) and id(p) not in seen:
@@ -355,8 +374,11 @@ def prepare(
       besides the chunks, and random initialisation runs at the device's speed.
     - `weights`: a Hugging Face checkpoint in safetensors (a `save_pretrained` folder, sharded or not, or one
       `.safetensors` file) whose values fill each module the same way, after `init` (runtime/weights.py); one
-      tensor at a time, so a meta model's host memory peaks at the chunks plus one tensor. A tied parameter is
-      found under any of its names.
+      model tensor at a time, so a meta model's host memory peaks at the chunks plus one tensor and the checkpoint
+      tensors it is made from. A transformers model loads what `from_pretrained(path)` loads, by its rules
+      (runtime/pretrained.py: renamed and converted keys, base-model prefixes, ties, missing tensors initialised by
+      its `_init_weights`, the dtype, the report of keys; a checkpoint of another architecture is an error); any
+      other module by its tensors' names, a tied parameter under any of them.
 
     Layout order is registration order (`model.named_parameters()`), blocks kept whole where the size
     allows, a tied parameter outside the blocks (an embedding the head reads too) in a chunk of its own. Returns
@@ -368,28 +390,13 @@ def prepare(
     if model_manager(model) is not None:
         raise ValueError("this model's parameters are in chunks already; prepare() it once, before compiling")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    ordered = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not ordered:
+    if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters; nothing to put in chunks")
-    # (checks that every tensor gets a value before anything is built)
+    # (checks that every tensor gets a value before anything is built; a Hugging Face model is tied and cast here)
     fill = ModuleFiller(model, init, weights, device)
-    families = find_block_families(model)
-
-    def block_of(name: str) -> int | None:
-        return block_index(name.split("."), families)
-
-    # no graph says which parameters the forward reads again after the blocks: those tied, outside the blocks
-    names = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    alone = {n for n, p in ordered if names[id(p)] > 1 and block_of(n) is None}
+    ordered = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     plan = dict(plan or {})
-    layout = _layout(ordered, block_of, plan, alone)
-    n_blocks = sum(f.n_blocks for f in families)
-    given = make_plan(n_blocks, with_default_master(plan, layout), layout)  # (the user's fields, checked)
-    # every chunk waits offloaded for the first compile's search unless the plan leaves it nothing to place: how
-    # many buffers offloaded chunks need is known only from the graphs (passes/chunks.py `buffers_needed`)
-    pending = "n_persist" not in plan or ("n_buffer" not in plan and given.n_persist < layout.n_chunk)
-    fields = {**plan, "n_persist": 0, "n_buffer": plan.get("n_buffer", 1)}
-    chosen = make_plan(n_blocks, with_default_master(fields, layout), layout) if pending else given
+    layout, chosen, pending = _prepared_plan(model, ordered, plan)
     owner = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
 
     def source(p: nn.Parameter) -> torch.Tensor:
@@ -410,7 +417,39 @@ def prepare(
         pending_plan=plan if pending else None,
     )
     model.__dict__[MODEL_ATTR] = manager
-    for module in model.modules():  # what is not in chunks: buffers and frozen parameters go to the device
+    _rest_to_device(model, manager, fill, device)
+    fill.close()
+    log.info("prepared %d parameters in %d chunks on %s", len(ordered), layout.n_chunk, device)
+    return model
+
+
+def _prepared_plan(
+    model: nn.Module, ordered: list[tuple[str, nn.Parameter]], plan: dict[str, Any]
+) -> tuple[ChunkLayout, Plan, bool]:
+    """`prepare`'s layout (registration order, blocks whole where the size allows, a tied parameter outside the
+    blocks in a chunk of its own), the plan its chunks are built for, and whether they wait for the first compile's
+    search (`pending`): every chunk waits offloaded unless the plan leaves it nothing to place, since how many
+    buffers offloaded chunks need is known only from the graphs (passes/chunks.py `buffers_needed`)."""
+    families = find_block_families(model)
+
+    def block_of(name: str) -> int | None:
+        return block_index(name.split("."), families)
+
+    # no graph says which parameters the forward reads again after the blocks: those tied, outside the blocks
+    names = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    alone = {n for n, p in ordered if names[id(p)] > 1 and block_of(n) is None}
+    layout = _layout(ordered, block_of, plan, alone)
+    n_blocks = sum(f.n_blocks for f in families)
+    given = make_plan(n_blocks, with_default_master(plan, layout), layout)  # (the user's fields, checked)
+    pending = "n_persist" not in plan or ("n_buffer" not in plan and given.n_persist < layout.n_chunk)
+    fields = {**plan, "n_persist": 0, "n_buffer": plan.get("n_buffer", 1)}
+    chosen = make_plan(n_blocks, with_default_master(fields, layout), layout) if pending else given
+    return layout, chosen, pending
+
+
+def _rest_to_device(model: nn.Module, manager: ChunkManager, fill: ModuleFiller, device: torch.device) -> None:
+    """What is not in chunks (buffers, frozen parameters) filled and moved to the device, module by module."""
+    for module in model.modules():
         fill(module)
         for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             if id(t) not in manager.index and t.device != device:
@@ -418,6 +457,3 @@ def prepare(
                     t.data = t.data.to(device)
                 else:
                     module._buffers[name] = t.to(device)
-    fill.close()
-    log.info("prepared %d parameters in %d chunks on %s", len(ordered), layout.n_chunk, device)
-    return model

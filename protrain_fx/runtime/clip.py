@@ -15,7 +15,9 @@ usual, each keeping the master and AdamW states it changes (`ChunkManager.specul
 applies, those chunks take their kept values back and `AdamW.step()` updates them from the clipped gradients.
 The other chunks, and all of them where the last clip applied, wait for `AdamW.step()`. The norms of offloaded
 gradients are taken on the device as they arrive, so a clip that does not apply waits for no host work.
-Persistent chunks of a clipped model update in `AdamW.step()`.
+Persistent chunks of a clipped model update in `AdamW.step()`. A model first clipped at a later step, whose updates
+ran during that step's backward, has that clip refused with an error (`ChunkManager.refuse_edit`: the step applies
+unclipped) and clips exactly from the next step on.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def clip_grad_norm_(
     coef = max_norm / (total + 1e-6)
     clips = coef < 1
     if manager is not None and clips:
+        manager.refuse_edit("clip_grad_norm_ scaling the gradients", sorted(manager.has_grad))
         manager.edit_grads("clip_grad_norm_ scaling the gradients")
     if clips:
         pieces = _gradient_pieces(model, manager) if known else pieces

@@ -15,20 +15,26 @@ must have) whose ops run on that slice, so `torch.nn.utils.clip_grad_norm_`, `cl
 - `zero_()` (what `zero_grad(set_to_none=False)` does) drops the parameter's gradient from its chunk; the
   `ChunkGrad` stays and reads as zeros.
 
+`torch.autograd.grad(loss, params)` over chunked parameters returns their gradients as eager's does, and leaves
+`.grad`, the chunks and the optimizer alone (`autograd_grad`): the compiled backward hands a chunk's gradients to
+`protrain::reduce_grads`, which a dispatch mode around that backward takes them from instead (`_Taken`).
+
 `param.grad = None` (what `zero_grad()` of the model, of a module or of any optimizer does) drops it too, and a
 plain tensor put in `param.grad` (by autograd, for a use outside the compiled graphs, or by the user) is that
 parameter's gradient: `ParamGrads.reconcile` and `fold_strays` take both into the chunk before its gradient is
 next added to, read or stepped.
 
 A chunk's update may start during the backward (runtime/chunks/updates.py). Its gradient is then spoken for: a write
-to it, or dropping it, undoes the update where a copy of what it changed was kept (`speculates`) and raises
-otherwise. From the first step that writes to gradients between `backward()` and `optimizer.step()`, updates
-wait for the step, as with clipping (`ChunkManager.edits_grads`).
+to it, or dropping it, undoes the update where a copy of what it changed was kept (`speculates`); otherwise a write
+to a gradient of that optimizer is refused with an error (`refuse_edit`) and dropping one applies the step whole
+before the error (`keep_started_step`). From the first step that writes to gradients between `backward()` and
+`optimizer.step()`, updates wait for the step, as with clipping (`ChunkManager.edits_grads`).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import weakref
@@ -39,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if TYPE_CHECKING:
     from protrain_fx.runtime.chunks import ChunkManager
@@ -227,20 +234,21 @@ class ParamGrads:
         return value
 
     def _foreach(self, func, args: tuple, kwargs: dict) -> Any:
-        """A foreach op over a list holding ChunkGrads: the plain tensors in one foreach call, each ChunkGrad by
-        the op's single-tensor form (which dispatches back here)."""
+        """A foreach op over a list holding ChunkGrads: each ChunkGrad by the op's single-tensor form (which
+        dispatches back here), then the plain tensors in one foreach call (a write a ChunkGrad refuses, a clip after
+        updates started, leaves them unchanged too)."""
         lists = _foreach_lists(args)
         tensors = args[lists[0]]
         mine = [i for i, t in enumerate(tensors) if self.mine(t)]
         plain = [i for i in range(len(tensors)) if i not in mine]
         results: list[Any] = [None] * len(tensors)
+        for i in mine:
+            results[i] = self._foreach_one(func, [args[k][i] if k in lists else a for k, a in enumerate(args)], kwargs)
         if plain:
             sub = [[a[i] for i in plain] if k in lists else a for k, a in enumerate(args)]
             out = func(*sub, **kwargs)
             for i, r in zip(plain, out or [None] * len(plain)):
                 results[i] = r
-        for i in mine:
-            results[i] = self._foreach_one(func, [args[k][i] if k in lists else a for k, a in enumerate(args)], kwargs)
         return None if func._schema.returns == [] or _writes_first(func) else results
 
     def _foreach_one(self, func, args: list, kwargs: dict) -> Any:
@@ -276,3 +284,67 @@ class ParamGrads:
         total = local if math.isinf(ord_) or not ord_ else local.pow(1 / ord_)
         like = func(torch.empty(target.shape, dtype=target.dtype, device="meta"), *args[1:], **kwargs)
         return total.to(target.device, like.dtype)
+
+
+_GRAD_SIGNATURE = inspect.signature(torch.autograd.grad)
+
+
+class _Taken(TorchDispatchMode):
+    """Around a backward run by `torch.autograd.grad`: the gradients the compiled graphs hand to their chunks
+    (`protrain::reduce_grads`) are kept here, by (manager handle, parameter index), and the chunks never see them
+    (no reduction, no optimizer update). A parameter whose gradients come from several graphs gets their sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name != "protrain::reduce_grads":
+            return func(*args, **(kwargs or {}))
+        manager, _, _, indices, grads, _ = args
+        for i, g in zip(indices, grads):
+            key = (manager, i)
+            # (a copy: inductor may reuse a gradient's memory once the op that took it returns)
+            self.grads[key] = g.detach().clone() if key not in self.grads else self.grads[key] + g
+        return None
+
+
+def autograd_grad(args: tuple, kwargs: dict, chunk_of: Callable[[Any], tuple[int, int] | None]) -> Any:
+    """`torch.autograd.grad(*args, **kwargs)` where some `inputs` are chunked parameters (`chunk_of(t)`: their
+    (manager handle, index), else None): their gradients as eager's `autograd.grad` gives them, in their dtype on
+    their device, taken from the compiled backward (`_Taken`) plus any autograd gives them directly (a use outside
+    the compiled graphs); `.grad`, the chunks and the optimizer are left as they were."""
+    bound = _GRAD_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = bound.arguments
+    if call["create_graph"] or call["is_grads_batched"]:
+        raise ValueError(
+            "torch.autograd.grad(..., create_graph=True or is_grads_batched=True) over parameters held in protrain "
+            "chunks: their gradients come from the compiled backward, which has no backward of its own; take "
+            "first-order gradients (the default), or loss.backward() and read each parameter's .grad"
+        )
+    tensors = list(call["inputs"])  # (torch.autograd.grad hands them on as a tuple, and makes a dict of what we return)
+    allow_unused = call["materialize_grads"] if call["allow_unused"] is None else call["allow_unused"]
+    taken = _Taken()
+    with taken:
+        found = torch.autograd.grad(
+            call["outputs"],
+            tensors,
+            grad_outputs=call["grad_outputs"],
+            retain_graph=call["retain_graph"],
+            allow_unused=True,
+        )
+    out = []
+    for k, (t, g) in enumerate(zip(tensors, found)):
+        key = chunk_of(t)
+        if key is not None and key in taken.grads:
+            g = taken.grads[key].to(t.dtype) if g is None else g + taken.grads[key].to(g.dtype)
+        if g is None and call["materialize_grads"]:
+            g = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+        if g is None and not allow_unused:
+            raise RuntimeError(
+                f"The differentiated Tensor at index {k} appears to not have been used in the graph. Set "
+                "allow_unused=True if this is the desired behavior."
+            )
+        out.append(g)
+    return tuple(out)

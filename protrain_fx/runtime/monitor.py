@@ -1,11 +1,13 @@
 """StepMonitor: measured step time and peak memory of a compiled graph, set beside the plan's predictions.
 
-A training graph's forward starts with `protrain.step_mark(monitor, x)` (with a dump directory, or where the closed
-loop re-plans it: runtime/replan.py): each call is one training step's start. After `warmup` steps it starts
+A training graph's forward starts with `protrain.step_mark(monitor, x, sizes)` (with a dump directory, or where the
+closed loop re-plans it: runtime/replan.py): each call is one training step's start. After `warmup` steps it starts
 measuring (CUDA's peak memory counters are reset then), and after `steps` more it keeps its `report` (for the
 closed loop) and, with a dump directory, writes it as `predicted_vs_measured.json` next to `plan.json` (after a
 re-plan `replanned_vs_measured.json`, next to `replan.json`): the predicted and measured step time
-(the median time between forward starts, on CUDA by events on the compute stream), peak allocated bytes and peak
+(the median time between forward starts, on CUDA by events on the compute stream; a graph with symbolic sizes
+passes each step's sizes to `step_mark`, and each step's time is scaled by the plan's predicted time at the
+planned sizes over its predicted time at the step's: `step_sizes` in the report), peak allocated bytes and peak
 reserved bytes (CUDA only; the CPU has no allocator to ask), with their relative errors. The step time of a model
 whose gradients are clipped (`protrain_fx.clip_grad_norm_`) is set beside the plan's `predicted_clipped_step_s`,
 a step whose clip does not apply (`"clipped": true`); one whose clip applies defers every update to
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from protrain_fx.config import default_cache_dir
+from protrain_fx.cache_dir import default_cache_dir
 from protrain_fx.passes.monitor import BACKWARD_END, FORWARD_END
 from protrain_fx.planner.plan import MASTER_BYTES, Plan
 from protrain_fx.runtime import ops
@@ -64,6 +66,7 @@ class StepMonitor:
         hardware: HardwareProfile | None = None,
         retime: Callable[[HardwareProfile], Plan] | None = None,
         phases: Callable[[], tuple[float, float]] | None = None,
+        at_sizes: Callable[[tuple[int, ...], bool], tuple[float, float, float]] | None = None,
         warmup: int = WARMUP_STEPS,
         steps: int = MEASURED_STEPS,
         report_file: str = REPORT_FILE,
@@ -71,10 +74,14 @@ class StepMonitor:
         """`dumper`: where the report is written (None: kept only); `manager`: the model's ChunkManager (held
         weakly), whose host updates are timed; `hardware`: the profile the plan was timed with; `retime`: the plan
         timed again on another hardware profile; `phases`: the plan's predicted forward and backward phases
-        (planner/calibrate.py `device_phases`)."""
+        (planner/calibrate.py `device_phases`); `at_sizes`: for a graph with symbolic sizes, the plan's predicted
+        step, forward and backward at a step's sizes (its `SymInt` inputs, in order; whether clipped), by which
+        each measured step is scaled to the sizes the plan was made for (`_scales`)."""
         self.device = torch.device(device)
         self.plan, self.dumper, self.hardware, self.retime = plan, dumper, hardware, retime
-        self.phases = phases
+        self.phases, self.at_sizes = phases, at_sizes
+        self.sizes: list[tuple[int, ...]] = []  # each step's sizes (a graph with symbolic sizes)
+        self.clipped = False  # whether the measured steps clipped (their predictions are the clipped step's)
         self.manager = weakref.ref(manager) if manager is not None else lambda: None
         self.warmup, self.steps, self.report_file = warmup, steps, report_file
         self.marks: list = []
@@ -83,9 +90,10 @@ class StepMonitor:
         self.report: dict | None = None  # what the measured steps showed, once they are over
         self.handle = ops.register(self)
 
-    def mark(self) -> None:
+    def mark(self, sizes: tuple[int, ...] = ()) -> None:
         if len(self.marks) > self.warmup + self.steps:
             return
+        self.sizes.append(tuple(sizes))
         cuda = self.device.type == "cuda"
         if len(self.marks) == self.warmup:
             if cuda:
@@ -110,15 +118,36 @@ class StepMonitor:
         event.record()
         return event
 
+    def _scales(self) -> dict[int, tuple[float, float, float]]:
+        """Step -> what its measured step, forward and backward are multiplied by to stand at the sizes the plan
+        was made for: the plan's predicted time there over its predicted time at the step's own sizes (1 where
+        the graph's sizes are fixed). Steps of different sizes are then measured against one prediction, so the
+        closed loop calibrates on them as on steps of one size."""
+        steps = range(self.warmup, self.warmup + self.steps)
+        if self.at_sizes is None:
+            return dict.fromkeys(steps, (1.0, 1.0, 1.0))
+        planned = self.at_sizes((), self.clipped)
+        at: dict[tuple[int, ...], tuple[float, float, float]] = {}
+        for step in steps:
+            if self.sizes[step] not in at:
+                at[self.sizes[step]] = self.at_sizes(self.sizes[step], self.clipped)
+        return {step: tuple(p / q for p, q in zip(planned, at[self.sizes[step]])) for step in steps}
+
     def measured(self) -> tuple[float, int | None]:
-        """(median seconds per step, peak allocated bytes or None) over the measured steps (the median: one step
-        slowed by something outside training, a host hiccup, does not move it)."""
+        """(median seconds per step, at the planned sizes (`_scales`), and peak allocated bytes or None) over the
+        measured steps (the median: one step slowed by something outside training, a host hiccup, does not move
+        it)."""
         marks = self.marks[self.warmup :]
+        scales = self._scales()
         if self.device.type == "cuda":
             marks[-1].synchronize()
             steps = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
-            return statistics.median(steps), torch.cuda.max_memory_allocated(self.device)
-        return statistics.median(b - a for a, b in zip(marks, marks[1:])), None
+        else:
+            steps = [b - a for a, b in zip(marks, marks[1:])]
+        steps = [t * scales[self.warmup + i][0] for i, t in enumerate(steps)]
+        return statistics.median(steps), torch.cuda.max_memory_allocated(
+            self.device
+        ) if self.device.type == "cuda" else None
 
     def measured_phases(self) -> tuple[float, float] | None:
         """(median seconds of the forward graph, median seconds from its end to the backward graph's end) over the
@@ -132,18 +161,19 @@ class StepMonitor:
         def seconds(a, b) -> float:
             return a.elapsed_time(b) / 1e3 if self.device.type == "cuda" else b - a
 
-        forward = [seconds(self.marks[i], ends[FORWARD_END][i]) for i in steps]
-        backward = [seconds(ends[FORWARD_END][i], ends[BACKWARD_END][i]) for i in steps]
+        scales = self._scales()
+        forward = [seconds(self.marks[i], ends[FORWARD_END][i]) * scales[i][1] for i in steps]
+        backward = [seconds(ends[FORWARD_END][i], ends[BACKWARD_END][i]) * scales[i][2] for i in steps]
         return statistics.median(forward), statistics.median(backward)
 
     def measured_reserved(self) -> int | None:
         return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else None
 
     def _write(self) -> None:
-        step_s, peak = self.measured()
         plan = self.plan
         manager = self.manager()
-        clipped = manager is not None and manager.clip_norm_type is not None
+        clipped = self.clipped = manager is not None and manager.clip_norm_type is not None
+        step_s, peak = self.measured()
         predicted = plan.predicted_clipped_step_s if clipped else plan.predicted_step_s
 
         def error(predicted, measured):
@@ -162,6 +192,8 @@ class StepMonitor:
             "measured_reserved_bytes": self.measured_reserved(),
             "reserved_error": error(plan.predicted_reserved_bytes, self.measured_reserved()),
         }
+        if self.at_sizes is not None:  # (steps of several sizes, each scaled to the planned sizes)
+            report["step_sizes"] = [list(self.sizes[i]) for i in range(self.warmup, self.warmup + self.steps)]
         phases = self.measured_phases()
         if phases is not None:
             report["measured_forward_s"], report["measured_backward_s"] = phases

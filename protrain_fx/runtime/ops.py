@@ -8,11 +8,11 @@
     protrain.materialize([y])                                  # y, a reader's output, computed into a buffer
     protrain.reduce_grads(manager, chunk, [param indices], [grads], [last readers])  # after the chunk's last
                                                                # gradient and (offloaded) its last read
-    h = protrain.swap_out(space, slot, t, stride)              # swapped activations (runtime/swap.py): forward,
+    h = protrain.swap_out(space, slot, t, order)               # swapped activations (runtime/swap.py): forward,
     protrain.swap_settle(space, [slot, ...], [h, ...], [t, ...], after)  # forward, swap_interval blocks later
     protrain.swap_prefetch(space, [slot, ...], after)          # backward, a block's tensors ahead of their use,
     t = protrain.swap_in(space, slot, h, [after])              # backward, before the first use
-    protrain.step_mark(monitor, x)                             # forward start: a step (runtime/monitor.py)
+    protrain.step_mark(monitor, x, [sizes])                    # forward start: a step (runtime/monitor.py)
     protrain.phase_mark(monitor, phase, [out, ...])            # forward or backward end, after its last values
     x2 = protrain.after(x, [values])                           # backward: x, copied once `values` exist
 
@@ -39,6 +39,7 @@ import torch
 from torch.fx.node import has_side_effect
 
 from protrain_fx.runtime.chunks.param_class import as_plain
+from protrain_fx.shapes import strides_in
 
 _MANAGERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
@@ -118,26 +119,27 @@ def _(
 
 
 # A compiler may hand `t` over in another layout than the graph's (inductor does, for ops a pass inserted), so
-# the slot's strides are an argument and the host copy's layout never depends on t's: a copy between layouts is
-# still right, only slower. (A layout constraint would make inductor copy `t` into a buffer of its own, which
+# the slot's layout is an argument (its dimensions innermost first, shapes.dense_order: strides at any sizes) and
+# the host copy's layout never depends on t's: a copy between layouts is still right, only slower. (A layout constraint would make inductor copy `t` into a buffer of its own, which
 # it may hand to a later kernel while the host copy still reads it.)
 @torch.library.custom_op("protrain::swap_out", mutates_args=())
-def swap_out(space: int, slot: int, t: torch.Tensor, stride: list[int]) -> torch.Tensor:
-    return _manager(space).swap_out(slot, t, stride)
+def swap_out(space: int, slot: int, t: torch.Tensor, order: list[int]) -> torch.Tensor:
+    return _manager(space).swap_out(slot, t, order)
 
 
 @swap_out.register_fake
-def _(space: int, slot: int, t: torch.Tensor, stride: list[int]) -> torch.Tensor:
-    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device="cpu")
+def _(space: int, slot: int, t: torch.Tensor, order: list[int]) -> torch.Tensor:
+    return torch.empty_strided(t.shape, strides_in(t.shape, order), dtype=t.dtype, device="cpu")
 
 
 @torch.library.custom_op("protrain::step_mark", mutates_args=())
-def step_mark(monitor: int, first: torch.Tensor) -> None:
-    _manager(monitor).mark()
+def step_mark(monitor: int, first: torch.Tensor, sizes: list[int]) -> None:
+    """`sizes`: the graph's `SymInt` inputs (none where its sizes are fixed), this step's sizes."""
+    _manager(monitor).mark(tuple(sizes))
 
 
 @step_mark.register_fake
-def _(monitor: int, first: torch.Tensor) -> None:
+def _(monitor: int, first: torch.Tensor, sizes: list[int]) -> None:
     return None
 
 

@@ -31,6 +31,7 @@ backward), so a scheduler's change applies from the next backward on, as with to
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -42,6 +43,7 @@ from torch import nn
 from protrain_fx.distributed import across_ranks
 from protrain_fx.runtime.chunks import MANAGER_ATTR, OPTIMIZER_ATTR, skips_nonfinite
 from protrain_fx.runtime.chunks.param_class import as_plain
+from protrain_fx.runtime.chunks.updates import SAY_SO, WHY_EARLY
 from protrain_fx.runtime.optim_state import AdamWStates
 
 log = logging.getLogger(__name__)
@@ -59,12 +61,18 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         nonfinite: str | None = None,
+        edits_after_backward: bool = False,
     ):
         """`nonfinite`: what a step whose gradients hold inf or NaN does, on every rank. "raise": stop with a
         `FloatingPointError` before any weight takes such a value (updates already started during the backward
         skip themselves when they see one). "skip": skip the whole step and go on (offloaded chunks then update
         in `step()`, not during the backward). Default: "skip" for float16 chunks (loss scaling with
-        `protrain_fx.amp.GradScaler`), "raise" otherwise."""
+        `protrain_fx.amp.GradScaler`), "raise" otherwise.
+        `edits_after_backward`: the loop may change gradients (clip) or hyperparameters (an lr set), or skip the
+        step (`zero_grad()` with no `step()`), between backward() and step() at any step, not only from the first:
+        updates wait for `step()` from the first step (but the last `n_clip_overlap` offloaded chunks', undone where
+        the step changes), as once a loop did so; otherwise a step changed so after updates started during its
+        backward is refused, or applied as the backward left it, with an error that says so."""
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(
                 f"AdamW got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}; "
@@ -73,6 +81,7 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         if nonfinite not in (None, "raise", "skip"):
             raise ValueError(f"AdamW got nonfinite={nonfinite!r}; use 'raise', 'skip' or None (by dtype)")
         self.nonfinite = nonfinite
+        self.edits_after_backward = bool(edits_after_backward)
         self.last_step_skipped = False
         # the loss scale this step's gradients carry, announced by GradScaler.unscale_ (clip_grad_norm_ divides
         # norms by it; the gradients themselves keep it until the fused update divides it out)
@@ -101,6 +110,7 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         for manager in self._managers():
             manager.forget_owners()
             manager.check_owners()  # (a chunk stepped by two optimizers is an error now, not at the step)
+        accept_in_accelerate()  # (a Trainer built next may compile with torch_compile_backend="protrain")
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -191,10 +201,10 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         self._place_loaded(inner)
         return inner
 
-    def _sync_hyper(self, inner: torch.optim.AdamW) -> None:
-        """Copy the outer groups' hyperparameters (changed by schedulers) into an inner optimizer."""
+    def _sync_hyper(self, inner: torch.optim.AdamW, hyper: list[dict] | None = None) -> None:
+        """Copy the outer groups' hyperparameters (changed by schedulers), or `hyper`, into an inner optimizer."""
         for group, g in zip(inner.param_groups, inner.outer_groups):
-            group.update({k: self.param_groups[g][k] for k in _HYPER})
+            group.update({k: self.param_groups[g][k] for k in _HYPER} if hyper is None else hyper[g])
 
     def chunk_update(
         self,
@@ -204,14 +214,15 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         found_inf: torch.Tensor | None = None,
         *,
         snapshot: bool = False,
+        hyper: list[dict] | None = None,
     ) -> Callable[[], None]:
         """The update of one chunk piece as a function to run later (the manager runs it on its worker thread
-        for offloaded chunks), with the hyperparameters and the set of parameters with a gradient as of now:
-        a scheduler step or zero_grad() before it runs does not change it. `grad_scale`: the loss scale the
-        gradients carry, divided out by the fused kernel. `found_inf`: a flag on the piece's device; the fused
-        kernel skips the update (and keeps `step`) when it is set by the time the update runs. `snapshot`: keep
-        the master and states as they were, for `restore`."""
-        hyper = self.hyperparameters()
+        for offloaded chunks), with the hyperparameters (`hyper`, default those of now) and the set of parameters
+        with a gradient as of now: a scheduler step or zero_grad() before it runs does not change it. `grad_scale`:
+        the loss scale the gradients carry, divided out by the fused kernel. `found_inf`: a flag on the piece's
+        device; the fused kernel skips the update (and keeps `step`) when it is set by the time the update runs.
+        `snapshot`: keep the master and states as they were, for `restore`."""
+        hyper = self.hyperparameters() if hyper is None else hyper
         with_grad = {i for i, _, _, _ in manager.param_pieces(chunk) if i in manager.params_with_grad}
 
         @torch.no_grad()
@@ -255,7 +266,15 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
             self._step(grad_scale)
         return loss
 
-    def _step(self, grad_scale: float | None) -> None:
+    def step_as_at_backward(self) -> None:
+        """This step as the backward left it, where some of its updates ran during the backward and cannot be
+        undone, and the loop drops its gradients before `step()` (`ChunkManager.keep_started_step`): the other chunks
+        update too, from their gradients and with the hyperparameters of the backward, whatever `.grad` and the
+        param groups say now."""
+        with as_plain():
+            self._step(None, as_at_backward=True)
+
+    def _step(self, grad_scale: float | None, *, as_at_backward: bool = False) -> None:
         managers = self._managers()
         self.last_step_skipped = False
         self.carried_scale = None
@@ -276,13 +295,21 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
             scale = getattr(self, "grad_scale", None)
             grad_scale = None if scale is None else float(scale)
         hyper = self.hyperparameters()
+        # the hyperparameters of the backward, where updates that cannot be undone started with them
+        kept = next((h for m in managers if (h := m.started_with(self)) is not None), None)
+        if kept == hyper and not as_at_backward:
+            kept = None
         for manager in managers:
             manager.finish_reduction()  # (the step's last backward ran inside no_sync)
             if torch_scaled:
                 manager.scale_losses("torch.amp.GradScaler's loss scaling")
-            manager.reconcile_all()
+            if not as_at_backward:
+                manager.reconcile_all()
             manager.fold_plain_grads()
-            manager.check_hyperparameters(self, hyper)
+            if kept is None:
+                manager.check_hyperparameters(self, hyper)
+            else:
+                manager.note_edit("hyperparameters (lr, betas, eps, weight_decay) set after the backward")
         found = self._found_inf(managers) or (torch_scaled and bool(self.found_inf.sum().item()))
         if found:
             for manager in managers:
@@ -301,10 +328,18 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
             return
         for manager in managers:
             for chunk in manager.unstepped(self):  # chunks not started during the backward
-                update = self.chunk_update(manager, chunk, grad_scale)
+                update = self.chunk_update(manager, chunk, grad_scale, hyper=kept)
                 manager.submit_update(chunk, update)
             manager.end_step(self)
-        self._step_plain(grad_scale)
+        self._step_plain(grad_scale, kept)
+        if kept is not None and not as_at_backward:
+            raise RuntimeError(
+                f"hyperparameters set after backward() ({_changed(kept, hyper)}) were not applied to this step: its "
+                f"update had already run in part during backward(), {WHY_EARLY}, and cannot be redone. So this "
+                "step was applied whole with the values of the backward (optimizer.step() is done: go on with "
+                "zero_grad()), and the new values apply from the next step on. From the next step on updates wait "
+                f"for optimizer.step(), so such a change applies to its own step exactly. {SAY_SO}"
+            )
 
     def _found_inf(self, managers) -> bool:
         """Whether any gradient of this step, on any rank, is inf or NaN (one device sync)."""
@@ -334,11 +369,12 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
                 self._plain = self._make_inner(groups, {id(p): p for ps in groups.values() for p in ps})
         return self._plain
 
-    def _step_plain(self, grad_scale: float | None = None) -> None:
-        """Parameters no manager owns: a torch AdamW over them, kept in step with the param groups."""
+    def _step_plain(self, grad_scale: float | None = None, hyper: list[dict] | None = None) -> None:
+        """Parameters no manager owns: a torch AdamW over them, kept in step with the param groups (or with
+        `hyper`, the hyperparameters of the step's backward)."""
         if self._plain_inner() is None:
             return
-        self._sync_hyper(self._plain)
+        self._sync_hyper(self._plain, hyper)
         _set_grad_scale(self._plain, grad_scale, next(iter(self._plain.param_of.values())).device)
         self._plain.step()
 
@@ -348,6 +384,25 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
             super().zero_grad(set_to_none=set_to_none)
             for manager in self._managers():
                 manager.zero_grad()
+
+
+def accept_in_accelerate() -> None:
+    """accelerate, through which the Hugging Face Trainer compiles (`TrainingArguments(torch_compile_backend=...)`,
+    `Accelerator(dynamo_backend=...)`), takes only the torch.compile backends its `DynamoBackend` enum lists, and
+    hands torch.compile the value lowercased: "PROTRAIN" becomes one of its values, so that the Trainer compiles
+    with backend="protrain" (found by its entry point). Where accelerate is imported already: when protrain_fx is,
+    and when a protrain_fx.optim.AdamW is built (the Trainer recipe builds it before the Trainer); it is not
+    imported for this."""
+    module = sys.modules.get("accelerate.utils.dataclasses")
+    backends = getattr(module, "DynamoBackend", None)
+    if backends is None or "PROTRAIN" in backends._value2member_map_:
+        return
+    member = str.__new__(backends, "PROTRAIN")
+    member._name_ = member._value_ = "PROTRAIN"
+    backends._value2member_map_["PROTRAIN"] = member  # (what `DynamoBackend("PROTRAIN")` looks up)
+
+
+accept_in_accelerate()
 
 
 def _check_no_other_owner(p: nn.Parameter) -> None:
@@ -390,6 +445,17 @@ class _Group(dict):
 
     def __reduce__(self):  # (copied and pickled as the plain dict torch's optimizers keep)
         return dict, (dict(self),)
+
+
+def _changed(before: list[dict], now: list[dict]) -> str:
+    """What differs between two lists of param groups' hyperparameters, e.g. "lr 0.01 -> 0.001"."""
+    changes = [
+        f"{'' if len(now) == 1 else f'group {g}: '}{k} {a[k]} -> {b[k]}"
+        for g, (a, b) in enumerate(zip(before, now))
+        for k in _HYPER
+        if a[k] != b[k]
+    ]
+    return ", ".join(changes) or "the same values, set again"
 
 
 def _number(value):

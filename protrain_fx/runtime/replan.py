@@ -106,12 +106,25 @@ class ClosedLoop:
     switched: bool = False
     waits: int = 0  # forwards the switch waited for the chunks to be between two steps
 
+    def resume(self, calibration: Calibration, costs: CostModel, *, switched: bool) -> None:
+        """Take an earlier run's decision as this loop's (the plan cache, backend/cache.py): calibrated as it was,
+        `costs` the calibrated cost model, the plan it chose in force from the start; nothing more to measure."""
+        self.calibration, self.costs, self.switched, self.done = calibration, costs, switched, True
+
+    def decision(self) -> tuple[Calibration, bool] | None:
+        """The loop's decision, to keep for the next run: (its calibration, whether it switched); None where it made
+        none (plans in turn, not decided yet, or given up waiting for a forward between two steps)."""
+        if self.turns is not None or self.calibration is None or not self.done or self.pending is not None:
+            return None
+        return self.calibration, self.switched
+
     def watches(self, record) -> bool:
         """Whether the graph needs its steps measured: the loop is not done, and its plan has fields left to search
         (a plan with every field forced is done at once) or plans to run in turn."""
         if self.done or record.costs is None or record.planning is None:
             return False
-        if record.fit is not None:  # symbolic sizes: its steps vary in size, and the loop compares them with one
+        if record.fit is not None and self.turns is not None:  # (symbolic sizes: no plan is put in force here)
+            log.warning("graph %d has symbolic sizes: the 'replan' option's plans in turn are not run", record.index)
             self.done = True
             return False
         self.done = self.turns is None and not searches(record.costs, record.planning.forced, record.planning.layout)
@@ -146,7 +159,7 @@ class ClosedLoop:
         enough faster, or with turns the next turn's; None where there is none."""
         if self.calibration is None:
             self.first = record.plan, record.costs
-            self.replan = self._search(record, manager, chunks_may_move)
+            self.replan = self._calibrated_search(record, manager, chunks_may_move)
             if self.turns is not None:
                 plan = decisions(record.plan.to_json())
                 self.measured.append({"forced": dict(record.planning.forced), "plan": plan})
@@ -186,7 +199,7 @@ class ClosedLoop:
             )
             return None
 
-    def _search(self, record, manager, chunks_may_move: bool) -> Replan:
+    def _calibrated_search(self, record, manager, chunks_may_move: bool) -> Replan:
         """The calibrated search's plan beside the plan in force (the plan in force alone where nothing is
         searched)."""
         report = record.monitor.report

@@ -39,6 +39,7 @@ import torch
 
 from protrain_fx.host import check_host_memory, pinned_arena
 from protrain_fx.runtime import ops
+from protrain_fx.shapes import strides_in
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class SwapSpace:
     def __init__(self, device: torch.device, *, budget_bytes: int | None = None, upload_stream=None):
         self.device = torch.device(device)
         self.budget_bytes = budget_bytes  # prefetch only while the device stays under this (None: no limit)
-        self.slots: list[torch.Tensor] = []
+        self.regions: list[torch.Tensor] = []  # each slot's bytes in the arena
+        self.slots: list[torch.Tensor] = []  # each slot as the tensor it holds now (its sizes: the last swap_out's)
         self.handle = ops.register(self)
         self.deferred = 0  # blocks whose prefetch waited for their swap_in for lack of memory
         cuda = self.device.type == "cuda"
@@ -59,9 +61,10 @@ class SwapSpace:
         self._fetched: dict[int, tuple[torch.Tensor, object]] = {}  # slot -> (device tensor, event of its copy)
 
     def allocate(self, specs: Sequence[torch.Tensor]) -> None:
-        """Compile time: one slot per swapped tensor, all in one host arena. `specs`: a (fake) tensor per slot with
-        the slot's shape, dtype and strides: the swapped tensor's own where it is dense (a transpose, say), so that
-        it comes back with the strides the compiled backward was built for (`swap_out_pass`: `torch.empty_like`)."""
+        """Compile time: one slot per swapped tensor, all in one host arena. `specs`: a tensor (on the meta device)
+        per slot at the largest sizes the graph is planned for, with the slot's dtype and layout: the swapped
+        tensor's own where it is dense (a transpose, say), so that it comes back with the strides the compiled
+        backward was built for (`swap_out_pass`). A call at smaller sizes uses the start of its slot."""
         sizes = [spec.numel() * spec.dtype.itemsize for spec in specs]
         aligned = [-(-n // 64) * 64 for n in sizes]  # 64-byte slot boundaries
         check_host_memory(
@@ -73,7 +76,8 @@ class SwapSpace:
         self.arena = pinned_arena(sum(aligned), self, pin=self.device.type == "cuda")
         at = 0
         for spec, n, step in zip(specs, sizes, aligned):
-            self.slots.append(self.arena[at : at + n].view(spec.dtype).as_strided(spec.shape, spec.stride()))
+            self.regions.append(self.arena[at : at + n])
+            self.slots.append(self.regions[-1].view(spec.dtype).as_strided(spec.shape, spec.stride()))
             at += step
         log.info("swap space: %d tensors, %.1f MiB of host memory", len(specs), self.arena.numel() / 2**20)
 
@@ -90,9 +94,19 @@ class SwapSpace:
         """Drop the device tensors whose copy to the host has finished."""
         self._in_flight = {s: (ev, t) for s, (ev, t) in self._in_flight.items() if not ev.query()}
 
-    def swap_out(self, slot: int, t: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    def _slot_for(self, slot: int, t: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+        """Slot `slot` as a dense tensor of `t`'s sizes in the layout `order` (shapes.dense_order)."""
         host = self.slots[slot]
-        assert host.stride() == tuple(stride), f"swap slot {slot} has strides {host.stride()}, the graph {stride}"
+        stride = strides_in(t.shape, order)
+        if host.shape != t.shape or host.stride() != tuple(stride):
+            n = t.numel() * t.element_size()
+            region = self.regions[slot]
+            assert n <= region.numel(), f"swap slot {slot} holds {region.numel()} bytes, a tensor of {n} came"
+            host = self.slots[slot] = region[:n].view(t.dtype).as_strided(t.shape, stride)
+        return host
+
+    def swap_out(self, slot: int, t: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+        host = self._slot_for(slot, t, order)
         self._fetched.pop(slot, None)  # a copy fetched earlier and never taken holds an old value
         if self._d2h is None:
             host.copy_(t)

@@ -56,8 +56,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `outside.py` | the model used outside the compiled graphs: values read, written, lent |
 | `param_class.py` | `ChunkedParameter`, the chunked parameters' class: Python's calls on an offloaded one run on its values |
 
-This module holds `ChunkManager` itself (its construction) and two settings the parts read through the package at
-call time (`UNDO_HOST_RESERVE`, `check_host_memory`), so that setting one here reaches every part.
+This module holds `ChunkManager` itself (its construction).
 """
 
 from __future__ import annotations
@@ -72,7 +71,6 @@ import torch
 from torch import nn
 
 from protrain_fx.distributed import check_ranks_agree, rank_and_world_size
-from protrain_fx.host import check_host_memory
 from protrain_fx.planner.chunking import ChunkLayout, Slot
 from protrain_fx.planner.plan import MASTER_BYTES
 from protrain_fx.runtime import deep_copy, model_hooks, ops
@@ -107,19 +105,12 @@ __all__ = [
     "MANAGER_ATTR",
     "NO_SYNC_ATTR",
     "OPTIMIZER_ATTR",
-    "UNDO_HOST_RESERVE",
     "ChunkManager",
-    "check_host_memory",
     "replaced_param_error",
     "skips_nonfinite",
     "tied_param_error",
     "unfrozen_param_error",
 ]
-
-# a clipped model's host updates during the backward keep each shard's master and AdamW states as they were
-# (`ChunkManager.speculates`: HOST_STATES elements each), where that leaves UNDO_HOST_RESERVE of the host's memory
-# available
-UNDO_HOST_RESERVE = 0.1
 
 
 class ChunkManager(

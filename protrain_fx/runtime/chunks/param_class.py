@@ -19,7 +19,12 @@ that one parameter is lent at a time. `p.data = t` gives the parameter `t`'s val
 into it does (the parameter stays in its chunk, so unlike eager's it does not share `t`'s storage); a `t` of another
 shape, dtype or device is an error (`resize_token_embeddings` after the chunks are built). Other getters and setters
 (`p.shape`, `p.grad`) and the calls that read no values (`READS_NO_VALUES`, protrain's own ops) run as on any
-parameter: the runtime makes them on offloaded parameters itself (its own `p.data = ...`: `set_storage`).
+parameter: the runtime makes them on offloaded parameters itself (its own `p.data = ...`: `set_storage`). A user's
+`p.grad = t` is told to the chunk first (`ChunkManager.setting_grad`: a step whose updates started in the backward
+refuses a new gradient, and applies whole where its gradients are dropped).
+
+`torch.autograd.grad(loss, params)` lends nothing (it reads no values of its inputs): their gradients are taken from
+the compiled backward (runtime/grads.py: `autograd_grad`).
 
 Compiled code never runs any of this: Dynamo traces a ChunkedParameter's calls as the plain parameter's
 (`torch.compiler.is_compiling()`). Dynamo's guards check a parameter's class, so it is set before they are built: by
@@ -38,6 +43,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from protrain_fx.runtime.chunks.common import MANAGER_ATTR
+from protrain_fx.runtime.grads import autograd_grad
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +100,7 @@ _TRACING_MODES = (
 # calls whose result shares memory beyond torch's views (a NumPy array, a pickled view's storage): run on a copy
 _COPIED = frozenset(("numpy", "__array__", "__reduce_ex__"))
 _SET_DATA = torch.Tensor.data.__set__  # `p.data = t`, as `__torch_function__` sees it
+_SET_GRAD = torch.Tensor.grad.__set__  # `p.grad = t`
 
 
 def as_plain() -> torch._C.DisableTorchFunctionSubclass:
@@ -125,6 +132,10 @@ def _torch_function(func, args: tuple, kwargs: dict | None) -> Any:
             and (of := _param_of(args[0]))
         ):
             return _set_data(*of, args[1])
+        if func == _SET_GRAD and isinstance(args[0], ChunkedParameter) and not _tracing():
+            _setting_grad(args[0], args[1])
+        if func is torch.autograd.grad:  # (it reads no values of the inputs: their gradients come from the chunks)
+            return autograd_grad(args, kwargs or {}, _chunk_key)
         if _reads_no_values(func):
             return _views_kept(func(*args, **kwargs), args)
         found = _chunked(args, kwargs)
@@ -211,6 +222,19 @@ def _set_data(p: nn.Parameter, state: str, t: Any) -> None:
         found.setdefault(id(p), (p, state, [p]))  # (a persistent one too: its master takes the values)
         _call_lent(torch.Tensor.copy_, (p, t), {}, found)
     return None
+
+
+def _setting_grad(p: nn.Parameter, value: Any) -> None:
+    """A user's `p.grad = value`: its chunk hears of it now (`ChunkManager.setting_grad`), which may refuse it."""
+    manager = p.__dict__.get(MANAGER_ATTR)
+    if manager is not None and manager.holds(p):
+        manager.setting_grad(manager.index[id(p)], value)
+
+
+def _chunk_key(t: Any) -> tuple[int, int] | None:
+    """(its manager's handle, its index there) of a parameter held in chunks; None for any other tensor."""
+    manager = t.__dict__.get(MANAGER_ATTR) if isinstance(t, ChunkedParameter) else None
+    return (manager.handle, manager.index[id(t)]) if manager is not None and manager.holds(t) else None
 
 
 def _is_foreach(func) -> bool:

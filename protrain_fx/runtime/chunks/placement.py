@@ -18,11 +18,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from protrain_fx import host
 from protrain_fx.distributed import check_ranks_agree, most_on_every_rank
 from protrain_fx.planner.plan import HOST_STATES
 from protrain_fx.profiler.hardware import device_capacity
 from protrain_fx.progress import progress
-from protrain_fx.runtime import chunks as package
 from protrain_fx.runtime.chunks.common import LOADED_MASTER_ATTR
 from protrain_fx.runtime.chunks.param_class import set_storage
 
@@ -152,7 +152,7 @@ class PlacementMixin:
         offloads, and the gradient shards beyond those it takes again."""
         added = HOST_STATES * len(down) + max(0, slots - len(self.host_grads.owned))
         try:
-            package.check_host_memory(
+            host.check_host_memory(
                 added * self.layout.shard_elems * self.master_bytes,
                 f"the {len(down)} chunks a re-plan offloads",
                 f"{self.master_dtype_name} master shards, AdamW states and gradient shards",

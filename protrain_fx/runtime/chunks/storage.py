@@ -13,8 +13,8 @@ State it owns (made by `_build`, again by `place` and `place_again`):
 - `_version`: chunk -> the updates published into it (what a gathered copy is checked against).
 
 It also answers where a parameter's elements are (`slot_of`, `param_pieces`, `is_sharded`) and runs the collectives
-over whole chunks (`gather_shards`, `all_reduce`). Host memory checks go through the package's `check_host_memory`,
-read at call time.
+over whole chunks (`gather_shards`, `all_reduce`). Host memory is checked by `host.check_host_memory`, called
+through its module (tests stand in for it there).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from protrain_fx import host
 from protrain_fx.distributed import across_ranks
 from protrain_fx.host import pin_in_place, pinned_arena
 from protrain_fx.planner.chunking import Slot
 from protrain_fx.planner.plan import HOST_STATES
-from protrain_fx.runtime import chunks as package
 from protrain_fx.runtime.chunks.common import replaced_param_error
 from protrain_fx.runtime.chunks.slots import SlotPool
 
@@ -130,7 +130,7 @@ class StorageMixin:
         # (a pending manager holds only the masters; `place` checks for the AdamW states of the chunks it offloads)
         states = 1 if self.pending_plan is not None else HOST_STATES - (1 if masters is not None else 0)
         if not reused:
-            package.check_host_memory(
+            host.check_host_memory(
                 max(0, shard * self.master_bytes * (states * len(offloaded) + slots) - freed),
                 "the offloaded chunks",
                 f"{self.master_dtype_name} master shards and AdamW states, and {slots} gradient shards",
@@ -186,7 +186,7 @@ class StorageMixin:
         """An offloaded chunk's gradient shard for this step where every shared one is held and no pending update
         gives one back (this step's updates wait for `AdamW.step()`): plain host memory, where the host has it."""
         offloaded = self.layout.n_chunk - self.n_persist
-        package.check_host_memory(
+        host.check_host_memory(
             self.layout.shard_elems * self.master_bytes,
             f"chunk {chunk}'s gradients",
             f"a {self.master_dtype_name} gradient shard; the plan shares {self.grad_slots} among the {offloaded} "

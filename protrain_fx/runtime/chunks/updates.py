@@ -7,10 +7,17 @@ A chunk's update runs on one of three paths:
   copy of its gradient shard (`_update_on_arrival`, `_queue_host_update`), overlapping the rest of the backward;
 - deferred: in `AdamW.step()` (`submit_update`), where something must see every gradient first (`defer_updates`:
   the first step, float16 loss scaling or nonfinite='skip', gradients or hyperparameters changed between backward()
-  and step(): runtime/chunks/edits.py), or the chunk holds a parameter used outside the graphs (`eager_chunks`);
+  and step(): runtime/chunks/edits.py, or said to be at the start: `AdamW(edits_after_backward=True)`), or the chunk
+  holds a parameter used outside the graphs (`eager_chunks`);
 - speculative: a clipped model whose last step was not clipped updates its last `n_clip_overlap` offloaded chunks
   early, keeping what the update changes (`speculates`); where the clip applies after all,
   `undo_speculative_updates` puts it back and the step updates them again.
+
+An update started early with the gradients and hyperparameters of the backward cannot be undone (no copy was kept).
+A change the loop makes after it, to the same optimizer's step, is refused (`refuse_edit`) and the step applies as the
+backward left it; a step skipped after it (its gradients dropped before `step()`) is applied whole, as
+`step()` then `zero_grad()` would (`keep_started_step`). Either way that step is the only one the change misses,
+the error says so, and from the next step on updates wait for `step()`, so that later changes apply exactly.
 
 State it owns:
 - `_host` (the worker thread of host updates), `_pending` (offloaded chunk -> its queued host task), `host_updates`
@@ -18,9 +25,10 @@ State it owns:
 - the step: `_stepped` (updates started), `_early` (persistent chunks updated during the backward), `_speculative`,
   `_join_queued`, `_first_step`, `_room_for_undo`, `in_window` (between a step's first gradient and the end of its
   optimizer steps), `step_lost`, `eager_chunks`;
-- the optimizers: `_owners` (chunk -> its AdamW), `_owners_stepped`, `_hyper_used`, `hyper_at_backward`.
+- the optimizers: `_owners` (chunk -> its AdamW), `_owners_stepped`, `_hyper_used`, `hyper_at_backward`;
+  `_keeping_step` (a started step being applied whole: `keep_started_step`).
 
-`speculates` reads UNDO_HOST_RESERVE from the package at call time.
+`speculates` keeps the updated chunks' states only where the host keeps UNDO_HOST_RESERVE of its memory available.
 """
 
 from __future__ import annotations
@@ -31,17 +39,32 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from protrain_fx.host import available_host_bytes, meminfo_bytes
 from protrain_fx.host_queue import HostQueue
 from protrain_fx.planner.plan import HOST_STATES
-from protrain_fx.runtime import chunks as package
 from protrain_fx.runtime.chunks.common import HOST_UPDATES_KEPT, OPTIMIZER_ATTR, skips_nonfinite
 
 log = logging.getLogger(__name__)
+
+# a clipped model's host updates during the backward keep each shard's master and AdamW states as they were
+# (`speculates`: HOST_STATES elements each), where that leaves this share of the host's memory available
+UNDO_HOST_RESERVE = 0.1
+
+# why a chunk's update ran during the backward, and how a loop says at the start that it changes the step after it
+WHY_EARLY = (
+    "with the gradients and hyperparameters of then (from the second step on, chunks update as soon as their gradient "
+    "is complete, while no earlier step changed gradients or hyperparameters, or skipped, between backward() and "
+    "optimizer.step())"
+)
+SAY_SO = (
+    "To have every such change apply exactly from the first, build the optimizer with "
+    "protrain_fx.optim.AdamW(..., edits_after_backward=True), or make the change in every step, from the first (clip "
+    "every step, say)"
+)
 
 
 def _spinning_openmp() -> bool:
@@ -86,6 +109,7 @@ class UpdatesMixin:
         # the hyperparameters each started update used, and those of the last gradient's arrival, per optimizer
         self._hyper_used: dict[int, list[dict]] = {}
         self.hyper_at_backward: dict[int, list[dict]] = {}
+        self._keeping_step = False  # a skipped step whose updates had started is being applied whole
 
     def _build_updates(self) -> None:
         """The stream of persistent chunks' updates during the backward, beside it (memory-bound AdamW next to its
@@ -140,15 +164,21 @@ class UpdatesMixin:
         return self.torch_scaled or any(skips_nonfinite(o, self.dtype) for o in self.optimizers or [None])
 
     @property
+    def waits_for_edits(self) -> bool:
+        """Gradients or hyperparameters may change between backward() and step(), or the step be skipped there: seen
+        at a step (`edits_grads`), or said at the start (`protrain_fx.optim.AdamW(..., edits_after_backward=True)`)."""
+        return self.edits_grads or any(o.edits_after_backward for o in self.optimizers)
+
+    @property
     def defer_updates(self) -> bool:
         """Updates start in `AdamW.step()`, not as each chunk's gradient completes (but `speculates`)."""
-        return self.skips_nonfinite or self._first_step or self.edits_grads
+        return self.skips_nonfinite or self._first_step or self.waits_for_edits
 
     def _update_now(self, chunk: int) -> bool:
         """Whether an offloaded chunk whose gradient is complete starts its host update now."""
         if self.optimizer_of(chunk) is None or self.skips_nonfinite or self._first_step or chunk in self.eager_chunks:
             return False
-        return not self.edits_grads or (chunk >= self.layout.n_chunk - self.n_clip_overlap and self.speculates)
+        return not self.waits_for_edits or (chunk >= self.layout.n_chunk - self.n_clip_overlap and self.speculates)
 
     @property
     def speculates(self) -> bool:
@@ -158,12 +188,12 @@ class UpdatesMixin:
         `AdamW.chunk_update`); if it does, `undo_speculative_updates` puts them back and `AdamW.step()` updates
         again from the changed gradients. Only the last `n_clip_overlap` chunks, as the plan chose (the copy costs
         host memory bandwidth: the cost model weighs it against waiting for the clip), where the host has room."""
-        if not self.edits_grads or self.last_step_edited or not self.n_clip_overlap:
+        if not self.waits_for_edits or self.last_step_edited or not self.n_clip_overlap:
             return False
         if self._room_for_undo is None:
             needed = HOST_STATES * self.master_bytes * self.layout.shard_elems * self.n_clip_overlap
             available, total = available_host_bytes(), meminfo_bytes("MemTotal")
-            self._room_for_undo = available is None or needed <= available - package.UNDO_HOST_RESERVE * (total or 0)
+            self._room_for_undo = available is None or needed <= available - UNDO_HOST_RESERVE * (total or 0)
             log.info(
                 "clipping: %s (keeping the updated chunks' masters and AdamW states takes %.2f GiB of host memory, "
                 "%s GiB available)",
@@ -186,7 +216,7 @@ class UpdatesMixin:
         gradient is complete and it updates during the backward (`_update_now`), with the hyperparameters and
         gradients of this moment, skipped if a gradient of the step so far is not finite (`found`). Returns the
         update (None: it waits for the step) and whether it keeps what it changes (speculative)."""
-        speculative = self.edits_grads
+        speculative = self.waits_for_edits
         if not (self._complete(chunk) and self._update_now(chunk)):
             return None, speculative
         self._stepped.add(chunk)
@@ -355,6 +385,65 @@ class UpdatesMixin:
         """Chunks whose update has started this step, during the backward (reading this step's gradients).
         `undoable=False` leaves out those `undo_speculative_updates` can put back."""
         return sorted(self._stepped if undoable else self._stepped - self._speculative)
+
+    def committed_updates(self, chunks: Iterable[int]) -> list[int]:
+        """Chunks of the optimizers stepping `chunks` whose update started during this step's backward and cannot be
+        undone (no copy kept: not `speculates`), their optimizer's `step()` not run yet."""
+        owners = {id(o) for c in chunks if (o := self.optimizer_of(c)) is not None}
+        return sorted(c for c in self._stepped - self._speculative if id(self.optimizer_of(c)) in owners)
+
+    def started_with(self, owner) -> list[dict] | None:
+        """The hyperparameters with which `owner`'s updates that cannot be undone started during this step's
+        backward (`committed_updates`); None where none did."""
+        started = self.committed_updates(c for c in range(self.layout.n_chunk) if self.optimizer_of(c) is owner)
+        return self._hyper_used[started[0]] if started else None
+
+    def refuse_edit(self, what: str, chunks: Iterable[int]) -> None:
+        """`what` would change the gradients of `chunks` (between backward() and step()): a RuntimeError, before
+        anything changes, where their optimizer's updates of this step started during the backward and cannot be
+        undone. The step then applies the gradients as the backward left them, when `step()` runs; later steps wait
+        for `step()` (`note_edit`), so that the same change applies to its own step."""
+        started = self.committed_updates(chunks)
+        if not started:
+            return
+        self.note_edit(what)
+        raise RuntimeError(
+            f"{what}: refused, so this step's optimizer update stays as the backward left the gradients (unchanged "
+            f"by it; optimizer.step() applies it as usual). The update of chunk(s) {started} had already run during "
+            f"backward(), {WHY_EARLY}. From the next step on updates wait for optimizer.step(), so the same change "
+            f"applies to its own step exactly. {SAY_SO}"
+        )
+
+    def keep_started_step(self, what: str, chunks: Iterable[int], *, set_to_none: bool = True) -> RuntimeError:
+        """`what` drops gradients of `chunks` before their optimizer's `step()` (a step skipped after the
+        backward, by `zero_grad()`), where updates of that optimizer started during the backward and cannot be
+        undone: its step is applied whole, as `step()` would (the other chunks with the gradients and
+        hyperparameters of the backward), then every gradient of the step is dropped (`.grad` set to None, or read
+        as zeros: `set_to_none` False), as `zero_grad()` would. Returns the error to raise, which says so; later
+        steps wait for `step()`, so that a later skip is exact."""
+        started = self.committed_updates(chunks)
+        owners = {id(o): o for c in started if (o := self.optimizer_of(c)) is not None}
+        self.note_edit(what)
+        self._keeping_step = True
+        try:
+            for owner in owners.values():
+                owner.step_as_at_backward()
+        finally:
+            self._keeping_step = False
+        for chunk in sorted(c for c in self.has_grad if id(self.optimizer_of(c)) in owners):
+            if set_to_none:
+                for i in self._chunk_params[chunk]:
+                    self.params[i].grad = None
+            self._drop(chunk, [i for i in self._chunk_params[chunk] if i in self.params_with_grad])
+        self.zero_grad()
+        return RuntimeError(
+            f"{what} before optimizer.step() (skipping the step?): the update of chunk(s) {started} had already run "
+            f"during backward(), {WHY_EARLY}, and cannot be undone. So this step was applied whole, as "
+            "optimizer.step() then optimizer.zero_grad() would have (its other chunks too, with the gradients and "
+            "hyperparameters of the backward), and its gradients are dropped: training goes on from there, with this "
+            "step the only one affected. From the next step on updates wait for optimizer.step(), so a step skipped "
+            f"later is skipped exactly. {SAY_SO}"
+        )
 
     def undo_speculative_updates(self) -> None:
         """Clipping applies after all: the chunks updated during the backward (`speculates`) take back the

@@ -96,6 +96,8 @@ class GradAccessMixin:
         if not create and i not in self.params_with_grad:
             self.note_read()
             return None
+        if torch._C._current_graph_task_id() == -1:  # (within a backward: autograd accumulating, not an edit)
+            self.refuse_edit(f"{what} on the gradient of {self.slots[i].name!r}", [chunk])
         self._check_not_started([chunk], f"{what} on the gradient of {self.slots[i].name!r}")
         self.note_edit(what)
         if i not in self.params_with_grad:
@@ -107,9 +109,27 @@ class GradAccessMixin:
         chunk = self.slots[i].chunk
         self._settle_grads(chunk, i)
         if i in self.params_with_grad:
+            if self.committed_updates([chunk]):
+                raise self.keep_started_step(
+                    f"{what} on the gradient of {self.slots[i].name!r}", [chunk], set_to_none=False
+                )
             self._check_not_started([chunk], f"{what} on the gradient of {self.slots[i].name!r}")
             self.note_edit(what)
             self._drop(chunk, [i])
+
+    def setting_grad(self, i: int, value: torch.Tensor | None) -> None:
+        """The user sets parameter `i`'s `.grad` to `value` (runtime/chunks/param_class.py): where its optimizer's
+        updates of this step started during the backward and cannot be undone, a new gradient is refused
+        (`refuse_edit`) and None skips the step as it stands (`keep_started_step`), at once; otherwise its chunk
+        takes it in when it next reads or adds to its gradient (`_reconcile`, `fold_plain_grads`)."""
+        chunk = self.slots[i].chunk
+        if self.param_grads.mine(value) or not self.committed_updates([chunk]):
+            return
+        if value is not None:
+            self.refuse_edit(f"a tensor set as the .grad of {self.slots[i].name!r}", [chunk])
+        if i in self.params_with_grad:
+            self.params[i].grad = None
+            raise self.keep_started_step(f"the .grad of {self.slots[i].name!r} set to None", [chunk])
 
     def _new_grad(self, i: int) -> None:
         """Zeros for parameter `i`'s gradient in its chunk (the chunk's gradient taken, and zeroed, if it has none
@@ -129,11 +149,13 @@ class GradAccessMixin:
         """Parameters of the chunk (those of `indices`, or all) whose `.grad` the user dropped (set to None, or
         replaced) since it took their gradient leave it: the optimizer skips them, as torch's skips a parameter
         without a gradient. (A `.grad` op settles its own parameter only: a clip loop would scan each chunk per op.)"""
-        if chunk not in self.has_grad:
+        if chunk not in self.has_grad or self._keeping_step:
             return
         candidates = self._chunk_params[chunk] if indices is None else indices
         dropped = [i for i in candidates if i in self.params_with_grad and self.param_grads.cleared(i)]
         if dropped:
+            if self.committed_updates([chunk]):
+                raise self.keep_started_step(f"dropping the gradient of {self.slots[dropped[0]].name!r}", [chunk])
             if chunk >= self.n_persist and not self._update_gives_back(chunk, dropped):
                 self.wait_for_update(chunk)  # (its copy to the host landed)
             what = f"dropping the gradient of {self.slots[dropped[0]].name!r}"
