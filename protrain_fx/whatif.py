@@ -12,7 +12,7 @@ fits there.
         hardware="h100_node.json",          # a hardware profile measured there (its cache file), or field overrides
         tokens=batch["input_ids"].numel(),  # one rank's tokens per step, for tokens/s
     )
-    print(found)                            # the plan, its step time and tokens/s, the largest model that fits
+    found.plan, found.tokens_per_s          # the plan and its tokens/s; found.largest_n_block: the largest model
 
 The profile's blocks are alike, so a profile of a few blocks stands for a model of more (`n_block`): a middle
 block's profiled nodes, parameters and memory changes repeat (the first and last blocks, which may differ, stay

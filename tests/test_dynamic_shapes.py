@@ -313,18 +313,14 @@ def test_ranks_profile_and_plan_at_the_same_sizes():
     spawn_gloo(_ranks_of_other_lengths, 2)
 
 
-def _accelerate_run(compiled: bool) -> dict:
-    """accelerate's loop (gradient accumulation over 2, clipping, a schedule) over 13 lengths padded per batch by
-    the data collator, the last batch partial."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
+def _accelerate_run(compiled: bool) -> tuple:
+    """accelerate's loop (test_accelerate.py: gradient accumulation over 2, clipping where gradients are complete, a
+    schedule) over 13 lengths padded per batch by the data collator, the last batch partial."""
+    from test_accelerate import _accelerator, _loop
     from torch.utils.data import DataLoader
     from transformers import DataCollatorForSeq2Seq, get_linear_schedule_with_warmup
 
-    AcceleratorState._reset_state(reset_partial_state=True)  # (a fresh Accelerator per run, as in a new process)
-    GradientState._reset_state()
-    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
-    samples = models.samples_of_many_lengths(seed=2)
+    accelerator = _accelerator()
     model = models.build("llama")
     if compiled:  # Dynamo's default dynamic shapes
         model.compile(backend=protrain_fx.ProTrainBackend({"executor": "eager", "plan": PLAN}))
@@ -332,27 +328,13 @@ def _accelerate_run(compiled: bool) -> dict:
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     collator = DataCollatorForSeq2Seq(_tokenizer(), label_pad_token_id=-100)
-    loader = DataLoader(samples, batch_size=2, collate_fn=collator)
+    loader = DataLoader(models.samples_of_many_lengths(seed=2), batch_size=2, collate_fn=collator)
     sched = get_linear_schedule_with_warmup(opt, 2, 7)
-    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
-    losses, norms = [], []
-    for batch in loader:
-        with accelerator.accumulate(model):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-        losses.append(loss.item())
-    model = accelerator.unwrap_model(model)
-    weights = protrain_fx.full_state_dict(model) if compiled else model.state_dict()
-    return {"losses": losses, "norms": norms, "weights": weights}
+    return _loop(accelerator, *accelerator.prepare(model, opt, sched, loader), clip_every_micro_batch=False)
 
 
 def test_accelerate_with_padding_per_batch_trains_like_eager():
     expected, ours = _accelerate_run(compiled=False), _accelerate_run(compiled=True)
-    assert len(ours["losses"]) == 7 and ours["losses"] == expected["losses"] and ours["norms"] == expected["norms"]
-    for name, value in expected["weights"].items():
-        assert torch.equal(ours["weights"][name], value), name
+    assert len(ours[0]) == 7 and ours[0] == expected[0] and ours[1] == expected[1]
+    for name, value in expected[2].items():
+        assert torch.equal(ours[2][name], value), name

@@ -73,6 +73,17 @@ def _assert_loaded_alike(model, loaded):
         assert buffers[name].dtype == value.dtype and torch.equal(buffers[name], value), name
 
 
+def _meta_model_loads_alike(cls, config, path, caplog) -> None:
+    """A model built on the meta device and prepared from `path` holds what `from_pretrained` loads, with the same
+    (empty) load report."""
+    loaded, messages = _from_pretrained(cls, path)
+    with torch.device("meta"):
+        model = cls(config)
+    ours = _prepare(caplog, model, path)
+    _assert_loaded_alike(model, loaded)
+    assert _reports(ours) == _reports(messages) == []
+
+
 def _keys(path):
     with safe_open(next(path.glob("*.safetensors")), framework="pt") as f:
         return set(f.keys())
@@ -85,12 +96,7 @@ def test_gpt_neox_folder_as_saved_by_transformers(tmp_path, caplog):
     ref = models.build("gpt_neox")
     ref.save_pretrained(tmp_path)
     assert "embed_out.weight" in _keys(tmp_path) and "lm_head.weight" not in _keys(tmp_path)
-    loaded, messages = _from_pretrained(type(ref), tmp_path)
-    with torch.device("meta"):
-        model = type(ref)(ref.config)
-    ours = _prepare(caplog, model, tmp_path)
-    _assert_loaded_alike(model, loaded)
-    assert _reports(ours) == _reports(messages) == []
+    _meta_model_loads_alike(type(ref), ref.config, tmp_path, caplog)
 
 
 def test_base_model_checkpoint_into_a_causal_lm_and_back(tmp_path, caplog):
@@ -159,12 +165,7 @@ def test_moe_experts_merged_as_transformers_converts_them(tmp_path, caplog):
     converters merge them into one tensor per layer (`experts.gate_up_proj`), made when its module is filled."""
     ref = models.build("mixtral")
     ref.save_pretrained(tmp_path, max_shard_size="40KB")
-    loaded, messages = _from_pretrained(type(ref), tmp_path)
-    with torch.device("meta"):
-        model = type(ref)(ref.config)
-    ours = _prepare(caplog, model, tmp_path)
-    _assert_loaded_alike(model, loaded)
-    assert _reports(ours) == _reports(messages) == []
+    _meta_model_loads_alike(type(ref), ref.config, tmp_path, caplog)
 
 
 def test_mismatched_shapes_are_reported_and_refused(tmp_path, caplog):
