@@ -168,10 +168,12 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     return cmd + [arg for name in flags for arg in (_flag(name), str(getattr(args, name)))]
 
 
-def run_for_result(cmd: list[str], system: str) -> dict:
-    """Run a worker's command line; its result line (RESULT_PREFIX) as a dict, or the error where it gave none."""
+def run_for_result(cmd: list[str], system: str, env: dict[str, str] | None = None) -> dict:
+    """Run a worker's command line (in `env`, else this process's environment); its result line (RESULT_PREFIX) as
+    a dict, or the error where it gave none."""
     log.info("running %s", shlex.join(cmd))
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)  # stderr (tqdm, logs) passes through
+    # stderr (tqdm, logs) passes through
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if not lines:
         return {"system": system, "error": f"worker exited with code {proc.returncode} and no result; see its stderr"}
@@ -391,6 +393,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", default="1,2,4", help="comma-separated rank counts (default 1,2,4)")
     p.add_argument("--out", default="out/scaling.json", help="where the JSON report goes ('' for none)")
     p.set_defaults(func=scaling)
+    p = sub.add_parser("startup", parents=[_sizes()], help="time to the first step, cold and relaunched, per system")
+    p.add_argument("--systems", default="compile,protrain-chunks", help=f"comma-separated, from {list(SYSTEMS)}")
+    p.add_argument("--measure-hardware", action="store_true", help="the cold run measures the hardware profile too")
+    p.add_argument("--out", default="out/startup.json", help="where the JSON report goes ('' for none)")
+    p.set_defaults(func=lambda args: _lazy("startup", "startup")(args))
     p = sub.add_parser("plot", help="tokens/s against model size per system, from compare reports (PNG)")
     p.add_argument("reports", nargs="+", help="JSON reports of `compare`, one model size each")
     p.add_argument("--out", default="out/throughput.png", help="the PNG to write")

@@ -87,6 +87,9 @@ class Result:
     clip: float = 0.0  # the gradient norm clipped to before each step (0: none)
     memory_budget: float = 1.0  # compile's activation_memory_budget (1.0: its default)
     init: str = "gpu"  # built on the GPU, or (protrain-chunks) on the CPU or meta device and prepared (INITS)
+    # protrain: seconds of each compile phase summed over graphs (backend/phases.py), "cache" where the plan cache
+    # gave its result
+    phases_s: dict | None = None
 
 
 def unavailable(system: str) -> str | None:
@@ -169,7 +172,8 @@ def train(
     init = resolve_init(init, system == "protrain-chunks", spec, DTYPES[dtype], device, limit)
     sharded = system in FSDP2_SYSTEMS or system in DEEPSPEED_SYSTEMS  # (they need a process group)
     distributed = sharded or int(os.environ.get("WORLD_SIZE", 1)) > 1  # (torchrun sets it)
-    with _process_group(device) if distributed else contextlib.nullcontext(), budget:
+    phases: dict[str, float | str] = {}
+    with _process_group(device) if distributed else contextlib.nullcontext(), budget, _phase_times(phases):
         world = dist.get_world_size() if dist.is_initialized() else 1
         model, opt = _model_and_optimizer(system, spec, device, DTYPES[dtype], seed, batch=batch, clip=clip, init=init)
         params = parameter_count(model)
@@ -238,6 +242,7 @@ def train(
         world_size=world,
         plan=plan_in_force,
         hardware=hardware,
+        phases_s=phases or None,
         clip=clip,
         memory_budget=memory_budget if budgeted else 1.0,
         init=init,
@@ -433,6 +438,36 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class _PhaseHandler(logging.Handler):
+    """Collects protrain's progress lines (backend/phases.py) into `phases`: seconds per phase over all graphs."""
+
+    def __init__(self, phases: dict[str, float | str]) -> None:
+        super().__init__(logging.INFO)
+        self.phases = phases
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) == 3 and isinstance(args[2], float):  # "graph %d: %s in %.2f s"
+            self.phases[args[1]] = self.phases.get(args[1], 0.0) + args[2]
+        elif len(args) == 3 and "plan cache" in record.msg:  # "graph %d: %s from the plan cache (%s)"
+            self.phases[{"profile": "profiled", "plan": "searched"}.get(args[1], args[1])] = "cache"
+
+
+@contextlib.contextmanager
+def _phase_times(phases: dict[str, float | str]) -> Iterator[None]:
+    from protrain_fx.backend.phases import PROGRESS_LOGGER
+
+    logger, handler = logging.getLogger(PROGRESS_LOGGER), _PhaseHandler(phases)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _sync(device: torch.device) -> None:

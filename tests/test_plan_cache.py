@@ -78,8 +78,11 @@ def _switch_to(fields: dict) -> None:
 
 
 def _child(args: dict) -> None:
-    """A training run in a process of its own (`_run`): the llama, protrain's AdamW, the eager executor, `steps`
-    steps; prints as its last line what it profiled, searched and trained."""
+    """A training run in a process of its own (`_run`): the llama (or the `model` kind of tests/models.py),
+    protrain's AdamW, the eager executor (or `executor`), `steps` steps; prints as its last line what it profiled, searched and trained, and inductor's FX
+    graph cache counts."""
+    from torch._dynamo.utils import counters
+
     from protrain_fx.planner.plan import decisions
 
     counts = {"profiles": 0, "searches": 0}
@@ -88,13 +91,14 @@ def _child(args: dict) -> None:
     cache_module.source_digest = lambda: SOURCE  # (the package's files as the test's first run read them)
     if args.get("switch_to"):
         _switch_to(args["switch_to"])
-    model = models.llama4()
+    kind = args.get("model", "llama")
+    model = models.llama4() if kind == "llama" else models.build(kind)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    backend = protrain_fx.ProTrainBackend({"executor": "eager", **args.get("options", {})})
+    backend = protrain_fx.ProTrainBackend({"executor": args.get("executor", "eager"), **args.get("options", {})})
     compiled = torch.compile(model, backend=backend, dynamic=False)
     losses, plans = [], []
     for step in range(args["steps"]):
-        loss = compiled(**models.batch("llama", *SHAPE, seed=step)).loss
+        loss = models.loss_of(kind, compiled(**models.batch(kind, *SHAPE, seed=step)))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -105,13 +109,15 @@ def _child(args: dict) -> None:
     said = str(protrain_fx.plan_of(compiled)).splitlines()[0]
     record = backend.graphs[0]
     out = {"counts": counts, "losses": losses, "plans": plans, "state": digest, "plan_of": said}
+    out["fxgraph"] = {k.removeprefix("fxgraph_cache_"): v for k, v in counters["inductor"].items() if "fxgraph" in k}
     print(json.dumps({**out, "from_cache": list(record.from_cache), "seconds": sorted(record.seconds)}))
 
 
 def _run(cache_dir: Path, steps: int, *, cache: str = "on", **args) -> tuple[dict, str]:
-    """`_child` in a fresh Python process whose plan cache is `cache_dir` (this test's environment unchanged):
-    what it printed, and its stderr (a pipe: no terminal)."""
+    """`_child` in a fresh Python process whose plan cache, and inductor's caches, are in `cache_dir` (this
+    test's environment unchanged): what it printed, and its stderr (a pipe: no terminal)."""
     env = dict(os.environ, PROTRAIN_CACHE_DIR=str(cache_dir), PROTRAIN_PLAN_CACHE=cache)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")])
     payload = json.dumps({"steps": steps, **args})
     code = f"import json, test_plan_cache; test_plan_cache._child(json.loads({payload!r}))"
@@ -146,6 +152,16 @@ def test_a_relaunch_profiles_and_searches_nothing_and_trains_like_the_plan_it_st
     assert forced["counts"]["profiles"] == 1 and forced["plans"] == again["plans"]
     assert forced["losses"] == again["losses"] and forced["state"] == again["state"]
     assert not (tmp_path / "another" / cache_module.PLANS_DIR).exists()  # (off: nothing kept)
+
+
+def test_a_relaunch_takes_the_compiled_graphs_from_inductors_cache(tmp_path):
+    """With the inductor executor, a relaunch rewrites the graphs as the first run did, so inductor's FX graph
+    cache gives both compiled graphs (nothing bypasses it), and the relaunch's steps are the first run's."""
+    first, _ = _run(tmp_path, 2, executor="inductor", model="toy")
+    assert first["fxgraph"] == {"miss": 2}, first["fxgraph"]
+    again, _ = _run(tmp_path, 2, executor="inductor", model="toy")
+    assert again["fxgraph"] == {"hit": 2} and again["counts"] == {"profiles": 0, "searches": 0}
+    assert again["losses"] == first["losses"]
 
 
 @pytest.fixture

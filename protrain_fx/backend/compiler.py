@@ -83,15 +83,11 @@ class ProTrainBackend:
                 from torch._inductor.compile_fx import compile_fx
 
                 register_inductor_lowering()
-                # no cache of whole graphs (AOTAutograd's, inductor's FX graph cache): a cached compile would skip
-                # the profile and the plan. Inductor's kernel caches stay: a kernel is keyed by its source, so a
-                # later compile (or run) reuses it rather than compiling every kernel again in a fresh cache
-                # directory, as force_disable_caches does (leaving that directory behind)
-                patches = {
-                    "custom_partitioner_fn": partitioner,
-                    "fx_graph_cache": False,
-                    "fx_graph_remote_cache": False,
-                }
+                # AOTAutograd's cache stays off: a hit would skip the partitioner, and with it the chunks and the
+                # runtime objects the rewritten graphs name. Inductor's FX graph cache keys the graphs it compiles,
+                # which come rewritten (the plan and those objects' handles in them): a relaunch that rewrites
+                # them alike skips inductor's code generation (Partitioner.__reduce__ gives the rest of the key)
+                patches = {"custom_partitioner_fn": partitioner}
                 inner = functools.partial(_inductor_inner_compile, inference, guard, record.index)
                 with functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
                     compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)

@@ -19,7 +19,7 @@ from torch import fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from protrain_fx.backend.cache import open_cache
+from protrain_fx.backend.cache import open_cache, source_digest
 from protrain_fx.backend.phases import phase_done
 from protrain_fx.backend.planning import check_states_fit, plan
 from protrain_fx.backend.record import GraphCompile
@@ -52,6 +52,12 @@ class Partitioner(CustomPartitionerFn):
 
     def __deepcopy__(self, memo):
         return self  # inductor copies its config, which holds us; our inputs are real tensors, not copyable
+
+    def __reduce__(self):
+        """Pickled (inductor's FX graph cache hashes its config, which holds us) as the package's source alone: the
+        graphs inductor compiles come rewritten, plan and runtime handles in them, so they key themselves; our
+        lowerings are in the source. Unpickled, a partitioner whose compile is done."""
+        return _done_partitioner, (source_digest(),)
 
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
         """The flow of one graph, stage by stage: forward and backward, rewritten for the plan."""
@@ -86,3 +92,10 @@ class Partitioner(CustomPartitionerFn):
         dump(record)
         c.partitioned = time.perf_counter()
         return fw, bw
+
+
+def _done_partitioner(source: str) -> Partitioner:
+    """A partitioner that has forgotten its compile (`Partitioner.__reduce__`)."""
+    done = Partitioner.__new__(Partitioner)
+    done.compiling = None
+    return done
