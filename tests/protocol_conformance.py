@@ -9,11 +9,16 @@ from protrain_fx.backend.record import GraphRecord
 from protrain_fx.debug.dump import Dumper
 from protrain_fx.passes.contract import ChunkManagerLike, DumperLike, GraphRecordLike, StepMonitorLike, SwapSpaceLike
 from protrain_fx.runtime.chunks import ChunkManager
+from protrain_fx.runtime.chunks.gather import ChunkSource
 from protrain_fx.runtime.monitor import StepMonitor
 from protrain_fx.runtime.swap import SwapSpace
 
 
 def chunk_manager(manager: ChunkManager) -> ChunkManagerLike:
+    return manager
+
+
+def chunk_source(manager: ChunkManager) -> ChunkSource:  # (what the manager's Gatherer reads of it)
     return manager
 
 

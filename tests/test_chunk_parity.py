@@ -138,10 +138,10 @@ def device_bytes_held(manager, states) -> int:
     """The device bytes of the model states `manager` holds: its chunks, gradient, chunk and reduce buffers
     (with their shards across ranks), masters, and the persistent chunks' AdamW `states` (chunk -> tensors)."""
     persistent = range(manager.n_persist)
-    device = [*manager.flat.values(), *manager._device_grads, *manager.buffers, *manager._reduce_buffers]
+    device = [*manager.flat.values(), *manager._device_grads, *manager.gathering.device_tensors()]
+    device += manager._reduce_buffers
     device += manager._reduce_shards
     device += [manager.master[c] for c in persistent if manager.master[c] is not manager.flat[c]]
-    device += [manager._landing] if manager._landing is not None else []
     return sum(t.numel() * t.element_size() for t in [*device, *(t for c in persistent for t in states[c])])
 
 
@@ -155,7 +155,7 @@ def test_offloaded_parameters_hold_no_storage_and_arena_is_exact():
     # fp32 parameters (= master) and fp32 gradient: the gradient is copied straight into its shard
     per_chunk = manager.layout.shard_elems * (4 + 4)
     assert manager.arena.numel() == per_chunk * (manager.layout.n_chunk - manager.n_persist)
-    assert len(manager.buffers) == 1
+    assert len(manager.gathering.buffers) == 1
 
 
 def test_too_few_buffers_is_a_compile_time_error():
@@ -540,9 +540,9 @@ def test_chunk_buffers_allocated_once():
         after_step=measure,
     )
     manager = protrain_fx.manager_of(model)
-    pointers = [b.data_ptr() for b in manager.buffers]
+    pointers = [b.data_ptr() for b in manager.gathering.buffers]
     compiled(input_ids=ids, labels=ids).loss.backward()
-    assert [b.data_ptr() for b in manager.buffers] == pointers
+    assert [b.data_ptr() for b in manager.gathering.buffers] == pointers
     assert allocated[2] == allocated[3] == allocated[4], allocated
     assert manager.arena.is_pinned()
     print(f"chunks {manager.layout.n_chunk} x {manager.layout.chunk_bytes / 2**20:.1f} MiB, allocated {allocated}")

@@ -48,7 +48,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `storage.py` | the chunks' memory (`flat`, `master`, `grad`, the host arena) and where each parameter sits in it |
 | `slots.py` | `SlotPool`: the gradient buffers (device) or shards (host) a group of chunks shares in turn |
 | `placement.py` | the parameters moved into the chunks; `place` for a pending manager, `place_again` (a re-plan) |
-| `gather.py` | the offloaded chunks' device buffers: gather, prefetch, release |
+| `gather.py` | `Gatherer` (`manager.gathering`, a part of its own): the offloaded chunks' device buffers, gather, prefetch, release |
 | `reduce.py` | the backward's gradients into the chunks, across ranks: three paths |
 | `updates.py` | when each chunk's AdamW update runs: early, deferred, speculative; the end of a step |
 | `edits.py` | gradients or hyperparameters changed between backward() and step(), which make updates wait |
@@ -89,7 +89,6 @@ from protrain_fx.runtime.chunks.common import (
     unfrozen_param_error,
 )
 from protrain_fx.runtime.chunks.edits import EditsMixin
-from protrain_fx.runtime.chunks.gather import GatherMixin
 from protrain_fx.runtime.chunks.outside import OutsideMixin
 from protrain_fx.runtime.chunks.placement import PlacementMixin
 from protrain_fx.runtime.chunks.reduce import ReduceMixin
@@ -116,7 +115,6 @@ __all__ = [
 class ChunkManager(
     StorageMixin,
     PlacementMixin,
-    GatherMixin,
     ReduceMixin,
     UpdatesMixin,
     EditsMixin,
@@ -196,7 +194,6 @@ class ChunkManager(
         self._init_updates()
         self._init_reduce()
         self._init_storage()
-        self._init_gather()
         self._init_grad_access()
         self._init_edits()
         self.pending_plan = dict(pending_plan) if pending_plan is not None else None
@@ -215,6 +212,31 @@ class ChunkManager(
             deep_copy.note_hooks(model, hook)
             model_hooks.install(self, model)
         self.handle = ops.register(self)
+
+    def gather(self, chunk: int) -> torch.Tensor:
+        """Offloaded `chunk`'s parameters, whole, in a device buffer (the graphs' `gather` op; gather.py)."""
+        assert chunk >= self.n_persist, f"chunk {chunk} is persistent: its parameters are read directly"
+        return self.gathering.gather(chunk)
+
+    def prefetch(self, chunk: int) -> None:
+        self.gathering.prefetch(chunk)
+
+    def release(self, chunk: int) -> None:
+        self.gathering.release(chunk)
+
+    def abandon_step(self) -> None:
+        """A forward or backward ran out of memory midway (runtime/oom.py): the chunks it gathered are released."""
+        self.gathering.abandon_step()
+
+    @property
+    def upload_stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream of host-to-device chunk copies (None on the CPU): swap prefetches queue behind it."""
+        return self.gathering.copy_stream
+
+    def update_pending(self, chunk: int) -> bool:
+        """Whether `chunk`'s host update is queued and not done (Gatherer's ChunkSource)."""
+        future = self._pending.get(chunk)
+        return future is not None and not future.done()
 
     def check_model_params(self) -> None:
         """Each name the chunked parameters had in the model when the chunks were built still names the same

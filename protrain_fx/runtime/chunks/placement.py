@@ -63,7 +63,9 @@ class PlacementMixin:
         go to the device (a sharded one gathered from every rank: a collective), their host shards are freed; the
         others keep theirs, pinned now. The values are the masters' as they were, bitwise."""
         assert self.pending_plan is not None, "place() is for a manager built to wait for its plan"
-        assert not self.has_grad and not self._pending and not self._in_use, "chunks placed after training started"
+        assert not self.has_grad and not self._pending and not self.gathering.in_use, (
+            "chunks placed after training started"
+        )
         n = self.layout.n_chunk
         if not 0 <= n_persist <= n or (n_persist < n and n_buffer < 1):
             raise ValueError(f"plan n_persist={n_persist}, n_buffer={n_buffer} for {n} chunks")
@@ -94,7 +96,7 @@ class PlacementMixin:
         this step started (the last step's host updates may still run: `place_again` waits for them), no chunk in
         use by a graph, no parameter lent."""
         busy = (self.has_grad, self.in_window, self._stepped, self._speculative, self._in_flight, self._unreduced)
-        return not any(busy) and not self._in_use and not self._lent and not self.step_lost
+        return not any(busy) and not self.gathering.in_use and not self._lent and not self.step_lost
 
     def place_again(self, n_persist: int, n_buffer: int, grad_slots: int | None, device_grad_slots: int | None) -> bool:
         """Put a trained manager's chunks where a new plan says, between two steps (`between_steps`; every rank
@@ -197,7 +199,7 @@ class PlacementMixin:
         """Let go of what `_build` makes again and holds nothing between steps: the chunk buffers, the landing
         shard, the reduce buffers and the persistent chunks' gradient buffers (so the device holds both plans'
         chunks at once, not their buffers too)."""
-        self.buffers, self._landing, self._resident, self._released = [], None, {}, []
+        self.gathering.drop()
         self._reduce_buffers, self._reduce_shards, self._reduce_read, self._next_reduce = [], [], [], 0
         owners = {id(o): o for c in range(self.layout.n_chunk) if (o := self.optimizer_of(c)) is not None}
         for owner in owners.values():  # (their inner optimizers' views of the gradient buffers keep them alive)

@@ -32,6 +32,7 @@ from protrain_fx.host import pin_in_place, pinned_arena
 from protrain_fx.planner.chunking import Slot
 from protrain_fx.planner.plan import HOST_STATES
 from protrain_fx.runtime.chunks.common import replaced_param_error
+from protrain_fx.runtime.chunks.gather import Gatherer
 from protrain_fx.runtime.chunks.slots import SlotPool
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class StorageMixin:
         self._build_persistent(kept or {})
         self._build_device_grads(device_grad_slots)
         self._build_host(grad_slots, masters, reused, freed)
-        self._build_buffers()
+        self.gathering = self._new_gatherer()
         self._build_reduce()
         self._build_updates()
         log.info(
@@ -229,6 +230,28 @@ class StorageMixin:
     @staticmethod
     def _slot_range(slot: Slot) -> tuple[int, int]:
         return slot.offset, slot.offset + slot.numel
+
+    def _new_gatherer(self) -> Gatherer:
+        """The part that loads the offloaded chunks into the plan's `n_buffer` device buffers (gather.py)."""
+        offloaded = self.n_persist < self.layout.n_chunk
+        return Gatherer(
+            self,
+            n_buffer=self.n_buffer,
+            chunk_elems=self.layout.chunk_elems,
+            shard=self._shard_bounds(),
+            dtype=self.dtype,
+            landing_dtype=None if self.own_master or not offloaded else self.master_dtype,
+            device=self.device,
+            world_size=self.world_size,
+        )
+
+    def master_shard(self, chunk: int) -> torch.Tensor:
+        """This rank's master shard of offloaded `chunk` (Gatherer's ChunkSource)."""
+        return self.master[chunk]
+
+    def version(self, chunk: int) -> int:
+        """How many updates of `chunk` have been published (Gatherer's ChunkSource)."""
+        return self._version.get(chunk, 0)
 
     def _shard_bounds(self) -> tuple[int, int]:
         shard = self.layout.shard_elems
