@@ -139,8 +139,7 @@ def device_bytes_held(manager, states) -> int:
     (with their shards across ranks), masters, and the persistent chunks' AdamW `states` (chunk -> tensors)."""
     persistent = range(manager.n_persist)
     device = [*manager.flat.values(), *manager._device_grads, *manager.gathering.device_tensors()]
-    device += manager._reduce_buffers
-    device += manager._reduce_shards
+    device += manager.reduce_buffers.device_tensors()
     device += [manager.master[c] for c in persistent if manager.master[c] is not manager.flat[c]]
     return sum(t.numel() * t.element_size() for t in [*device, *(t for c in persistent for t in states[c])])
 

@@ -50,6 +50,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `placement.py` | the parameters moved into the chunks; `place` for a pending manager, `place_again` (a re-plan) |
 | `gather.py` | `Gatherer` (`manager.gathering`, a part of its own): the offloaded chunks' device buffers, gather, prefetch, release |
 | `reduce.py` | the backward's gradients into the chunks, across ranks: three paths |
+| `reduce_buffers.py` | `ReduceBuffers` (`manager.reduce_buffers`, a part of its own): the buffers gradients are reduced in, in turn |
 | `updates.py` | when each chunk's AdamW update runs: early, deferred, speculative; the end of a step |
 | `edits.py` | gradients or hyperparameters changed between backward() and step(), which make updates wait |
 | `user_grads.py` | `param.grad` of a chunked parameter (runtime/grads.py), `zero_grad` |

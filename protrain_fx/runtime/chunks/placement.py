@@ -72,7 +72,6 @@ class PlacementMixin:
         old = self.master
         self.n_persist, self.n_buffer = n_persist, (n_buffer if n_persist < n else 0)
         check_ranks_agree(self.layout, self.n_persist, self.n_buffer)
-        self._n_reduce_buffers = self._reduce_buffer_count()
         self.pending_plan = None
         # (the host masters of the chunks that go to the device are freed below, before AdamW makes its states)
         freed = sum(old[c].untyped_storage().nbytes() for c in range(n_persist))
@@ -132,7 +131,6 @@ class PlacementMixin:
         reused = list(self.host_grads.owned)
         self._drop_device_storage()
         self.n_persist, self.n_buffer = n_persist, n_buffer
-        self._n_reduce_buffers = self._reduce_buffer_count()
         self._build(grad_slots, device_grad_slots, masters=masters, kept=kept, reused=reused)
         with torch.no_grad():
             for c in up:
@@ -200,7 +198,7 @@ class PlacementMixin:
         shard, the reduce buffers and the persistent chunks' gradient buffers (so the device holds both plans'
         chunks at once, not their buffers too)."""
         self.gathering.drop()
-        self._reduce_buffers, self._reduce_shards, self._reduce_read, self._next_reduce = [], [], [], 0
+        self.reduce_buffers = None
         owners = {id(o): o for c in range(self.layout.n_chunk) if (o := self.optimizer_of(c)) is not None}
         for owner in owners.values():  # (their inner optimizers' views of the gradient buffers keep them alive)
             owner.let_go_of_grads(self)

@@ -11,8 +11,7 @@
   copy (runtime/chunks/updates.py).
 
 State it owns:
-- the reduce buffers (`_reduce_buffers`, their shards `_reduce_shards`), used in turn (`_next_reduce`), and the
-  copy to the host that last read each (`_reduce_read`): gradients waiting for the link hold no more memory;
+- `reduce_buffers`, the part that holds the buffers gradients are reduced in, used in turn (reduce_buffers.py);
 - `_d2h_stream`: the CUDA stream of device-to-host gradient copies; `staging`: the host shard a second gradient of
   one step lands in (made by `_build`, storage.py);
 - `found_inf` (1 once a gradient of this step is not finite) and, as each update during the backward saw it,
@@ -36,19 +35,13 @@ from torch import nn
 from protrain_fx.distributed import across_ranks
 from protrain_fx.planner.plan import REDUCE_BUFFERS
 from protrain_fx.runtime.chunks.common import DDP_ATTR, NO_SYNC_ATTR
+from protrain_fx.runtime.chunks.reduce_buffers import ReduceBuffers
 
 
 class ReduceMixin:
     """Gradient reduction (module docstring). Part of ChunkManager."""
 
     def _init_reduce(self) -> None:
-        # the fp32 buffers gradients are reduced in, used in turn, and the copy to the host that last read each (of
-        # the buffer, or across ranks of its shard: `_reduce_shards`, this rank's part of the sum, reduce-scattered)
-        self._reduce_buffers: list[torch.Tensor] = []
-        self._reduce_shards: list[torch.Tensor] = []
-        self._n_reduce_buffers = self._reduce_buffer_count()
-        self._reduce_read: list[torch.cuda.Event | None] = []
-        self._next_reduce = 0
         self._sources: dict[Any, int] = {}  # a compiled frame (for its modules) -> its id in the graphs' ops
         self._grad_sources: dict[int, set[int]] = {}  # chunk -> the sources whose backward reduces into it
         self._arrivals: dict[int, collections.Counter] = {}  # chunk -> source -> its reductions this step
@@ -68,8 +61,17 @@ class ReduceMixin:
         self.clip_norm_type: float | None = None  # the norm type of the last clip_grad_norm_ call (arrival norms)
 
     def _build_reduce(self) -> None:
-        """The copy stream to the host and the non-finite flags, for the chunks as `_build` made them."""
+        """The reduce buffers, the copy stream to the host and the non-finite flags, for the chunks as `_build` made
+        them."""
         cuda = self.device.type == "cuda"
+        sharded = self.world_size > 1 and self.n_persist < self.layout.n_chunk  # (offloaded shards land in one)
+        self.reduce_buffers = ReduceBuffers(
+            self._reduce_buffer_count(),
+            chunk_elems=self.layout.chunk_elems,
+            shard_elems=self.layout.shard_elems if sharded else None,
+            dtype=self.master_dtype,
+            device=self.device,
+        )
         self._d2h_stream = torch.cuda.Stream(self.device) if cuda else None  # device-to-host gradient copies
         self.found_inf = torch.zeros(1, device=self.device)  # 1 once a gradient of this step is not finite
         # found_inf as each offloaded chunk's update started during the backward saw it: the update skips if set
@@ -128,7 +130,7 @@ class ReduceMixin:
         self.params_with_grad.update(indices)
         self.param_grads.publish(indices)
         self._land_reductions()  # (at most one in flight: the reduce buffer it holds is the next to be taken)
-        flat, slot = self._reduce_buffer()
+        flat, slot = self.reduce_buffers.take()
         self._write_grads(flat, params, grads, [False] * len(params))
         if chunk < self.n_persist:
             self._reduce_persistent_across_ranks(chunk, flat, accumulate)
@@ -208,7 +210,7 @@ class ReduceMixin:
         chunk's host update is queued behind the copy once its gradient is complete."""
         if self.world_size > 1:
             with across_ranks(f"the reduce-scatter of chunk {chunk}'s gradients"):
-                shard = self._reduce_scatter(flat, self._reduce_shards[slot]).div_(self.world_size)
+                shard = self._reduce_scatter(flat, self.reduce_buffers.shard(slot)).div_(self.world_size)
         elif self.reduce_world > 1:  # (whole on every rank)
             shard = self.all_reduce(flat, dist.ReduceOp.SUM, f"the all-reduce of chunk {chunk}'s gradients")
             shard /= self.reduce_world
@@ -221,7 +223,7 @@ class ReduceMixin:
         self.wait_for_update(chunk)  # the previous gradient copy of this chunk is taken in
         copied, found = self._copy_to_host(chunk, shard, self._host_target(chunk, accumulate))
         update, speculative = self._update_on_arrival(chunk, found)
-        self._reduce_read[slot] = copied  # the buffer (and its shard) is reused once this copy has ended
+        self.reduce_buffers.read_by(slot, copied)  # (reused once this copy has ended)
         self._queue_host_update(chunk, copied, accumulate, update, speculative)
 
     def _host_target(self, chunk: int, accumulate: bool) -> torch.Tensor:
@@ -279,28 +281,6 @@ class ReduceMixin:
         """As many as chunks reduce their gradients in one (every offloaded chunk, persistent ones across ranks)."""
         n, k = self.layout.n_chunk, self.n_persist
         return max(1, min(REDUCE_BUFFERS, n - k + (k if self.reduce_world > 1 else 0)))
-
-    def _reduce_buffer(self) -> tuple[torch.Tensor, int]:
-        """The next of REDUCE_BUFFERS fp32 chunk buffers, zeroed, and its index. Before reusing one, the compute
-        stream waits (on the device, the CPU goes on) until the copy to the host that last read it (or, across
-        ranks, its shard) has ended: gradients waiting for the link hold no more memory than these buffers, and
-        the backward slows down instead where the copies are slower than it. (Shards made anew for each chunk
-        would pile up while the copies lag, beyond what the plan counts.)"""
-        i = self._next_reduce
-        self._next_reduce = (i + 1) % self._n_reduce_buffers
-        if i == len(self._reduce_buffers):
-            self._reduce_buffers.append(
-                torch.empty(self.layout.chunk_elems, dtype=self.master_dtype, device=self.device)
-            )
-            if self.world_size > 1 and self.n_persist < self.layout.n_chunk:  # offloaded chunks' shards land here
-                self._reduce_shards.append(
-                    torch.empty(self.layout.shard_elems, dtype=self.master_dtype, device=self.device)
-                )
-            self._reduce_read.append(None)
-        read, self._reduce_read[i] = self._reduce_read[i], None
-        if read is not None:
-            torch.cuda.current_stream(self.device).wait_event(read)
-        return self._reduce_buffers[i].zero_(), i
 
     def _reduce_scatter(self, flat: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """`shard`, made this rank's shard of the sum of `flat` over ranks (gloo has no reduce-scatter:
