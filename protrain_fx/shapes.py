@@ -45,17 +45,35 @@ def expr_of(size: Any) -> sympy.Expr:
 
 def evaluate(size: Any, values: Sizes) -> int:
     """`size` (an int, a `SymInt` or a sympy expression) as an int at `values`."""
-    if isinstance(size, int):
-        return size
-    expr = expr_of(size)
-    found = expr.xreplace({s: sympy.Integer(v) for s, v in values.items()})
-    assert found.is_number, f"size {expr} has symbols without a value in {dict(values)}"
-    return int(found)
+    return SizesAt(values)(size)
 
 
-def size_at(size: Any, values: Sizes | None) -> int:
+class SizesAt:
+    """Sizes as ints at fixed `values`, each distinct expression worked out once: a graph's thousands of nodes
+    share a few dozen size expressions, and sympy's substitution is what costs."""
+
+    def __init__(self, values: Sizes):
+        self.values = dict(values)
+        self._replace = {s: sympy.Integer(v) for s, v in self.values.items()}
+        self._memo: dict[sympy.Expr, int] = {}
+
+    def __call__(self, size: Any) -> int:
+        if isinstance(size, int):
+            return size
+        expr = expr_of(size)
+        found = self._memo.get(expr)
+        if found is None:
+            value = expr.xreplace(self._replace)
+            assert value.is_number, f"size {expr} has symbols without a value in {self.values}"
+            found = self._memo[expr] = int(value)
+        return found
+
+
+def size_at(size: Any, values: Sizes | SizesAt | None) -> int:
     """`size` as an int at `values`, or at its hint where `values` is None (read without adding a guard)."""
-    return hint(size) if values is None else evaluate(size, values)
+    if values is None:
+        return hint(size)
+    return values(size) if isinstance(values, SizesAt) else evaluate(size, values)
 
 
 def at_sizes(inputs: Sequence[Any], fakes: Sequence[Any], values: Sizes) -> list[Any]:

@@ -39,10 +39,10 @@ def _accelerator() -> Accelerator:
     return Accelerator(gradient_accumulation_steps=2, cpu=True)
 
 
-def _build(options: dict | None):
-    """The model, its optimizer (torch's fused AdamW when `options` is None, else protrain's, the model compiled
-    with `options`) and a warmup schedule."""
-    model = models.build(KIND)
+def _build(options: dict | None, layers: int = 2):
+    """The model (of `layers` blocks), its optimizer (torch's fused AdamW when `options` is None, else protrain's,
+    the model compiled with `options`) and a warmup schedule."""
+    model = models.build(KIND, layers=layers)
     if options is None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     else:
@@ -98,7 +98,7 @@ def _two_ranks(rank: int, world: int) -> None:
 
     def run(options: dict | None, model_in_prepare: bool) -> tuple:
         accelerator = _accelerator()
-        model, opt, sched = _build(options)
+        model, opt, sched = _build(options, layers=1)  # (one block: each rank compiles twice)
         loader = DataLoader(samples, batch_size=2)
         if model_in_prepare:  # (DistributedDataParallel around the model)
             model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
@@ -111,13 +111,13 @@ def _two_ranks(rank: int, world: int) -> None:
     for model_in_prepare in (True, False):
         _assert_same(run({"executor": "eager", "plan": PLANS["offloaded"]}, model_in_prepare), eager)
 
-    model = models.build(KIND)
+    model = models.build(KIND, layers=1)
     outside = list(model.parameters())[-1]  # (trained by another optimizer)
     _opt = protrain_fx.optim.AdamW([p for p in model.parameters() if p is not outside])  # (kept: it marks them)
     model.compile(backend=protrain_fx.ProTrainBackend({"executor": "eager"}), dynamic=False)
     with pytest.raises(Exception, match="no protrain_fx.optim.AdamW steps"):
         DistributedDataParallel(model)(**models.batch(KIND))
-    prepared = protrain_fx.prepare(models.build(KIND), plan=PLANS["offloaded"], device="cpu")
+    prepared = protrain_fx.prepare(models.build(KIND, layers=1), plan=PLANS["offloaded"], device="cpu")
     with pytest.raises(RuntimeError, match="DistributedDataParallel is not needed"):  # (not a crash)
         DistributedDataParallel(prepared)
 

@@ -74,12 +74,18 @@ def _plan_trained(model, options, steps=1, kind="llama"):
     return protrain_fx.plan_of(model)
 
 
-def test_prepare_without_a_plan_is_planned_by_the_search():
+@pytest.fixture(scope="module")
+def on_device():
+    """The plan of the llama test model compiled on the device (no prepare, no plan fields), compiled once in the
+    module: its tests only read it."""
+    return _plan_trained(models.build("llama"), {})
+
+
+def test_prepare_without_a_plan_is_planned_by_the_search(on_device):
     """No plan fields: the chunks wait offloaded until the first compile's search places them. With room for
     every chunk the plan is the one a model on the device gets; under a smaller GPU the search offloads, and
     training stays bitwise eager's."""
     ref = models.build("llama")
-    on_device = _plan_trained(copy.deepcopy(ref), {})
     prepared = protrain_fx.prepare(copy.deepcopy(ref), device="cpu")
     manager = protrain_fx.manager_of(prepared)
     assert manager.pending_plan == {} and manager.n_persist == 0
@@ -209,12 +215,11 @@ def test_deepcopy_of_a_chunked_model_is_the_eager_models_copy():
     assert losses == train(ref, "llama", 2, opt=ref_opt, first_step=2)
 
 
-def test_no_plan_fits_names_the_fields_forced_and_the_n_persist_that_fits():
+def test_no_plan_fits_names_the_fields_forced_and_the_n_persist_that_fits(on_device):
     """Every chunk kept persistent by prepare's plan, under a GPU too small for that: the error names n_persist as
     forced by the chunks already built, and the n_persist the search finds instead, which then trains under that
     GPU and is what prepare without a plan gets. The same n_persist in options['plan'] is named as the user's."""
     ref = models.build("llama")
-    on_device = _plan_trained(copy.deepcopy(ref), {})
     n_chunk, small = on_device.n_chunk, {"gpu_memory_bytes": int(on_device.predicted_reserved_bytes * 0.8)}
     model = protrain_fx.prepare(copy.deepcopy(ref), plan={"n_persist": n_chunk}, device="cpu")
     with pytest.raises(Exception, match="no plan fits the GPU") as raised:

@@ -36,7 +36,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
-from protrain_fx.shapes import Sizes, hint, size_at
+from protrain_fx.shapes import Sizes, SizesAt, hint, size_at
 
 EXTERN = "extern"
 FUSED = "fused"
@@ -89,7 +89,7 @@ def _is_alias(target) -> bool:
     return target is operator.getitem or getattr(target, "is_view", False)
 
 
-def _nbytes(node: fx.Node, sizes: Sizes | None = None) -> int:
+def _nbytes(node: fx.Node, sizes: Sizes | SizesAt | None = None) -> int:
     """Bytes of the node's tensors, at `sizes` where the graph's sizes are symbolic (at their hints if None)."""
     return sum(size_at(t.numel(), sizes) * t.element_size() for t in _tensors(node))
 
@@ -150,7 +150,7 @@ def _realized(nodes, kind, root, readers, *, cpu: bool) -> set[fx.Node]:
     return realized
 
 
-def kernel_classes(graph: fx.Graph, *, cpu: bool = False, sizes: Sizes | None = None) -> dict[str, Kernel]:
+def kernel_classes(graph: fx.Graph, *, cpu: bool = False, sizes: Sizes | SizesAt | None = None) -> dict[str, Kernel]:
     """Every call node's `Kernel` (see the module docstring), from the graph's shapes alone; `cpu`: inductor
     generates CPU code for it, which stores a few more values (`_realized`); `sizes`: the values of a graph's
     symbolic sizes the bytes are counted at (their hints if None)."""

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from protrain_fx.profiler.fusion import kernel_classes
 from protrain_fx.profiler.profile import GraphProfile, aggregate_blocks
-from protrain_fx.shapes import Sizes, evaluate, expr_of
+from protrain_fx.shapes import Sizes, SizesAt, expr_of
 
 # kernels whose work grows as the query's elements times the key length, beyond any tensor they read or write
 ATTENTION_KERNELS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
@@ -46,12 +46,12 @@ class _GraphSizes:
     position: dict[str, int]  # call node -> its position in the graph
     alive: list[tuple[int, int, sympy.Expr]]  # (first position alive, last position, bytes)
 
-    def live(self, x: Sizes) -> dict[str, int]:
+    def live(self, x: SizesAt) -> dict[str, int]:
         """Per call node, the bytes alive just before it runs, at sizes `x`."""
         delta = [0] * (max(self.position.values(), default=0) + 2)
         for start, stop, size in self.alive:
             if start < len(delta):
-                n = evaluate(size, x)
+                n = x(size)
                 delta[start] += n
                 delta[min(stop + 1, len(delta) - 1)] -= n
         running = list(itertools.accumulate(delta))
@@ -64,6 +64,7 @@ class ProfileFit:
     def __init__(self, graphs: Mapping[str, fx.GraphModule], measured: tuple[tuple[Sizes, GraphProfile], ...]):
         assert len(measured) == 2, "a fit takes the profiles at two sizes"
         (self.a, self.profile_a), (self.b, self.profile_b) = measured
+        self._at_a, self._at_b = SizesAt(self.a), SizesAt(self.b)  # (what every `at` reads at the sizes measured)
         self.graphs = dict(graphs)
         self.cpu = self.profile_a.device.startswith("cpu")
         self.sizes = {kind: _graph_sizes(gm.graph) for kind, gm in self.graphs.items()}
@@ -72,18 +73,18 @@ class ProfileFit:
         held = self.graphs["forward"].graph.find_nodes(op="placeholder")
         self.held_inputs = sum((_storage_bytes(n) for n in held if n.name not in taken), sympy.Integer(0))
 
-    def at(self, x: Sizes) -> GraphProfile:
-        """The profile at sizes `x`."""
-        a, b, pa = self.a, self.b, self.profile_a
+    def at(self, sizes: Sizes) -> GraphProfile:
+        """The profile at sizes `sizes`."""
+        a, b, x, pa = self._at_a, self._at_b, SizesAt(sizes), self.profile_a
         latency_b = {(n.graph, n.name): n.latency_s for n in self.profile_b.nodes}
         kernels = {kind: kernel_classes(gm.graph, cpu=self.cpu, sizes=x) for kind, gm in self.graphs.items()}
         live = {kind: (s.live(a), s.live(x)) for kind, s in self.sizes.items()}
-        held = [evaluate(self.held_inputs, v) for v in (a, x)]
+        held = [v(self.held_inputs) for v in (a, x)]
         nodes = []
         for n in pa.nodes:
             s = self.sizes[n.graph]
-            work = [evaluate(s.work[n.name], v) for v in (a, b, x)]
-            storage = [evaluate(s.storage[n.name], v) for v in (a, x)]
+            work = [v(s.work[n.name]) for v in (a, b, x)]
+            storage = [v(s.storage[n.name]) for v in (a, x)]
             live_a, live_x = (v[n.name] for v in live[n.graph])
             if n.graph == "backward":
                 live_x += held[1] - held[0]
