@@ -54,6 +54,7 @@ from protrain_fx.shapes import at_sizes
 log = logging.getLogger(__name__)
 
 UNCOMPILED_BLOCKS_ATTR = "_protrain_told_uncompiled_blocks"  # on a model: warned that no graph runs its blocks
+RAN_BLOCKS_ATTR = "_protrain_ran_blocks"  # on a model: a graph compiled so far runs some of its blocks
 Cut = Callable[[fx.GraphModule], tuple[fx.GraphModule, fx.GraphModule]]  # a joint graph's forward and backward
 
 
@@ -64,6 +65,8 @@ def capture(c: GraphCompile, joint: fx.GraphModule) -> FrameRoots:
     pin_to_frame_modules(c.dynamo_gm, roots)
     record.block_map = build_block_map(joint, roots)
     record.param_map = build_param_map(c.dynamo_gm, c.example_inputs, joint, roots, record.block_map)
+    if record.block_map.blocks_in_graph and roots.model is not None:
+        roots.model.__dict__[RAN_BLOCKS_ATTR] = True
     if not record.block_map.families and record.param_map:
         log.warning(
             "graph %d has %d parameters but its model has no transformer blocks (no ModuleList of repeated "
@@ -84,9 +87,10 @@ def capture(c: GraphCompile, joint: fx.GraphModule) -> FrameRoots:
 
 
 def _hf_checkpointing(model) -> bool:
-    """Whether a Hugging Face model checkpoints its own layers (and was not told so yet)."""
-    told = model is not None and UNCOMPILED_BLOCKS_ATTR in model.__dict__
-    return bool(getattr(model, "is_gradient_checkpointing", False)) and not told
+    """Whether a Hugging Face model checkpoints its own layers, no graph compiled so far runs any of them (a graph
+    after the blocks runs none either), and it was not told so yet."""
+    said = model is not None and (UNCOMPILED_BLOCKS_ATTR in model.__dict__ or RAN_BLOCKS_ATTR in model.__dict__)
+    return bool(getattr(model, "is_gradient_checkpointing", False)) and not said
 
 
 def pin_to_frame_modules(dynamo_gm: fx.GraphModule, roots: FrameRoots) -> None:
