@@ -65,7 +65,7 @@ def capture(c: GraphCompile, joint: fx.GraphModule) -> FrameRoots:
     pin_to_frame_modules(c.dynamo_gm, roots)
     record.block_map = build_block_map(joint, roots)
     record.param_map = build_param_map(c.dynamo_gm, c.example_inputs, joint, roots, record.block_map)
-    if record.block_map.blocks_in_graph and roots.model is not None:
+    if record.block_map.blocks_in_graph and _hf_checkpointing(roots.model) and not c.explain:  # (explain: untouched)
         roots.model.__dict__[RAN_BLOCKS_ATTR] = True
     if not record.block_map.families and record.param_map:
         log.warning(
