@@ -42,8 +42,9 @@ SHAPE = (2, 64)
 SOURCE = "source of the test"
 
 
-def _counted(counts: dict[str, int]) -> None:
-    """Count the profiled iterations and the searches (planning's, and the closed loop's) in `counts`."""
+def _counted(counts: dict[str, int], patch=setattr, searching=None) -> None:
+    """Count the profiled iterations and the searches in `counts`: planning's, and the closed loop's unless
+    `searching` names the modules whose searches count; `patch`: how (monkeypatch.setattr in a test process)."""
     from protrain_fx.planner import calibrate, search
     from protrain_fx.runtime import replan
 
@@ -57,9 +58,9 @@ def _counted(counts: dict[str, int]) -> None:
         counts["searches"] += 1
         return plan_graph(*args, **kwargs)
 
-    stages_module.profile_iteration = profiled
-    for module in (planning_module, calibrate, replan):
-        module.plan_graph = searched
+    patch(stages_module, "profile_iteration", profiled)
+    for module in searching or (planning_module, calibrate, replan):
+        patch(module, "plan_graph", searched)
 
 
 def _switch_to(fields: dict) -> None:
@@ -173,18 +174,7 @@ def counted(monkeypatch, tmp_path):
     monkeypatch.setattr(planning_module, "hardware_profile", lambda device: H100_LIKE)
     monkeypatch.setattr(cache_module, "source_digest", lambda: SOURCE)
     counts = {"profiles": 0, "searches": 0}
-    profile, search = stages_module.profile_iteration, planning_module.plan_graph
-
-    def profiled(*args, **kwargs):
-        counts["profiles"] += 1
-        return profile(*args, **kwargs)
-
-    def searched(*args, **kwargs):
-        counts["searches"] += 1
-        return search(*args, **kwargs)
-
-    monkeypatch.setattr(stages_module, "profile_iteration", profiled)
-    monkeypatch.setattr(planning_module, "plan_graph", searched)
+    _counted(counts, monkeypatch.setattr, searching=(planning_module,))
     return counts
 
 
