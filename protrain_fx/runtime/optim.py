@@ -278,10 +278,10 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         managers = self._managers()
         self.last_step_skipped = False
         self.carried_scale = None
-        if any(m.step_lost for m in managers):
+        if any(m.step_state.lost for m in managers):
             for manager in managers:
                 manager.drop_all_grads()
-                manager.step_lost = False
+                manager.step_state.skipped()
             self.last_step_skipped = True
             log.warning("a backward ran out of GPU memory and was re-planned: optimizer step skipped")
             return

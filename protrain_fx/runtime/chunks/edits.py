@@ -44,17 +44,17 @@ class EditsMixin:
         if not self.torch_scaled:
             log.info("%s: chunk updates wait for optimizer.step()", what)
             self.torch_scaled = True
-        self._check_not_started(sorted(self._stepped), f"{what}, first seen at this step,")
+        self._check_not_started(sorted(self.step_state.started), f"{what}, first seen at this step,")
 
     def _check_not_started(self, chunks: Sequence[int], what: str) -> None:
         """A change to the chunks' gradients (or hyperparameters) outside the graphs: their update must not have
         started with them during the backward. Updates that kept a copy of what they changed are undone (and run
         again in the step); others cannot be, which is an error."""
-        started = sorted(set(chunks) & self._stepped)
+        started = sorted(set(chunks) & self.step_state.started)
         if not started:
             return
         self.note_edit(what)
-        if set(started) <= self._speculative:
+        if set(started) <= self.step_state.speculative:
             self.undo_speculative_updates()
             return
         raise RuntimeError(
@@ -68,7 +68,7 @@ class EditsMixin:
     def note_read(self) -> None:
         """A gradient is read outside the graphs between backward() and optimizer.step() (clipping or logging a
         norm): from now on updates wait for the step, where the gradient may have been changed."""
-        if self.in_window:
+        if self.step_state.in_window:
             self.expect_edits("gradients read")
 
     def expect_edits(self, what: str) -> None:
@@ -91,7 +91,7 @@ class EditsMixin:
         """Every gradient of the step is about to change (clipping): updates that started with them are undone
         where they kept a copy, and an error otherwise."""
         self.note_edit(what)
-        self._check_not_started(sorted(self._stepped), what)
+        self._check_not_started(sorted(self.step_state.started), what)
 
     def carried_scale(self) -> float | None:
         """The loss scale the gradients carry, as announced by `protrain_fx.amp.GradScaler.unscale_`."""
@@ -101,8 +101,8 @@ class EditsMixin:
         """`owner`'s hyperparameter `key` was set: between the backward and `owner`'s step, its updates must see
         it, from this step on (the value may be the same: what is set after the backward counts)."""
         if (
-            self.in_window
-            and id(owner) not in self._owners_stepped
+            self.step_state.in_window
+            and id(owner) not in self.step_state.optimizers_stepped
             and any(self.optimizer_of(c) is owner for c in self.has_grad)
         ):
             self.note_edit(f"the optimizer's {key!r} set")

@@ -69,7 +69,7 @@ class OutsideMixin:
 
     def read_by_no_graph(self, indices: Sequence[int]) -> list[int]:
         """Those of these parameters that no compiled graph read in the first step (none before it is over)."""
-        return [] if self._first_step else [i for i in indices if i not in self.read_by_graphs]
+        return [] if self.step_state.first else [i for i in indices if i not in self.read_by_graphs]
 
     def lend_to_python(self, indices: Sequence[int], *, for_backward: bool) -> None:
         """A compiled forward ends inside these parameters' modules, whose forward Python goes on with: those no
@@ -137,7 +137,7 @@ class OutsideMixin:
         """The chunk's current parameters, whole, on the host (a collective when sharded). A persistent chunk
         updated during this step's backward gives its new master, as an offloaded chunk does."""
         if chunk < self.n_persist:
-            if chunk in self._early:
+            if chunk in self.step_state.early:
                 self._join_early_updates()
                 return self.master[chunk].to("cpu", self.dtype)
             return self.flat[chunk].to("cpu")

@@ -94,8 +94,8 @@ class PlacementMixin:
         """No step under way (where `place_again` may move chunks): no gradient held or in flight, no update of
         this step started (the last step's host updates may still run: `place_again` waits for them), no chunk in
         use by a graph, no parameter lent."""
-        busy = (self.has_grad, self.in_window, self._stepped, self._speculative, self._in_flight, self._unreduced)
-        return not any(busy) and not self.gathering.in_use and not self._lent and not self.step_lost
+        busy = (self.has_grad, self._in_flight, self._unreduced, self.gathering.in_use, self._lent)
+        return not any(busy) and not self.step_state.busy
 
     def place_again(self, n_persist: int, n_buffer: int, grad_slots: int | None, device_grad_slots: int | None) -> bool:
         """Put a trained manager's chunks where a new plan says, between two steps (`between_steps`; every rank

@@ -120,7 +120,7 @@ class ReduceMixin:
         ranks: each rank adds up its own until the step's last backward, which reduces the sum once.
         Offloaded shards are reduce-scattered every time (a rank holds only its shard of their gradient).
         """
-        if self.step_lost:  # (a later graph's backward after an out-of-memory error lost the step)
+        if self.step_state.lost:  # (a later graph's backward after an out-of-memory error lost the step)
             return
         indices = [self.index[id(p)] for p in params]
         accumulate, grads = self._arrive(chunk, source, indices, grads)
@@ -143,7 +143,7 @@ class ReduceMixin:
         """A gradient of the chunk from `source` arrives: checked against the step, counted, the hyperparameters
         of this moment noted. Returns whether it adds to one of this step, and the gradients with the plain ones
         in `.grad` added (`fold_plain_grads`)."""
-        if chunk in self._stepped:
+        if chunk in self.step_state.started:
             raise RuntimeError(
                 f"chunk {chunk} got a gradient after its optimizer step had started in this step (a backward ran "
                 "twice between optimizer steps, or a compiled graph ran twice in one forward); call "
@@ -155,7 +155,7 @@ class ReduceMixin:
         owner = self.optimizer_of(chunk)
         if owner is not None:
             self.hyper_at_backward[id(owner)] = owner.hyperparameters()
-        self.in_window = True
+        self.step_state.gradient()
         accumulate = chunk in self.has_grad  # the first gradient of a step overwrites: zero_grad never memsets
         self.has_grad.add(chunk)
         if self.sync_grads:  # (the arrivals of the step's last backward decide when a chunk is complete)

@@ -332,6 +332,6 @@ class StorageMixin:
         """After an update: a persistent chunk's parameters take the fp32 master's values; an offloaded chunk's
         next gather loads the new master (a buffered copy is stale now). A persistent chunk updated during the
         backward publishes at `end_step` instead."""
-        if chunk < self.n_persist and chunk not in self._early and not self.own_master:
+        if chunk < self.n_persist and chunk not in self.step_state.early and not self.own_master:
             self.flat[chunk].copy_(self.master[chunk])
         self._version[chunk] = self._version.get(chunk, 0) + 1

@@ -22,11 +22,9 @@ the error says so, and from the next step on updates wait for `step()`, so that 
 State it owns:
 - `_host` (the worker thread of host updates), `_pending` (offloaded chunk -> its queued host task), `host_updates`
   (timings of the latest host updates, read by runtime/monitor.py), `_optim_stream` (persistent early updates);
-- the step: `_stepped` (updates started), `_early` (persistent chunks updated during the backward), `_speculative`,
-  `_join_queued`, `_first_step`, `_room_for_undo`, `in_window` (between a step's first gradient and the end of its
-  optimizer steps), `step_lost`, `eager_chunks`;
-- the optimizers: `_owners` (chunk -> its AdamW), `_owners_stepped`, `_hyper_used`, `hyper_at_backward`;
-  `_keeping_step` (a started step being applied whole: `keep_started_step`).
+- the step: `step_state` (step_state.py, a part of its own: the step's phase, the updates it started, those started
+  early or speculatively), `_room_for_undo`, `eager_chunks`;
+- the optimizers: `_owners` (chunk -> its AdamW), `_hyper_used`, `hyper_at_backward`.
 
 `speculates` keeps the updated chunks' states only where the host keeps UNDO_HOST_RESERVE of its memory available.
 """
@@ -47,6 +45,7 @@ from protrain_fx.host import available_host_bytes, meminfo_bytes
 from protrain_fx.host_queue import HostQueue
 from protrain_fx.planner.plan import HOST_STATES
 from protrain_fx.runtime.chunks.common import HOST_UPDATES_KEPT, OPTIMIZER_ATTR, skips_nonfinite
+from protrain_fx.runtime.chunks.step_state import StepState
 
 log = logging.getLogger(__name__)
 
@@ -88,28 +87,15 @@ class UpdatesMixin:
         # (parameters, seconds) of the latest host AdamW updates (not those that also copy aside what they change):
         # what the host takes in training, set beside the hardware profile's figure (runtime/monitor.py)
         self.host_updates: collections.deque[tuple[int, float]] = collections.deque(maxlen=HOST_UPDATES_KEPT)
-        self._stepped: set[int] = set()  # chunks whose update has started this step
-        # persistent chunks updated during the backward (`_step_persistent_early`): their fp32 master is new, their
-        # compute-dtype parameters take it at `end_step` (the rest of the backward may still read them; those that
-        # are their own master are new already, the backward's reads of them being done)
-        self._early: set[int] = set()
-        self._join_queued = False  # the end of this backward waits for its persistent updates (`_join_at_end`)
-        self._first_step = True
-        self._speculative: set[int] = set()  # offloaded chunks updated this step with what they changed kept
-        self._room_for_undo: bool | None = None  # whether the host can keep that (decided once)
-        # a backward ran out of memory under on_oom="replan" (runtime/oom.py): the step's gradients are ignored
-        # until the optimizer step, which skips
-        self.step_lost = False
+        self.step_state = StepState()  # the step's phase and the updates it started (step_state.py)
+        self._room_for_undo: bool | None = None  # whether the host can keep what speculative updates change (once)
         self._owners: dict[int, object] = {}  # chunk -> the AdamW stepping it (`optimizer_of`), as last looked up
-        self._owners_stepped: set[int] = set()  # the optimizers (ids) whose step() ran since the step's backward
-        self.in_window = False  # between a step's first gradient and the end of its optimizer steps
         # chunks holding a parameter used outside the compiled graphs: their gradient gets that use's part at
         # `AdamW.step()` (`fold_plain_grads`), so they update there
         self.eager_chunks: set[int] = set()
         # the hyperparameters each started update used, and those of the last gradient's arrival, per optimizer
         self._hyper_used: dict[int, list[dict]] = {}
         self.hyper_at_backward: dict[int, list[dict]] = {}
-        self._keeping_step = False  # a skipped step whose updates had started is being applied whole
 
     def _build_updates(self) -> None:
         """The stream of persistent chunks' updates during the backward, beside it (memory-bound AdamW next to its
@@ -172,11 +158,16 @@ class UpdatesMixin:
     @property
     def defer_updates(self) -> bool:
         """Updates start in `AdamW.step()`, not as each chunk's gradient completes (but `speculates`)."""
-        return self.skips_nonfinite or self._first_step or self.waits_for_edits
+        return self.skips_nonfinite or self.step_state.first or self.waits_for_edits
 
     def _update_now(self, chunk: int) -> bool:
         """Whether an offloaded chunk whose gradient is complete starts its host update now."""
-        if self.optimizer_of(chunk) is None or self.skips_nonfinite or self._first_step or chunk in self.eager_chunks:
+        if (
+            self.optimizer_of(chunk) is None
+            or self.skips_nonfinite
+            or self.step_state.first
+            or chunk in self.eager_chunks
+        ):
             return False
         return not self.waits_for_edits or (chunk >= self.layout.n_chunk - self.n_clip_overlap and self.speculates)
 
@@ -219,9 +210,7 @@ class UpdatesMixin:
         speculative = self.waits_for_edits
         if not (self._complete(chunk) and self._update_now(chunk)):
             return None, speculative
-        self._stepped.add(chunk)
-        if speculative:
-            self._speculative.add(chunk)
+        self.step_state.start(chunk, speculative=speculative)
         return self._start_update(chunk, found_inf=found, snapshot=speculative), speculative
 
     def _queue_host_update(
@@ -276,8 +265,7 @@ class UpdatesMixin:
             or not self._complete(chunk)
         ):
             return
-        self._stepped.add(chunk)
-        self._early.add(chunk)
+        self.step_state.start(chunk, early=True)
         found = self._found_early[chunk]
         found.copy_(self.found_inf[0])  # as of now: later gradients' flags do not reach this update
         update = self._start_update(chunk, found_inf=found)
@@ -294,19 +282,19 @@ class UpdatesMixin:
 
     def _join_early_updates(self) -> None:
         """The compute stream waits (on the device) for the persistent updates started during the backward."""
-        if self._optim_stream is not None and self._early:
+        if self._optim_stream is not None and self.step_state.early:
             torch.cuda.current_stream(self.device).wait_stream(self._optim_stream)
 
     def _join_at_end(self) -> None:
         """Once per backward that starts persistent updates: its end joins them (autograd's final callback, as
         FSDP's post-backward), so a read of the parameters after `backward()` and before `step()` waits for
         them on the device. (Outside a backward, from `AdamW.step()`, `end_step` joins them.)"""
-        if self._join_queued or torch._C._current_graph_task_id() == -1:
+        if self.step_state.join_queued or torch._C._current_graph_task_id() == -1:
             return
-        self._join_queued = True
+        self.step_state.join_queued = True
 
         def join() -> None:
-            self._join_queued = False
+            self.step_state.join_queued = False
             self._join_early_updates()
 
         torch.autograd.Variable._execution_engine.queue_callback(join)
@@ -315,12 +303,12 @@ class UpdatesMixin:
         """Start a chunk's update now (from `AdamW.step()`): a persistent chunk's on the device, an offloaded
         chunk's on the worker thread."""
         if chunk < self.n_persist:
-            self._stepped.add(chunk)
+            self.step_state.start(chunk)
             update()
             self.device_grads.give_back(chunk)
             return
         self.wait_for_update(chunk)  # its gradient copy is taken in
-        self._stepped.add(chunk)
+        self.step_state.start(chunk)
 
         def update_and_give_back() -> None:
             update()
@@ -337,14 +325,16 @@ class UpdatesMixin:
         chunks = set(range(self.layout.n_chunk))
         if owner is not None:
             chunks = {c for c in chunks if self.optimizer_of(c) is owner}
-            self._owners_stepped.add(id(owner))
+            self.step_state.optimizers_stepped.add(id(owner))
             self.hyper_at_backward.pop(id(owner), None)
         self._join_early_updates()
-        self._join_queued = False  # (a backward that raised ran no final callback)
-        for chunk in sorted(self._early & chunks):  # the parameters take the masters updated during the backward
-            self._early.discard(chunk)
+        self.step_state.join_queued = False  # (a backward that raised ran no final callback)
+        for chunk in sorted(
+            self.step_state.early & chunks
+        ):  # the parameters take the masters updated during the backward
+            self.step_state.early.discard(chunk)
             self.publish(chunk)
-        if self._first_step:  # (how many backward passes the first step had, per source)
+        if self.step_state.first:  # (how many backward passes the first step had, per source)
             counts = [(s, n) for c in chunks & self._arrivals.keys() for s, n in self._arrivals[c].items()]
             for s, n in counts:
                 self._runs_per_step[s] = max(n, self._runs_per_step.get(s, 0))
@@ -352,17 +342,15 @@ class UpdatesMixin:
         for kept in (self._arrivals, self._arrival_norms, self._hyper_used):
             for chunk in chunks & kept.keys():
                 del kept[chunk]
-        self._stepped -= chunks
-        self._speculative -= chunks
-        waiting = {id(o) for c in self.has_grad if (o := self.optimizer_of(c)) is not None} - self._owners_stepped
-        if self.in_window and (owner is None or not waiting):
-            if self.has_grad:  # (zero_grad before the first backward does not end the first step)
-                self._first_step = False
+        self.step_state.ended(chunks)
+        waiting = {
+            id(o) for c in self.has_grad if (o := self.optimizer_of(c)) is not None
+        } - self.step_state.optimizers_stepped
+        if self.step_state.in_window and (owner is None or not waiting):
             self.found_inf.zero_()
             self.take_back(all_of_them=True)  # (parameters lent to a forward outside the graphs: stale now)
             self.last_step_edited, self._edited_this_step = self._edited_this_step, False
-            self.in_window = False
-            self._owners_stepped.clear()
+            self.step_state.close(had_grads=bool(self.has_grad))
             self.hyper_at_backward.clear()
 
     def wait_for_update(self, chunk: int | None = None) -> None:
@@ -379,18 +367,22 @@ class UpdatesMixin:
         """Chunks with a gradient this step whose update has not started (updates deferred to the step, a frame
         reducing into them did not run its backward, or the optimizer was not known yet), of `owner` (an AdamW;
         None: of any): its `step()` steps them."""
-        return sorted(c for c in self.has_grad - self._stepped if owner is None or self.optimizer_of(c) is owner)
+        return sorted(
+            c for c in self.has_grad - self.step_state.started if owner is None or self.optimizer_of(c) is owner
+        )
 
     def updates_started(self, *, undoable: bool = True) -> list[int]:
         """Chunks whose update has started this step, during the backward (reading this step's gradients).
         `undoable=False` leaves out those `undo_speculative_updates` can put back."""
-        return sorted(self._stepped if undoable else self._stepped - self._speculative)
+        return sorted(self.step_state.started if undoable else self.step_state.started - self.step_state.speculative)
 
     def committed_updates(self, chunks: Iterable[int]) -> list[int]:
         """Chunks of the optimizers stepping `chunks` whose update started during this step's backward and cannot be
         undone (no copy kept: not `speculates`), their optimizer's `step()` not run yet."""
         owners = {id(o) for c in chunks if (o := self.optimizer_of(c)) is not None}
-        return sorted(c for c in self._stepped - self._speculative if id(self.optimizer_of(c)) in owners)
+        return sorted(
+            c for c in self.step_state.started - self.step_state.speculative if id(self.optimizer_of(c)) in owners
+        )
 
     def started_with(self, owner) -> list[dict] | None:
         """The hyperparameters with which `owner`'s updates that cannot be undone started during this step's
@@ -424,12 +416,12 @@ class UpdatesMixin:
         started = self.committed_updates(chunks)
         owners = {id(o): o for c in started if (o := self.optimizer_of(c)) is not None}
         self.note_edit(what)
-        self._keeping_step = True
+        self.step_state.keeping = True
         try:
             for owner in owners.values():
                 owner.step_as_at_backward()
         finally:
-            self._keeping_step = False
+            self.step_state.keeping = False
         for chunk in sorted(c for c in self.has_grad if id(self.optimizer_of(c)) in owners):
             if set_to_none:
                 for i in self._chunk_params[chunk]:
@@ -449,8 +441,7 @@ class UpdatesMixin:
         """Clipping applies after all: the chunks updated during the backward (`speculates`) take back the
         master and AdamW states they had, and `AdamW.step()` updates them again from the clipped gradients."""
         self.wait_for_update()
-        for chunk in sorted(self._speculative):
+        for chunk in sorted(self.step_state.speculative):
             self.optimizer_of(chunk).restore(self, chunk)
             self.publish(chunk)  # (the master changed again: a buffered copy is stale)
-            self._stepped.discard(chunk)
-        self._speculative.clear()
+            self.step_state.undone(chunk)

@@ -139,7 +139,7 @@ class GradAccessMixin:
             grad = self._device_grad(chunk, False) if chunk < self.n_persist else self.host_grads.take(chunk)
             grad.zero_()
             self.has_grad.add(chunk)
-            self.in_window = True
+            self.step_state.gradient()
         else:
             self._piece(i).zero_()
         self.params_with_grad.add(i)
@@ -149,7 +149,7 @@ class GradAccessMixin:
         """Parameters of the chunk (those of `indices`, or all) whose `.grad` the user dropped (set to None, or
         replaced) since it took their gradient leave it: the optimizer skips them, as torch's skips a parameter
         without a gradient. (A `.grad` op settles its own parameter only: a clip loop would scan each chunk per op.)"""
-        if chunk not in self.has_grad or self._keeping_step:
+        if chunk not in self.has_grad or self.step_state.keeping:
             return
         candidates = self._chunk_params[chunk] if indices is None else indices
         dropped = [i for i in candidates if i in self.params_with_grad and self.param_grads.cleared(i)]
@@ -161,7 +161,7 @@ class GradAccessMixin:
             what = f"dropping the gradient of {self.slots[dropped[0]].name!r}"
             self._check_not_started([chunk], what)
             owner = self.optimizer_of(chunk)
-            if self.in_window and owner is not None and id(owner) not in self._owners_stepped:
+            if self.step_state.in_window and owner is not None and id(owner) not in self.step_state.optimizers_stepped:
                 self.note_edit(what)  # (between its backward and its step)
             self._drop(chunk, dropped)
 
@@ -252,6 +252,8 @@ class GradAccessMixin:
     def lose_step(self) -> None:
         """A backward ran out of memory and its step is given up (on_oom="replan"; after `abandon_step`): its
         gradients so far are dropped and later ones ignored; `AdamW.step()` skips the step and clears this."""
-        assert not self._stepped, f"chunks {sorted(self._stepped)} started their update in the lost step"
+        assert not self.step_state.started, (
+            f"chunks {sorted(self.step_state.started)} started their update in the lost step"
+        )
         self.drop_all_grads()
-        self.step_lost = True
+        self.step_state.lose()
