@@ -23,8 +23,13 @@ def test_a_step_goes_from_its_first_gradient_to_its_close():
     step.ended({0, 2})
     assert step.started == set() and step.speculative == set() and step.early == {0}  # (published at the step's end)
     step.optimizers_stepped.add(7)
+    step.edited = True
     step.close(had_grads=True)
     assert step.phase is Phase.BETWEEN and not step.first and step.optimizers_stepped == set()
+    assert step.last_edited and not step.edited
+    step.gradient()
+    step.close(had_grads=True)
+    assert not step.last_edited
 
 
 def test_a_close_without_gradients_leaves_the_first_step_first():

@@ -7,9 +7,9 @@ offloaded chunks, which update during the backward while the last step changed n
 runtime/chunks/updates.py), keeping what the update changes to undo it. An update that started with what was changed
 is undone where it kept a copy, and an error otherwise (`_check_not_started`).
 
-State it owns: `edits_grads`, `last_step_edited`, `_edited_this_step`; `loss_scaled` (float16: the overflow check
-must see every gradient of the step before any update) and `torch_scaled` (stepped by torch.amp.GradScaler);
-`n_clip_overlap` (the plan's).
+State it owns: `edits_grads`; `loss_scaled` (float16: the overflow check must see every gradient of the step before
+any update) and `torch_scaled` (stepped by torch.amp.GradScaler); `n_clip_overlap` (the plan's). Whether this step
+and the last changed anything is the step's state (`step_state.edited`, `last_edited`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ class EditsMixin:
         # from the first step that does so, updates wait for `AdamW.step()` but those that `speculates` allows.
         # The first step always waits
         self.edits_grads = False
-        self.last_step_edited = True  # (whether the last step changed gradients or hyperparameters after its backward)
-        self._edited_this_step = False
         self.n_clip_overlap = 0  # the plan's (planner/plan.py): the last chunks that may update before a clip
 
     def scale_losses(self, what: str) -> None:
@@ -85,7 +83,7 @@ class EditsMixin:
         if torch._C._current_graph_task_id() != -1:
             return
         self.expect_edits(what)
-        self._edited_this_step = True
+        self.step_state.edited = True
 
     def edit_grads(self, what: str) -> None:
         """Every gradient of the step is about to change (clipping): updates that started with them are undone

@@ -9,6 +9,8 @@ A part the ChunkManager composes (`manager.step_state`), holding all of its stat
   whose compute-dtype parameters take the new master at the step's end, and `speculative`, offloaded chunks updated
   during the backward with what they changed kept (undone if clipping applies after all);
 - `optimizers_stepped`: the optimizers (ids) whose `step()` ran since the step's backward;
+- `edited`: gradients or hyperparameters were changed between this step's backward and its `step()` (edits.py);
+  `last_edited`, the last step's (True before the first);
 - `join_queued`: the running backward's end waits for its persistent updates (autograd's final callback);
 - `keeping`: a skipped step whose updates had started is being applied whole.
 
@@ -37,6 +39,8 @@ class StepState:
     early: set[int] = dataclasses.field(default_factory=set)
     speculative: set[int] = dataclasses.field(default_factory=set)
     optimizers_stepped: set[int] = dataclasses.field(default_factory=set)
+    edited: bool = False
+    last_edited: bool = True
     join_queued: bool = False
     keeping: bool = False
 
@@ -74,11 +78,13 @@ class StepState:
         self.speculative -= chunks
 
     def close(self, *, had_grads: bool) -> None:
-        """Every optimizer holding a chunk with a gradient has stepped: the step is over (the first step ends only
-        with gradients: a zero_grad before the first backward leaves it first)."""
+        """Every optimizer holding a chunk with a gradient has stepped: the step is over, and what it edited becomes
+        the last step's (the first step ends only with gradients: a zero_grad before the first backward leaves it
+        first)."""
         assert self.phase is Phase.GRADIENTS, f"a step closed in phase {self.phase.name}"
         if had_grads:
             self.first = False
+        self.last_edited, self.edited = self.edited, False
         self.phase = Phase.BETWEEN
         self.optimizers_stepped.clear()
 

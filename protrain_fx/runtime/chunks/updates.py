@@ -179,7 +179,7 @@ class UpdatesMixin:
         `AdamW.chunk_update`); if it does, `undo_speculative_updates` puts them back and `AdamW.step()` updates
         again from the changed gradients. Only the last `n_clip_overlap` chunks, as the plan chose (the copy costs
         host memory bandwidth: the cost model weighs it against waiting for the clip), where the host has room."""
-        if not self.waits_for_edits or self.last_step_edited or not self.n_clip_overlap:
+        if not self.waits_for_edits or self.step_state.last_edited or not self.n_clip_overlap:
             return False
         if self._room_for_undo is None:
             needed = HOST_STATES * self.master_bytes * self.layout.shard_elems * self.n_clip_overlap
@@ -349,7 +349,6 @@ class UpdatesMixin:
         if self.step_state.in_window and (owner is None or not waiting):
             self.found_inf.zero_()
             self.take_back(all_of_them=True)  # (parameters lent to a forward outside the graphs: stale now)
-            self.last_step_edited, self._edited_this_step = self._edited_this_step, False
             self.step_state.close(had_grads=bool(self.has_grad))
             self.hyper_at_backward.clear()
 
