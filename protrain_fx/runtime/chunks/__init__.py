@@ -150,10 +150,7 @@ class ChunkManager(
         `pending_plan`: the chunks wait for the first compile's search to place them (`place`); until then every
         chunk is offloaded, each master shard in host memory of its own, and these are the plan fields forced so far
         (`protrain_fx.prepare` without `n_persist`)."""
-        if not 0 <= n_persist <= layout.n_chunk:
-            raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
-        if n_persist < layout.n_chunk and n_buffer < 1:
-            raise ValueError(f"plan n_buffer={n_buffer}: non-persistent chunks need at least 1 buffer")
+        _check_plan(layout, n_persist, n_buffer)
         rank, world = rank_and_world_size()
         assert layout.world_size in (1, world), "chunk layout was made for another world size"
         # gradients are averaged over all `reduce_world` ranks; chunks are sharded across `world_size` of them
@@ -168,12 +165,7 @@ class ChunkManager(
         self.n_buffer = n_buffer if n_persist < layout.n_chunk else 0
         self.device = torch.device(device) if device is not None else self.params[0].device
         self.dtype = self.params[0].dtype
-        if master_dtype not in MASTER_BYTES or getattr(torch, master_dtype) not in (torch.float32, self.dtype):
-            raise ValueError(
-                f"plan master_dtype={master_dtype!r} does not suit this model, whose parameters are {self.dtype}: "
-                "use 'float32' (fp32 master weights, the default), or 'bfloat16' for a bfloat16 model trained "
-                "without fp32 masters"
-            )
+        _check_master_dtype(master_dtype, self.dtype)
         self.master_dtype_name = master_dtype  # (as the plan names it)
         self.master_dtype = getattr(torch, master_dtype)
         self.master_bytes = self.master_dtype.itemsize
@@ -184,9 +176,8 @@ class ChunkManager(
         self.index = {id(p): i for i, p in enumerate(self.params)}
         # every name the chunked parameters have in the model (a tied weight has several) -> its index
         self._by_name = {s.name: i for i, s in enumerate(layout.slots)}
-        for n, p in model.named_parameters(remove_duplicate=False) if model is not None else ():
-            if id(p) in self.index:
-                self._by_name[n] = self.index[id(p)]
+        named = model.named_parameters(remove_duplicate=False) if model is not None else ()
+        self._by_name.update((n, self.index[id(p)]) for n, p in named if id(p) in self.index)
         self.names = set(self._by_name)
         self._model = weakref.ref(model) if model is not None else None
         self._chunk_params: dict[int, list[int]] = collections.defaultdict(list)  # chunk -> its parameters
@@ -257,6 +248,22 @@ class ChunkManager(
             if self.holds(p):
                 raise tied_param_error(name, self.slot_of(p).name)
             raise replaced_param_error(name)
+
+
+def _check_plan(layout: ChunkLayout, n_persist: int, n_buffer: int) -> None:
+    if not 0 <= n_persist <= layout.n_chunk:
+        raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
+    if n_persist < layout.n_chunk and n_buffer < 1:
+        raise ValueError(f"plan n_buffer={n_buffer}: non-persistent chunks need at least 1 buffer")
+
+
+def _check_master_dtype(master_dtype: str, dtype: torch.dtype) -> None:
+    if master_dtype not in MASTER_BYTES or getattr(torch, master_dtype) not in (torch.float32, dtype):
+        raise ValueError(
+            f"plan master_dtype={master_dtype!r} does not suit this model, whose parameters are {dtype}: "
+            "use 'float32' (fp32 master weights, the default), or 'bfloat16' for a bfloat16 model trained "
+            "without fp32 masters"
+        )
 
 
 def _full_values_into_state_dict(
