@@ -176,6 +176,21 @@ def test_fetch_gives_the_chunk_values_and_drop_frees():
     assert p.untyped_storage().nbytes() == 0 and on_demand.absent == total
 
 
+def test_profiling_leaves_the_fp32_masters_of_a_bf16_model_as_they_were():
+    """The bf16 values a profile fetches into a prepared model's parameters are the chunks' own, not writes the
+    chunks take in, which would round their fp32 masters to bf16 (at torch 2.11, where the parameters' Python calls
+    run inside the backend: a resumed run's first update then differed)."""
+    model = models.build("toy").to(torch.bfloat16)
+    protrain_fx.prepare(model, plan={"n_persist": 0, "n_buffer": 1}, device="cpu")
+    manager = protrain_fx.manager_of(model)
+    for p in manager.params:  # masters that bf16 cannot hold
+        manager.load_param(manager.index[id(p)], torch.full(p.shape, 1 / 3))
+    masters = [manager.master_shard(c).clone() for c in range(manager.layout.n_chunk)]
+    assert masters[0].dtype == torch.float32 and not torch.equal(masters[0], masters[0].bfloat16().float())
+    _compiled(model, "toy")
+    assert all(torch.equal(manager.master_shard(c), m) for c, m in enumerate(masters))
+
+
 def test_each_graph_run_reads_a_chunk_from_the_host_once(monkeypatch):
     """A chunk's whole values are a host copy (a collective when sharded), so a profile reads each chunk at most
     once per run of a graph, also where a block's parameters lie in two chunks that its nodes read in turn."""

@@ -17,6 +17,7 @@ from protrain_fx.backend.record import RUNTIME_ATTR, device_of
 from protrain_fx.planner.cost import CostModel
 from protrain_fx.planner.plan import Plan
 from protrain_fx.planner.search import NoPlanFits
+from protrain_fx.runtime.chunks.common import FROZEN_OUT_ATTR, unfrozen_param_error, unfrozen_since_compile_error
 from protrain_fx.runtime.oom import Replanning, device_state, first_line, plan_summary
 from protrain_fx.runtime.replan import REPLAN_FILE, ClosedLoop, moves_chunks
 
@@ -46,8 +47,18 @@ class Guarded:
         # a graph with symbolic sizes is not compiled again outside Dynamo: that would fix its sizes to the call's
         self.symbolic = any(isinstance(x, torch.SymInt) for x in example_inputs)
         self.compiled = backend.compile(gm, example_inputs, record, self)
+        # parameters frozen when the graph was compiled: torch 2.11 runs it again after one is unfrozen (newer
+        # versions compile anew), computing no gradient for it, so a call with one unfrozen is refused
+        self.frozen = {e.index: e.name for e in record.param_map.values() if not example_inputs[e.index].requires_grad}
 
     def __call__(self, *args):
+        for i, name in self.frozen.items():
+            if args[i].requires_grad:
+                raise (
+                    unfrozen_param_error(name)
+                    if FROZEN_OUT_ATTR in args[i].__dict__
+                    else unfrozen_since_compile_error(name)
+                )
         if self.replanning.due:  # (a backward ran out of memory)
             self._recompile(args, "backward", "", "(in the last step)")
         if self.loop is not None and self.loop.due(self.record.monitor):

@@ -109,7 +109,9 @@ class OnDemand:
                     self._chunk_values[slot.chunk] = values.pin_memory() if t.is_cuda else values
                 self._chunk_values.move_to_end(slot.chunk)
                 source = self._chunk_values[slot.chunk][slot.offset : slot.offset + slot.numel].view(t.shape)
-                t.copy_(source, non_blocking=t.is_cuda)
+                # (the chunk's own values, not a write for the chunk to take in: its class's Python calls are off)
+                with torch._C.DisableTorchFunctionSubclass():
+                    t.copy_(source, non_blocking=t.is_cuda)
             else:
                 _bytes_of(t).zero_()
         if self.tracker is not None:

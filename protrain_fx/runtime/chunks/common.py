@@ -56,3 +56,12 @@ def unfrozen_param_error(name: str) -> ValueError:
         "trainable with lr=0 in a parameter group of its own until then; its AdamW states then count from the "
         "first step), or load protrain_fx.full_state_dict(model) into the model built anew and compile that"
     )
+
+
+def unfrozen_since_compile_error(name: str) -> ValueError:
+    return ValueError(
+        f"parameter {name!r} was frozen (requires_grad=False) when this graph was compiled and needs a gradient now, "
+        f"but this torch ({torch.__version__}) runs the graph as compiled, which computes none for it: unfreeze it "
+        "before the step that compiles the graph, or call torch._dynamo.reset() after unfreezing it so that the "
+        "next step compiles anew"
+    )

@@ -122,6 +122,12 @@ class ReduceMixin:
         """
         if self.step_state.lost:  # (a later graph's backward after an out-of-memory error lost the step)
             return
+        if not all(p.requires_grad for p in params):
+            # frozen since the graph was compiled (torch 2.11 compiles no new graph for it): no gradient, as in eager
+            kept = [(p, g) for p, g in zip(params, grads) if p.requires_grad]
+            if not kept:
+                return
+            params, grads = [p for p, _ in kept], [g for _, g in kept]
         indices = [self.index[id(p)] for p in params]
         accumulate, grads = self._arrive(chunk, source, indices, grads)
         if chunk < self.n_persist and self.reduce_world == 1:
