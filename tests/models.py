@@ -86,6 +86,8 @@ def seq2seq_model(kind: str, layers: int = 2, dropout: float = 0.0) -> nn.Module
             dropout_rate=dropout,
             decoder_start_token_id=0,
             pad_token_id=0,
+            # (training keeps no cache; T5's would graph-break at torch 2.11, which cannot trace its config's deepcopy)
+            use_cache=False,
         )
         return T5ForConditionalGeneration(cfg)
     cfg = BartConfig(
