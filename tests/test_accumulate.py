@@ -173,9 +173,9 @@ def test_accumulation_across_ranks_reduces_once():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="known limitation (docs/limitations.md): a parameter read by two compiled graphs (a graph break between "
-    "its uses) adds each graph's gradient to the step's sum as it arrives, ((sum + g1) + g2), where eager adds "
-    "the backward's own sum, sum + (g1 + g2): equal to rounding, not bitwise",
+    reason="known limitation (docs/limitations.md): a parameter whose gradient comes in parts (a graph break between "
+    "its uses) adds each part to the step's sum as it arrives, ((sum + g1) + g2), where eager adds the backward's "
+    "own sum, sum + (g1 + g2): equal to rounding, not bitwise",
 )
 @pytest.mark.parametrize("plan", ["persistent", "offloaded"])
 def test_a_tied_weight_read_across_a_graph_break_accumulates_as_eager(plan):
