@@ -14,7 +14,8 @@ A part the ChunkManager composes (`manager.step_state`), holding all of its stat
 - `join_queued`: the running backward's end waits for its persistent updates (autograd's final callback);
 - `keeping`: a skipped step whose updates had started is being applied whole.
 
-The manager's update, reduce and gradient code moves it between phases through these methods; nothing else writes it.
+The phases change through its methods only; the manager's update and edit code also sets its flags and marks the
+optimizers that stepped. No other part writes it.
 """
 
 from __future__ import annotations
