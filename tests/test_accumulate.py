@@ -171,6 +171,19 @@ def test_accumulation_across_ranks_reduces_once():
     spawn_gloo(_ranks_accumulate, 2)
 
 
+def _with_a_break(model):
+    """`model` (a Qwen2) with a graph break at the start of its second layer's forward."""
+    layer = model.model.layers[1]
+    forward = type(layer).forward
+
+    def broken(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return forward(self, *args, **kwargs)
+
+    layer.forward = broken.__get__(layer)
+    return model
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="known limitation (docs/limitations.md): a parameter whose gradient comes in parts (a graph break between "
@@ -180,20 +193,8 @@ def test_accumulation_across_ranks_reduces_once():
 @pytest.mark.parametrize("plan", ["persistent", "offloaded"])
 def test_a_tied_weight_read_across_a_graph_break_accumulates_as_eager(plan):
     """Qwen2's embedding, tied to its head, with a graph break between them, over micro-batches: eager's weights."""
-
-    def with_a_break(model):
-        layer = model.model.layers[1]
-        forward = type(layer).forward
-
-        def broken(self, *args, **kwargs):
-            torch._dynamo.graph_break()
-            return forward(self, *args, **kwargs)
-
-        layer.forward = broken.__get__(layer)
-        return model
-
-    ref = with_a_break(models.build("qwen2", layers=2))
-    model = with_a_break(copy.deepcopy(ref))
+    ref = _with_a_break(models.build("qwen2", layers=2))
+    model = _with_a_break(copy.deepcopy(ref))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": PLANS[plan]})
@@ -209,3 +210,17 @@ def test_a_tied_weight_read_across_a_graph_break_accumulates_as_eager(plan):
             o.zero_grad()
     trained = protrain_fx.full_state_dict(model)
     assert all(torch.equal(trained[name], value) for name, value in ref.state_dict().items())
+
+
+def test_shared_gradient_buffers_forced_above_the_chunks_hold_in_every_graph():
+    """`host_grad_slots` forced above the offloaded chunks' count is one each (planner/plan.py), in the graph that
+    builds the chunks and in the graphs after a break that read them: trains as eager over one batch a step."""
+    ref = _with_a_break(models.build("qwen2", layers=2))
+    model = _with_a_break(copy.deepcopy(ref))
+    opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    plan = {**PLANS["shared-gradients"], "host_grad_slots": 99}
+    backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": plan})
+    losses = train(torch.compile(model, backend=backend), "qwen2", 2, opt=opt)
+    assert losses == train(ref, "qwen2", 2) and len(backend.graphs) > 1
+    manager = protrain_fx.manager_of(model)
+    assert manager.grad_slots == manager.layout.n_chunk - manager.n_persist

@@ -330,11 +330,15 @@ def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str
         )
         if manager.n_buffer:
             actual["n_buffer"] = manager.n_buffer
-    # (a forced chunk_bytes of 0 is the size the layout chooses: the one it chose)
+    # (a forced chunk_bytes of 0 is the size the layout chooses: the one it chose; gradient buffers or shards forced
+    # above the chunks that share them are one each, as the plan made them: planner/plan.py `_grad_slots`)
+    most = {"host_grad_slots": manager.layout.n_chunk - manager.n_persist, "device_grad_slots": manager.n_persist}
+    most = most if manager.pending_plan is None else {}
+    asked = {k: min(v, most[k]) if k in most and isinstance(v, int) else v for k, v in forced.items()}
     clash = {
         k: (forced[k], v)
         for k, v in actual.items()
-        if k in forced and forced[k] != v and (k, forced[k]) != ("chunk_bytes", 0)
+        if k in forced and asked[k] != v and (k, forced[k]) != ("chunk_bytes", 0)
     }
     if clash:
         raise ValueError(
