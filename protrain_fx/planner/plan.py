@@ -186,6 +186,19 @@ def _int_field(forced: Mapping[str, Any], key: str, default: int) -> int:
     return value
 
 
+def grad_slot_fields(forced: Mapping[str, Any], n_chunk: int, n_persist: int) -> dict[str, int]:
+    """The gradient shards the offloaded chunks share on the host and the buffers the persistent chunks share on the
+    device, as forced (more than one per chunk: one each) or one each."""
+    return {
+        "host_grad_slots": _grad_slots(
+            forced, "host_grad_slots", n_chunk - n_persist, "chunks are offloaded (gradient shards on the host)"
+        ),
+        "device_grad_slots": _grad_slots(
+            forced, "device_grad_slots", n_persist, "chunks are persistent (gradient buffers on the device)"
+        ),
+    }
+
+
 def _grad_slots(forced: Mapping[str, Any], key: str, chunks: int, where: str) -> int:
     """The forced gradient buffers or shards `key` that `chunks` chunks share (at most one each; default one each)."""
     if chunks and key in forced and _int_field(forced, key, 0) < 1:
@@ -273,14 +286,8 @@ def make_plan(
             f"options['plan']['n_clip_overlap']={n_clip_overlap} exceeds the {layout.n_chunk - n_persist} offloaded "
             "chunks (n_chunk - n_persist)"
         )
-    offloaded = layout.n_chunk - n_persist
-    # (more than one per chunk: one each)
-    host_grad_slots = _grad_slots(
-        forced, "host_grad_slots", offloaded, "chunks are offloaded (gradient shards on the host)"
-    )
-    device_grad_slots = _grad_slots(
-        forced, "device_grad_slots", n_persist, "chunks are persistent (gradient buffers on the device)"
-    )
+    slots = grad_slot_fields(forced, layout.n_chunk, n_persist)
+    host_grad_slots, device_grad_slots = slots["host_grad_slots"], slots["device_grad_slots"]
     return Plan(
         n_persist=n_persist,
         n_buffer=n_buffer,

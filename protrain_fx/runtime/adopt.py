@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from protrain_fx.capture import FrameRoots, block_index, find_block_families
 from protrain_fx.distributed import rank_and_world_size
 from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, search_layout
-from protrain_fx.planner.plan import Plan, make_plan, with_default_master
+from protrain_fx.planner.plan import Plan, grad_slot_fields, make_plan, with_default_master
 from protrain_fx.real_tensors import real_tensors
 from protrain_fx.runtime.chunks import (
     DDP_ATTR,
@@ -331,10 +331,11 @@ def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str
         if manager.n_buffer:
             actual["n_buffer"] = manager.n_buffer
     # (a forced chunk_bytes of 0 is the size the layout chooses: the one it chose; gradient buffers or shards forced
-    # above the chunks that share them are one each, as the plan made them: planner/plan.py `_grad_slots`)
-    most = {"host_grad_slots": manager.layout.n_chunk - manager.n_persist, "device_grad_slots": manager.n_persist}
-    most = most if manager.pending_plan is None else {}
-    asked = {k: min(v, most[k]) if k in most and isinstance(v, int) else v for k, v in forced.items()}
+    # above the chunks that share them are one each, as the plan made them)
+    asked = dict(forced)
+    if manager.pending_plan is None:
+        made = grad_slot_fields(forced, manager.layout.n_chunk, manager.n_persist)
+        asked.update((k, v) for k, v in made.items() if k in forced)
     clash = {
         k: (forced[k], v)
         for k, v in actual.items()

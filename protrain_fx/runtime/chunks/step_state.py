@@ -101,4 +101,4 @@ class StepState:
     @property
     def busy(self) -> bool:
         """A step under way: gradients taken, updates started, or the step lost."""
-        return self.phase is not Phase.BETWEEN or bool(self.started or self.speculative)
+        return self.phase is not Phase.BETWEEN or bool(self.started)  # (speculative updates are started ones)
