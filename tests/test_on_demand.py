@@ -4,7 +4,9 @@ one a run holding everything gives: memory fields equal node by node (the CPU tr
 exactly), while what was in fact allocated at the peak is less."""
 
 import copy
+import gc
 import random
+import weakref
 
 import models
 import pytest
@@ -189,6 +191,21 @@ def test_profiling_leaves_the_fp32_masters_of_a_bf16_model_as_they_were():
     assert masters[0].dtype == torch.float32 and not torch.equal(masters[0], masters[0].bfloat16().float())
     _compiled(model, "toy")
     assert all(torch.equal(manager.master_shard(c), m) for c, m in enumerate(masters))
+
+
+def test_a_model_profiled_on_demand_is_freed_once_dropped():
+    """A prepared model whose profile ran on demand, trained and then dropped, takes its chunks with it: what the
+    profile learnt of each storage is let go through the weak callbacks of its storage finalizers. Before, the
+    finalizers' global registry held the run, and through it the manager and its chunks (GPU memory a process
+    training one model after another never got back)."""
+    model = protrain_fx.prepare(models.build("toy"), plan={"n_persist": 0, "n_buffer": 1}, device="cpu")
+    manager = weakref.ref(protrain_fx.manager_of(model))
+    graph = _compiled(model, "toy")
+    assert graph.profile is not None and manager() is not None
+    del model, graph
+    torch._dynamo.reset()
+    gc.collect()
+    assert manager() is None
 
 
 def test_each_graph_run_reads_a_chunk_from_the_host_once(monkeypatch):

@@ -374,6 +374,7 @@ def test_a_tensor_laid_out_unlike_its_slot_goes_to_pinned_memory():
     from torch.profiler import ProfilerActivity, profile
 
     from protrain_fx.runtime.swap import SwapSpace
+    from protrain_fx.shapes import dense_order
 
     qkv = torch.randn(2, 64, 8, 3 * 32, device="cuda").transpose(1, 2)  # (batch, heads, sequence, 3 x head dim)
     keys = qkv.split(32, dim=-1)[1]
@@ -381,7 +382,7 @@ def test_a_tensor_laid_out_unlike_its_slot_goes_to_pinned_memory():
     space = SwapSpace(torch.device("cuda"))
     space.allocate([torch.empty_like(keys, device="meta")])
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        space.swap_out(0, keys, torch.empty_like(keys).stride())
+        space.swap_out(0, keys, dense_order(keys))
         space.settle([0])
         torch.cuda.synchronize()
     copies = [e.name for e in prof.events() if "Memcpy" in e.name]

@@ -85,7 +85,7 @@ class CpuMemoryTracker(TorchDispatchMode):
             self._live[key] = nbytes
             self._allocated += nbytes
             self._peak = max(self._peak, self._allocated)
-            weakref.finalize(storage, self._release, key)
+            weakref.finalize(storage, call_if_alive, weakref.WeakMethod(self._release), key)  # (see call_if_alive)
 
     def forget(self, storage) -> None:
         """Stop counting a storage (about to be resized to 0 bytes); `track` counts it again once refilled."""
@@ -112,3 +112,12 @@ def tensor_bytes(values) -> int:
             storage = t.untyped_storage()
             seen.setdefault(storage.data_ptr() or id(storage), storage.nbytes())
     return sum(seen.values())
+
+
+def call_if_alive(method: weakref.WeakMethod, *args) -> None:
+    """A storage finalizer's callback that holds its object weakly: `weakref.finalize` keeps its callback in a
+    global registry until the storage dies, and a storage the profiled model keeps would keep a bound method's
+    object, and what that object holds, alive with the model."""
+    bound = method()
+    if bound is not None:
+        bound(*args)

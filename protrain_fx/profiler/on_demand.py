@@ -36,6 +36,8 @@ from torch._prims.rng_prims import run_and_save_rng_state
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
+from protrain_fx.profiler.memory import call_if_alive
+
 CALL_OPS = ("call_function", "call_method", "call_module")  # the nodes that run an op
 # chunks whose whole values a profile keeps on the host at once: reading one is a host copy (a collective when
 # sharded), and the nodes of a block whose parameters lie in two chunks read them in turn
@@ -226,7 +228,9 @@ class GraphRun:
             # a storage freed during the run leaves its key to the next one allocated where it was: what is known
             # of it goes with it (else a later storage would be dropped late, and the timed run would drop the
             # freed one's value, held alive for it, instead of its own; or, on a freed input's key, never)
-            weakref.finalize(t.untyped_storage(), self._freed, key)
+            # (through a weak method: the finalizer registry is global, and a storage that outlives the run, one
+            # the manager holds, would otherwise hold the run, and through it the manager, for ever)
+            weakref.finalize(t.untyped_storage(), call_if_alive, weakref.WeakMethod(self._freed), key)
 
     def _freed(self, key: int) -> None:
         self._source.pop(key, None)

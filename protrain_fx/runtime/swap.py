@@ -3,7 +3,7 @@
 Each tensor that a swapped block saves for backward gets a fixed slot, decided at compile time, in one host
 arena allocated once at its exact size (pinned with `cudaHostRegister` on CUDA). The rewritten graphs call:
 
-    h = protrain.swap_out(space, slot, t, stride)           # forward, after t's last use: copy t to its slot
+    h = protrain.swap_out(space, slot, t, order)            # forward, after t's last use: copy t to its slot
     protrain.swap_settle(space, [slots], [h..], [t..], a)   # forward, swap_interval blocks later (or at its
                                                             # end): those copies are done; t may be freed
     protrain.swap_prefetch(space, [slots], after)           # backward, swap_interval blocks ahead: copy a block back
