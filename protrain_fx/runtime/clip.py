@@ -46,7 +46,7 @@ def clip_grad_norm_(
     manager = model_manager(model)
     scale = 1.0  # the loss scale the gradients carry (float16, announced by GradScaler.unscale_)
     if manager is not None:
-        if manager.loss_scaled:
+        if manager.edits.loss_scaled:
             scale = manager.carried_scale()
             if scale is None:
                 raise ValueError(
@@ -54,7 +54,7 @@ def clip_grad_norm_(
                     "clip_grad_norm_, as with torch.amp.GradScaler"
                 )
         manager.clip_norm_type = norm_type
-        manager.expect_edits("clip_grad_norm_")
+        manager.edits.expect_edits("clip_grad_norm_")
     known = manager.arrival_norms(norm_type) if manager is not None else {}
     pieces = _gradient_pieces(model, manager, without=set(known))
     pieces.local_norms = list(known.values())
@@ -68,7 +68,7 @@ def clip_grad_norm_(
     clips = coef < 1
     if manager is not None and clips:
         manager.refuse_edit("clip_grad_norm_ scaling the gradients", sorted(manager.has_grad))
-        manager.edit_grads("clip_grad_norm_ scaling the gradients")
+        manager.edits.edit_grads("clip_grad_norm_ scaling the gradients")
     if clips:
         pieces = _gradient_pieces(model, manager) if known else pieces
         for tensors in _by_device(pieces.local + pieces.once):

@@ -28,7 +28,7 @@ A chunk's update may start during the backward (runtime/chunks/updates.py). Its 
 to it, or dropping it, undoes the update where a copy of what it changed was kept (`speculates`); otherwise a write
 to a gradient of that optimizer is refused with an error (`refuse_edit`) and dropping one applies the step whole
 before the error (`keep_started_step`). From the first step that writes to gradients between `backward()` and
-`optimizer.step()`, updates wait for the step, as with clipping (`ChunkManager.edits_grads`).
+`optimizer.step()`, updates wait for the step, as with clipping (`ChunkManager.edits`: runtime/chunks/edits.py).
 """
 
 from __future__ import annotations

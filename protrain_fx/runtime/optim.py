@@ -285,7 +285,7 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
             self.last_step_skipped = True
             log.warning("a backward ran out of GPU memory and was re-planned: optimizer step skipped")
             return
-        if grad_scale is not None and any(not m.loss_scaled for m in managers):
+        if grad_scale is not None and any(not m.edits.loss_scaled for m in managers):
             raise ValueError(
                 "loss scaling (protrain_fx.amp.GradScaler) is for float16 models; this model's chunks are "
                 f"{managers[0].dtype}, which trains without it: call optimizer.step() directly"
@@ -302,14 +302,14 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         for manager in managers:
             manager.finish_reduction()  # (the step's last backward ran inside no_sync)
             if torch_scaled:
-                manager.scale_losses("torch.amp.GradScaler's loss scaling")
+                manager.edits.scale_losses("torch.amp.GradScaler's loss scaling")
             if not as_at_backward:
                 manager.reconcile_all()
             manager.fold_plain_grads()
             if kept is None:
                 manager.check_hyperparameters(self, hyper)
             else:
-                manager.note_edit("hyperparameters (lr, betas, eps, weight_decay) set after the backward")
+                manager.edits.note_edit("hyperparameters (lr, betas, eps, weight_decay) set after the backward")
         found = self._found_inf(managers) or (torch_scaled and bool(self.found_inf.sum().item()))
         if found:
             for manager in managers:

@@ -53,7 +53,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `reduce_buffers.py` | `ReduceBuffers` (`manager.reduce_buffers`, a part of its own): the buffers gradients are reduced in, in turn |
 | `updates.py` | when each chunk's AdamW update runs: early, deferred, speculative; the end of a step |
 | `step_state.py` | `StepState` (`manager.step_state`, a part of its own): the step's phase and the updates it started |
-| `edits.py` | gradients or hyperparameters changed between backward() and step(), which make updates wait |
+| `edits.py` | `Edits` (`manager.edits`, a part of its own): changes between backward() and step(), which make updates wait |
 | `user_grads.py` | `param.grad` of a chunked parameter (runtime/grads.py), `zero_grad` |
 | `outside.py` | the model used outside the compiled graphs: values read, written, lent |
 | `param_class.py` | `ChunkedParameter`, the chunked parameters' class: Python's calls on an offloaded one run on its values |
@@ -90,7 +90,7 @@ from protrain_fx.runtime.chunks.common import (
     tied_param_error,
     unfrozen_param_error,
 )
-from protrain_fx.runtime.chunks.edits import EditsMixin
+from protrain_fx.runtime.chunks.edits import Edits
 from protrain_fx.runtime.chunks.outside import OutsideMixin
 from protrain_fx.runtime.chunks.placement import PlacementMixin
 from protrain_fx.runtime.chunks.reduce import ReduceMixin
@@ -119,7 +119,6 @@ class ChunkManager(
     PlacementMixin,
     ReduceMixin,
     UpdatesMixin,
-    EditsMixin,
     GradAccessMixin,
     OutsideMixin,
 ):
@@ -188,7 +187,9 @@ class ChunkManager(
         self._init_reduce()
         self._init_storage()
         self._init_grad_access()
-        self._init_edits()
+        self.edits = Edits(
+            self.step_state, loss_scaled=self.dtype == torch.float16, undo_speculative=self.undo_speculative_updates
+        )
         self.pending_plan = dict(pending_plan) if pending_plan is not None else None
         assert self.pending_plan is None or n_persist == 0, "a pending manager offloads every chunk"
         self._build(grad_slots, device_grad_slots)

@@ -1,39 +1,45 @@
-"""EditsMixin: gradients and hyperparameters looked at or changed outside the compiled graphs, between backward()
-and optimizer.step() (clipping, loss scaling, gradient logging, an lr set there), which updates that start during
-the backward would miss.
+"""Edits: gradients and hyperparameters looked at or changed outside the compiled graphs, between backward() and
+optimizer.step() (clipping, loss scaling, gradient logging, an lr set there), which updates that start during the
+backward would miss.
 
-From the first step that does so, updates wait for `AdamW.step()` (`edits_grads`), but the last `n_clip_overlap`
+From the first step that does so, updates wait for `AdamW.step()` (`after_backward`), but the last `n_clip_overlap`
 offloaded chunks, which update during the backward while the last step changed nothing (`speculates`,
 runtime/chunks/updates.py), keeping what the update changes to undo it. An update that started with what was changed
-is undone where it kept a copy, and an error otherwise (`_check_not_started`).
+is undone where it kept a copy, and an error otherwise (`check_not_started`).
 
-State it owns: `edits_grads`; `loss_scaled` (float16: the overflow check must see every gradient of the step before
-any update) and `torch_scaled` (stepped by torch.amp.GradScaler); `n_clip_overlap` (the plan's). Whether this step
-and the last changed anything is the step's state (`step_state.edited`, `last_edited`).
+A part the ChunkManager composes (`manager.edits`). State it owns: `after_backward`; `loss_scaled` (float16: the
+overflow check must see every gradient of the step before any update) and `torch_scaled` (stepped by
+torch.amp.GradScaler); `n_clip_overlap` (the plan's, set where the plan is applied). It marks the step's state
+(`step_state.edited`) and undoes speculative updates through the callable it is given; whether the last step
+changed anything is the step's state too (`step_state.last_edited`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+from protrain_fx.runtime.chunks.step_state import StepState
 
 log = logging.getLogger(__name__)
 
 
-class EditsMixin:
-    """Changes between backward() and step() (module docstring). Part of ChunkManager."""
+class Edits:
+    """Changes between backward() and step() (module docstring)."""
 
-    def _init_edits(self) -> None:
+    def __init__(self, step_state: StepState, *, loss_scaled: bool, undo_speculative: Callable[[], None]):
+        self.step_state = step_state
+        self._undo_speculative = undo_speculative
         # float16 needs loss scaling, whose overflow check must see every gradient of the step before any update:
         # offloaded updates then start in AdamW.step() instead of during the backward (`skips_nonfinite`)
-        self.loss_scaled = self.dtype == torch.float16
+        self.loss_scaled = loss_scaled
         self.torch_scaled = False  # stepped by torch.amp.GradScaler (`scale_losses`)
         # gradients or hyperparameters looked at or changed between backward() and optimizer.step() (`note_edit`):
         # from the first step that does so, updates wait for `AdamW.step()` but those that `speculates` allows.
         # The first step always waits
-        self.edits_grads = False
+        self.after_backward = False
         self.n_clip_overlap = 0  # the plan's (planner/plan.py): the last chunks that may update before a clip
 
     def scale_losses(self, what: str) -> None:
@@ -42,9 +48,9 @@ class EditsMixin:
         if not self.torch_scaled:
             log.info("%s: chunk updates wait for optimizer.step()", what)
             self.torch_scaled = True
-        self._check_not_started(sorted(self.step_state.started), f"{what}, first seen at this step,")
+        self.check_not_started(sorted(self.step_state.started), f"{what}, first seen at this step,")
 
-    def _check_not_started(self, chunks: Sequence[int], what: str) -> None:
+    def check_not_started(self, chunks: Sequence[int], what: str) -> None:
         """A change to the chunks' gradients (or hyperparameters) outside the graphs: their update must not have
         started with them during the backward. Updates that kept a copy of what they changed are undone (and run
         again in the step); others cannot be, which is an error."""
@@ -53,7 +59,7 @@ class EditsMixin:
             return
         self.note_edit(what)
         if set(started) <= self.step_state.speculative:
-            self.undo_speculative_updates()
+            self._undo_speculative()
             return
         raise RuntimeError(
             f"{what}: the optimizer update of chunk(s) {started} had started during the backward with things as "
@@ -71,12 +77,12 @@ class EditsMixin:
 
     def expect_edits(self, what: str) -> None:
         """Gradients or hyperparameters are looked at, and may be changed, between backward() and step() (not by a
-        backward): from now on updates wait for the step (`edits_grads`)."""
+        backward): from now on updates wait for the step (`after_backward`)."""
         if torch._C._current_graph_task_id() != -1:
             return
-        if not self.edits_grads:
+        if not self.after_backward:
             log.info("%s between backward() and optimizer.step(): chunk updates wait for the step", what)
-        self.edits_grads = True
+        self.after_backward = True
 
     def note_edit(self, what: str) -> None:
         """Gradients or hyperparameters changed between backward() and optimizer.step() (not by a backward)."""
@@ -89,27 +95,4 @@ class EditsMixin:
         """Every gradient of the step is about to change (clipping): updates that started with them are undone
         where they kept a copy, and an error otherwise."""
         self.note_edit(what)
-        self._check_not_started(sorted(self.step_state.started), what)
-
-    def carried_scale(self) -> float | None:
-        """The loss scale the gradients carry, as announced by `protrain_fx.amp.GradScaler.unscale_`."""
-        return next((o.carried_scale for o in self.optimizers if o.carried_scale is not None), None)
-
-    def note_hyperparameter_set(self, owner, key: str) -> None:
-        """`owner`'s hyperparameter `key` was set: between the backward and `owner`'s step, its updates must see
-        it, from this step on (the value may be the same: what is set after the backward counts)."""
-        if (
-            self.step_state.in_window
-            and id(owner) not in self.step_state.optimizers_stepped
-            and any(self.optimizer_of(c) is owner for c in self.has_grad)
-        ):
-            self.note_edit(f"the optimizer's {key!r} set")
-
-    def check_hyperparameters(self, owner, now: list[dict]) -> None:
-        """At `owner`'s step: hyperparameters changed since its chunks' gradients arrived apply to this step, as in
-        torch's AdamW (the updates started with the old ones are undone, where they can be)."""
-        seen = self.hyper_at_backward.get(id(owner))
-        stale = [c for c, used in self._hyper_used.items() if self.optimizer_of(c) is owner and used != now]
-        if (seen is not None and seen != now) or stale:
-            self.note_edit("hyperparameters (lr, betas, eps, weight_decay) set")
-            self._check_not_started(stale, "hyperparameters (lr, betas, eps, weight_decay) set after the backward")
+        self.check_not_started(sorted(self.step_state.started), what)

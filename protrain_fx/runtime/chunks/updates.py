@@ -147,13 +147,13 @@ class UpdatesMixin:
     @property
     def skips_nonfinite(self) -> bool:
         """A step with an inf or NaN gradient is skipped (on every rank), not an error (`skips_nonfinite`)."""
-        return self.torch_scaled or any(skips_nonfinite(o, self.dtype) for o in self.optimizers or [None])
+        return self.edits.torch_scaled or any(skips_nonfinite(o, self.dtype) for o in self.optimizers or [None])
 
     @property
     def waits_for_edits(self) -> bool:
         """Gradients or hyperparameters may change between backward() and step(), or the step be skipped there: seen
-        at a step (`edits_grads`), or said at the start (`protrain_fx.optim.AdamW(..., edits_after_backward=True)`)."""
-        return self.edits_grads or any(o.edits_after_backward for o in self.optimizers)
+        at a step (`edits.after_backward`), or said at the start (`protrain_fx.optim.AdamW(..., edits_after_backward=True)`)."""
+        return self.edits.after_backward or any(o.edits_after_backward for o in self.optimizers)
 
     @property
     def defer_updates(self) -> bool:
@@ -169,20 +169,22 @@ class UpdatesMixin:
             or chunk in self.eager_chunks
         ):
             return False
-        return not self.waits_for_edits or (chunk >= self.layout.n_chunk - self.n_clip_overlap and self.speculates)
+        return not self.waits_for_edits or (
+            chunk >= self.layout.n_chunk - self.edits.n_clip_overlap and self.speculates
+        )
 
     @property
     def speculates(self) -> bool:
-        """A model whose gradients or hyperparameters are looked at between backward() and step() (`edits_grads`:
+        """A model whose gradients or hyperparameters are looked at between backward() and step() (`edits.after_backward`:
         clipping, say), and whose last step changed none of them, updates its offloaded chunks during the backward
         as if this step will not either, keeping each chunk's master and AdamW states as they were (`snapshot` of
         `AdamW.chunk_update`); if it does, `undo_speculative_updates` puts them back and `AdamW.step()` updates
         again from the changed gradients. Only the last `n_clip_overlap` chunks, as the plan chose (the copy costs
         host memory bandwidth: the cost model weighs it against waiting for the clip), where the host has room."""
-        if not self.waits_for_edits or self.step_state.last_edited or not self.n_clip_overlap:
+        if not self.waits_for_edits or self.step_state.last_edited or not self.edits.n_clip_overlap:
             return False
         if self._room_for_undo is None:
-            needed = HOST_STATES * self.master_bytes * self.layout.shard_elems * self.n_clip_overlap
+            needed = HOST_STATES * self.master_bytes * self.layout.shard_elems * self.edits.n_clip_overlap
             available, total = available_host_bytes(), meminfo_bytes("MemTotal")
             self._room_for_undo = available is None or needed <= available - UNDO_HOST_RESERVE * (total or 0)
             log.info(
@@ -397,7 +399,7 @@ class UpdatesMixin:
         started = self.committed_updates(chunks)
         if not started:
             return
-        self.note_edit(what)
+        self.edits.note_edit(what)
         raise RuntimeError(
             f"{what}: refused, so this step's optimizer update stays as the backward left the gradients (unchanged "
             f"by it; optimizer.step() applies it as usual). The update of chunk(s) {started} had already run during "
@@ -414,7 +416,7 @@ class UpdatesMixin:
         steps wait for `step()`, so that a later skip is exact."""
         started = self.committed_updates(chunks)
         owners = {id(o): o for c in started if (o := self.optimizer_of(c)) is not None}
-        self.note_edit(what)
+        self.edits.note_edit(what)
         self.step_state.keeping = True
         try:
             for owner in owners.values():
@@ -435,6 +437,29 @@ class UpdatesMixin:
             "step the only one affected. From the next step on updates wait for optimizer.step(), so a step skipped "
             f"later is skipped exactly. {SAY_SO}"
         )
+
+    def carried_scale(self) -> float | None:
+        """The loss scale the gradients carry, as announced by `protrain_fx.amp.GradScaler.unscale_`."""
+        return next((o.carried_scale for o in self.optimizers if o.carried_scale is not None), None)
+
+    def note_hyperparameter_set(self, owner, key: str) -> None:
+        """`owner`'s hyperparameter `key` was set: between the backward and `owner`'s step, its updates must see
+        it, from this step on (the value may be the same: what is set after the backward counts)."""
+        if (
+            self.step_state.in_window
+            and id(owner) not in self.step_state.optimizers_stepped
+            and any(self.optimizer_of(c) is owner for c in self.has_grad)
+        ):
+            self.edits.note_edit(f"the optimizer's {key!r} set")
+
+    def check_hyperparameters(self, owner, now: list[dict]) -> None:
+        """At `owner`'s step: hyperparameters changed since its chunks' gradients arrived apply to this step, as in
+        torch's AdamW (the updates started with the old ones are undone, where they can be)."""
+        seen = self.hyper_at_backward.get(id(owner))
+        stale = [c for c, used in self._hyper_used.items() if self.optimizer_of(c) is owner and used != now]
+        if (seen is not None and seen != now) or stale:
+            self.edits.note_edit("hyperparameters (lr, betas, eps, weight_decay) set")
+            self.edits.check_not_started(stale, "hyperparameters (lr, betas, eps, weight_decay) set after the backward")
 
     def undo_speculative_updates(self) -> None:
         """Clipping applies after all: the chunks updated during the backward (`speculates`) take back the

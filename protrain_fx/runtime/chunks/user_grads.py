@@ -68,7 +68,7 @@ class GradAccessMixin:
     def grad_piece(self, i: int) -> torch.Tensor | None:
         """Parameter `i`'s gradient as this rank holds it (`_piece`), None where it has none this step."""
         chunk = self.slots[i].chunk
-        self.note_read()
+        self.edits.note_read()
         self._settle_grads(chunk, i)
         if i not in self.params_with_grad:
             return None
@@ -94,12 +94,12 @@ class GradAccessMixin:
         chunk = self.slots[i].chunk
         self._settle_grads(chunk, i)
         if not create and i not in self.params_with_grad:
-            self.note_read()
+            self.edits.note_read()
             return None
         if torch._C._current_graph_task_id() == -1:  # (within a backward: autograd accumulating, not an edit)
             self.refuse_edit(f"{what} on the gradient of {self.slots[i].name!r}", [chunk])
-        self._check_not_started([chunk], f"{what} on the gradient of {self.slots[i].name!r}")
-        self.note_edit(what)
+        self.edits.check_not_started([chunk], f"{what} on the gradient of {self.slots[i].name!r}")
+        self.edits.note_edit(what)
         if i not in self.params_with_grad:
             self._new_grad(i)
         return self._piece(i)
@@ -113,8 +113,8 @@ class GradAccessMixin:
                 raise self.keep_started_step(
                     f"{what} on the gradient of {self.slots[i].name!r}", [chunk], set_to_none=False
                 )
-            self._check_not_started([chunk], f"{what} on the gradient of {self.slots[i].name!r}")
-            self.note_edit(what)
+            self.edits.check_not_started([chunk], f"{what} on the gradient of {self.slots[i].name!r}")
+            self.edits.note_edit(what)
             self._drop(chunk, [i])
 
     def setting_grad(self, i: int, value: torch.Tensor | None) -> None:
@@ -159,10 +159,10 @@ class GradAccessMixin:
             if chunk >= self.n_persist and not self._update_gives_back(chunk, dropped):
                 self.wait_for_update(chunk)  # (its copy to the host landed)
             what = f"dropping the gradient of {self.slots[dropped[0]].name!r}"
-            self._check_not_started([chunk], what)
+            self.edits.check_not_started([chunk], what)
             owner = self.optimizer_of(chunk)
             if self.step_state.in_window and owner is not None and id(owner) not in self.step_state.optimizers_stepped:
-                self.note_edit(what)  # (between its backward and its step)
+                self.edits.note_edit(what)  # (between its backward and its step)
             self._drop(chunk, dropped)
 
     def reconcile_all(self) -> None:
@@ -225,7 +225,7 @@ class GradAccessMixin:
             if self.reduce_world > 1:
                 plain = self.all_reduce(plain.to(self.device), dist.ReduceOp.SUM, "the all-reduce of a gradient")
                 plain /= self.reduce_world
-            self._check_not_started([chunk], f"the gradient of {self.slots[i].name!r} from outside the graphs")
+            self.edits.check_not_started([chunk], f"the gradient of {self.slots[i].name!r} from outside the graphs")
             if i not in self.params_with_grad:
                 self._new_grad(i)
             piece = self._piece(i)
