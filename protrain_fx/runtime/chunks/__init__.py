@@ -53,7 +53,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `reduce_buffers.py` | `ReduceBuffers` (`manager.reduce_buffers`, a part of its own): the buffers gradients are reduced in, in turn |
 | `updates.py` | when each chunk's AdamW update runs: early, deferred, speculative; the end of a step |
 | `step_state.py` | `StepState` (`manager.step_state`, a part of its own): the step's phase and the updates it started |
-| `edits.py` | `Edits` (`manager.edits`, a part of its own): changes between backward() and step(), which make updates wait |
+| `edits.py` | `Edits` (`manager.edits`, a part of its own): changes between backward() and step(); updates wait |
 | `user_grads.py` | `param.grad` of a chunked parameter (runtime/grads.py), `zero_grad` |
 | `outside.py` | the model used outside the compiled graphs: values read, written, lent |
 | `param_class.py` | `ChunkedParameter`, the chunked parameters' class: Python's calls on an offloaded one run on its values |

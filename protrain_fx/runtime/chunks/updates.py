@@ -152,7 +152,7 @@ class UpdatesMixin:
     @property
     def waits_for_edits(self) -> bool:
         """Gradients or hyperparameters may change between backward() and step(), or the step be skipped there: seen
-        at a step (`edits.after_backward`), or said at the start (`protrain_fx.optim.AdamW(..., edits_after_backward=True)`)."""
+        at a step (`edits.after_backward`), or said at the start (`AdamW(..., edits_after_backward=True)`)."""
         return self.edits.after_backward or any(o.edits_after_backward for o in self.optimizers)
 
     @property
@@ -175,12 +175,13 @@ class UpdatesMixin:
 
     @property
     def speculates(self) -> bool:
-        """A model whose gradients or hyperparameters are looked at between backward() and step() (`edits.after_backward`:
-        clipping, say), and whose last step changed none of them, updates its offloaded chunks during the backward
-        as if this step will not either, keeping each chunk's master and AdamW states as they were (`snapshot` of
-        `AdamW.chunk_update`); if it does, `undo_speculative_updates` puts them back and `AdamW.step()` updates
-        again from the changed gradients. Only the last `n_clip_overlap` chunks, as the plan chose (the copy costs
-        host memory bandwidth: the cost model weighs it against waiting for the clip), where the host has room."""
+        """A model whose gradients or hyperparameters are looked at between backward() and step()
+        (`edits.after_backward`: clipping, say), and whose last step changed none of them, updates its offloaded
+        chunks during the backward as if this step will not either, keeping each chunk's master and AdamW states as
+        they were (`snapshot` of `AdamW.chunk_update`); if it does, `undo_speculative_updates` puts them back and
+        `AdamW.step()` updates again from the changed gradients. Only the last `n_clip_overlap` chunks, as the plan
+        chose (the copy costs host memory bandwidth: the cost model weighs it against waiting for the clip), where
+        the host has room."""
         if not self.waits_for_edits or self.step_state.last_edited or not self.edits.n_clip_overlap:
             return False
         if self._room_for_undo is None:
