@@ -441,3 +441,40 @@ def test_a_tensor_a_block_beyond_the_prefetch_reads_stays_on_the_device(interval
     assert swapped and (not later & swapped if interval == 1 else later <= swapped)
     kept = later_bytes if interval == 1 else 0
     assert costs.kept_from_swap(0) == kept and costs.saving(0, "swap") == costs.block_saved[0] - kept
+
+
+def test_a_value_saved_twice_stays_on_the_device():
+    """A forward may hand one value to two of the backward's inputs: the swap pass keeps it on the device (it
+    raised a KeyError on its own swap_out, a user of the value the second time), and swaps the value saved once."""
+    import types
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from protrain_fx.capture import BlockMap
+    from protrain_fx.config import ProTrainConfig
+    from protrain_fx.passes.activations import swap_out_pass
+    from protrain_fx.passes.contract import PassContext
+
+    def forward(x, w, v):
+        h = torch.mm(x, w)
+        y = torch.relu(h)
+        return torch.mm(y, v), h, h, y  # the user's output, then what the backward saves: h twice, y once
+
+    gm = make_fx(forward, tracing_mode="fake")(*(torch.randn(4, 4) for _ in range(3)))
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]  # mm, relu (block 0), mm_1 (block 1)
+    ctx = PassContext(
+        config=ProTrainConfig(),
+        plan=types.SimpleNamespace(block_modes=["swap", "none"], swap_interval=1),
+        record=types.SimpleNamespace(
+            block_map=BlockMap((), dict.fromkeys(names, "block"), dict(zip(names, [0, 0, 1])))
+        ),
+        swap=types.SimpleNamespace(handle=0),
+        saved=frozenset({"mm", "mm_again", "relu"}),  # (the backward's inputs: two are the forward's mm)
+        stage="forward",
+    )
+    gm = swap_out_pass(gm, ctx)
+    swapped = [
+        n.args[2].name for n in gm.graph.find_nodes(op="call_function", target=torch.ops.protrain.swap_out.default)
+    ]
+    outputs = [n.name for n in next(iter(gm.graph.find_nodes(op="output"))).args[0]]
+    assert swapped == ["relu"] and outputs[1:3] == ["mm", "mm"], (swapped, outputs)

@@ -180,8 +180,11 @@ def swap_out_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     # the forward returns the user's outputs, then what the backward saves (as many as it has saved inputs); a
     # tensor that is both stays on the device for the user
     first_saved = len(outs) - len(ctx.saved)
+    # a value saved at two positions (two of the backward's inputs) stays on the device: one host copy would be
+    # swapped in twice
+    repeated = {n for n in outs[first_saved:] if outs[first_saved:].count(n) > 1}
     for position, node in enumerate(outs):
-        if position < first_saved or not isinstance(node, fx.Node) or node.name not in ctx.saved:
+        if position < first_saved or not isinstance(node, fx.Node) or node.name not in ctx.saved or node in repeated:
             continue
         block = required_block_map(ctx).block.get(node.name)
         val = node.meta.get("val")
