@@ -132,6 +132,27 @@ def test_a_second_optimizer_names_the_parameter_and_training_goes_on():
     assert losses == expected
 
 
+def test_an_optimizer_dropped_while_its_host_updates_run_makes_way_for_a_new_one(monkeypatch):
+    """`opt.step()` returns while the offloaded chunks' host updates still run, and each update holds its optimizer
+    until it ends: a new optimizer built at once, the old one dropped, waits for them instead of finding the old one
+    alive (the error of the test above, which a loaded machine gave that test at random). Here every host update
+    takes a while."""
+    import time
+
+    from protrain_fx import host_queue
+
+    execute = host_queue._execute
+    monkeypatch.setattr(host_queue, "_execute", lambda copied, fn: (time.sleep(0.5), execute(copied, fn))[1])
+    ref = models.build("llama")
+    model = copy.deepcopy(ref)
+    compiled = _compiled(model, {"plan": {"n_persist": 0, "n_buffer": 2}})
+    expected = train(ref, "llama", 1, opt=torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True))
+    losses = train(compiled, "llama", 1, opt=protrain_fx.optim.AdamW(model.parameters(), lr=1e-2))
+    expected += train(ref, "llama", 1, opt=torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True), first_step=1)
+    losses += train(compiled, "llama", 1, opt=protrain_fx.optim.AdamW(model.parameters(), lr=1e-3), first_step=1)
+    assert losses == expected
+
+
 def _stepping(scheduler):
     return lambda step: scheduler.step()
 

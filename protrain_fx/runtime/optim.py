@@ -30,6 +30,7 @@ backward), so a scheduler's change applies from the next backward on, as with to
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import threading
@@ -407,11 +408,16 @@ accept_in_accelerate()
 
 def _check_no_other_owner(p: nn.Parameter) -> None:
     """A parameter is stepped by one protrain_fx.optim.AdamW at a time: a ValueError naming it (by its name in the
-    model where it is in chunks) where another one, still alive, steps it."""
+    model where it is in chunks) where another one, still alive once its host updates have ended, steps it."""
     ref = p.__dict__.get(OPTIMIZER_ATTR)
     if ref is None or ref() is None:
         return
     manager = p.__dict__.get(MANAGER_ATTR)
+    if manager is not None:  # (a host update still running holds its optimizer until it ends)
+        manager.wait_for_update()
+    gc.collect()  # (and one dropped in a reference cycle goes with the collector only)
+    if ref() is None:
+        return
     which = repr(manager.slot_of(p).name) if manager is not None else f"of shape {tuple(p.shape)}"
     raise ValueError(
         f"parameter {which} is stepped by another protrain_fx.optim.AdamW already, which is still alive: something "
