@@ -24,6 +24,7 @@ the saved matmul outputs, and no matmul twice:
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 from typing import cast
 
@@ -182,7 +183,7 @@ def swap_out_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     first_saved = len(outs) - len(ctx.saved)
     # a value saved at two positions (two of the backward's inputs) stays on the device: one host copy would be
     # swapped in twice
-    repeated = {n for n in outs[first_saved:] if outs[first_saved:].count(n) > 1}
+    repeated = {n for n, count in collections.Counter(outs[first_saved:]).items() if count > 1}
     for position, node in enumerate(outs):
         if position < first_saved or not isinstance(node, fx.Node) or node.name not in ctx.saved or node in repeated:
             continue
