@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 from pathlib import Path
@@ -8,6 +9,7 @@ import torch
 from protrain_fx.host_queue import host_threads
 
 sys.path.insert(0, str(Path(__file__).parent))
+from spawn import FEWER_COLLECTIONS  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -79,3 +81,15 @@ def _hardware_cache(tmp_path_factory):
         if "PROTRAIN_CACHE_DIR" not in os.environ:
             patch.setenv("PROTRAIN_CACHE_DIR", str(cache))
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fewer_collections():
+    """The collector runs less often for the session, then as before: tracing and compiling make objects by the
+    million, and with Python's default thresholds a full collection, over every object the imported torch,
+    transformers and sympy hold, ran every few hundred thousand of them (a seventh of a test's time). Objects still
+    go once they are no longer referenced, cycles at the next collection; tests that need one run it."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(*FEWER_COLLECTIONS)
+    yield
+    gc.set_threshold(*thresholds)

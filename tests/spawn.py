@@ -1,6 +1,7 @@
 """Tests on several ranks: each rank a fresh process in a gloo (or NCCL) process group; an error on a rank goes
 to the test, which fails with it."""
 
+import gc
 import multiprocessing
 import os
 import tempfile
@@ -32,6 +33,10 @@ PRELOAD = [
     "transformers.masking_utils",
     "transformers.models.llama.modeling_llama",
 ]
+
+
+# the collector's thresholds in the test processes (conftest.py `_fewer_collections`) and in each rank
+FEWER_COLLECTIONS = (50_000, 20, 100)
 
 
 def join(backend: str, rank: int, world: int, rendezvous: str) -> None:
@@ -81,6 +86,7 @@ def run_rank(backend: str, rank: int, world: int, rendezvous: str, errors, body)
     """Run `body()` as one rank of a `backend` process group (NCCL: on GPU `rank`); an error (with its notes) goes to
     the parent, which fails the test, and leaves the group up: tearing it down waits for the other ranks'
     collectives, which on NCCL hangs."""
+    gc.set_threshold(*FEWER_COLLECTIONS)  # (a process of its own)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     join(backend, rank, world, rendezvous)
