@@ -76,10 +76,15 @@ def spawn(target, world: int, *args, cuda: bool = False) -> None:
 
 def in_a_process(target, *args, timeout: float = 600) -> int | None:
     """Run `target(*args)` in a fresh process, started as the ranks are; its exit code (None if still running)."""
-    process = _context().Process(target=target, args=args)
+    process = _context().Process(target=_with_fewer_collections, args=(target, *args))
     process.start()
     process.join(timeout)
     return process.exitcode
+
+
+def _with_fewer_collections(target, *args) -> None:
+    gc.set_threshold(*FEWER_COLLECTIONS)  # (a process of its own)
+    target(*args)
 
 
 def run_rank(backend: str, rank: int, world: int, rendezvous: str, errors, body) -> None:

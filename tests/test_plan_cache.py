@@ -10,6 +10,7 @@ load. Tolerance: bitwise (the eager executor, fp32 on the CPU: the same plan run
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ import models
 import pytest
 import torch
 from cost_models import H100_LIKE
-from spawn import spawn_gloo
+from spawn import FEWER_COLLECTIONS, spawn_gloo
 
 import protrain_fx
 from protrain_fx.backend import cache as cache_module
@@ -86,6 +87,7 @@ def _child(args: dict) -> None:
 
     from protrain_fx.planner.plan import decisions
 
+    gc.set_threshold(*FEWER_COLLECTIONS)  # (a process of its own)
     counts = {"profiles": 0, "searches": 0}
     _counted(counts)
     planning_module.hardware_profile = lambda device: H100_LIKE
