@@ -87,8 +87,8 @@ def _hardware_cache(tmp_path_factory):
 def _fewer_collections():
     """The collector runs less often for the session, then as before: tracing and compiling make objects by the
     million, and with Python's default thresholds a full collection, over every object the imported torch,
-    transformers and sympy hold, ran every few hundred thousand of them (a seventh of a test's time). Objects still
-    go once they are no longer referenced, cycles at the next collection; tests that need one run it."""
+    transformers and sympy hold, ran every few hundred thousand of them. Objects still go once they are no longer
+    referenced, cycles at the next collection; tests that need one run it."""
     thresholds = gc.get_threshold()
     gc.set_threshold(*FEWER_COLLECTIONS)
     yield
