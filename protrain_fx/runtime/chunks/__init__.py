@@ -194,6 +194,12 @@ class ChunkManager(
         assert self.pending_plan is None or n_persist == 0, "a pending manager offloads every chunk"
         self._build(grad_slots, device_grad_slots)
         self._adopt(source or (lambda p: p.detach()))
+        self._attach(model)
+        self.handle = ops.register(self)
+
+    def _attach(self, model: nn.Module | None) -> None:
+        """Mark the chunked parameters as this manager's and the model's frozen ones as left out, and hook the
+        model's state dict and Python calls (runtime/model_hooks.py)."""
         for p in self.params:
             p.__dict__[MANAGER_ATTR] = self
             param_class.adopt(p)  # (Python's calls on an offloaded one read its values, not freed memory)
@@ -205,7 +211,6 @@ class ChunkManager(
             hook = model.register_state_dict_post_hook(functools.partial(_full_values_into_state_dict, self))
             deep_copy.note_hooks(model, hook)
             model_hooks.install(self, model)
-        self.handle = ops.register(self)
 
     def gather(self, chunk: int) -> torch.Tensor:
         """Offloaded `chunk`'s parameters, whole, in a device buffer (the graphs' `gather` op; gather.py)."""
