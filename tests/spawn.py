@@ -35,8 +35,14 @@ PRELOAD = [
 ]
 
 
-# the collector's thresholds in the test processes (conftest.py `_fewer_collections`) and in each rank
+# the collector's thresholds in the test processes (conftest.py `_fewer_collections`) and in those they start
 FEWER_COLLECTIONS = (50_000, 20, 100)
+
+
+def collect_less() -> None:
+    """In a process the tests started (a rank, `in_a_process`, a relaunch): the collector's FEWER_COLLECTIONS,
+    for the rest of that process."""
+    gc.set_threshold(*FEWER_COLLECTIONS)
 
 
 def join(backend: str, rank: int, world: int, rendezvous: str) -> None:
@@ -83,7 +89,7 @@ def in_a_process(target, *args, timeout: float = 600) -> int | None:
 
 
 def _with_fewer_collections(target, *args) -> None:
-    gc.set_threshold(*FEWER_COLLECTIONS)  # (a process of its own)
+    collect_less()
     target(*args)
 
 
@@ -91,7 +97,7 @@ def run_rank(backend: str, rank: int, world: int, rendezvous: str, errors, body)
     """Run `body()` as one rank of a `backend` process group (NCCL: on GPU `rank`); an error (with its notes) goes to
     the parent, which fails the test, and leaves the group up: tearing it down waits for the other ranks'
     collectives, which on NCCL hangs."""
-    gc.set_threshold(*FEWER_COLLECTIONS)  # (a process of its own)
+    collect_less()
     if backend == "nccl":
         torch.cuda.set_device(rank)
     join(backend, rank, world, rendezvous)

@@ -10,7 +10,6 @@ load. Tolerance: bitwise (the eager executor, fp32 on the CPU: the same plan run
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import logging
@@ -23,7 +22,7 @@ import models
 import pytest
 import torch
 from cost_models import H100_LIKE
-from spawn import FEWER_COLLECTIONS, spawn_gloo
+from spawn import collect_less, spawn_gloo
 
 import protrain_fx
 from protrain_fx.backend import cache as cache_module
@@ -87,7 +86,7 @@ def _child(args: dict) -> None:
 
     from protrain_fx.planner.plan import decisions
 
-    gc.set_threshold(*FEWER_COLLECTIONS)  # (a process of its own)
+    collect_less()
     counts = {"profiles": 0, "searches": 0}
     _counted(counts)
     planning_module.hardware_profile = lambda device: H100_LIKE
