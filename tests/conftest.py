@@ -93,3 +93,19 @@ def _fewer_collections():
     gc.set_threshold(*FEWER_COLLECTIONS)
     yield
     gc.set_threshold(*thresholds)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _scalar_cpu_kernels():
+    """Inductor's CPU kernels are built without SIMD for the session (spawned ranks included), unless
+    $TORCHINDUCTOR_VEC_ISA_OK says otherwise: the tests check protrain's graphs, not inductor's vectoriser, and a
+    scalar kernel compiles in a fraction of a vectorised one's time, most of the suite's compiling on a CPU.
+    Both sides of every comparison (protrain against plain `torch.compile`) are built alike."""
+    if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
+        yield
+        return
+    from torch._inductor import config as inductor_config
+
+    with pytest.MonkeyPatch.context() as patch, inductor_config.patch({"cpp.vec_isa_ok": False}):
+        patch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")  # (the started processes read it when they import inductor)
+        yield

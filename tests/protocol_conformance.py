@@ -10,6 +10,7 @@ from protrain_fx.debug.dump import Dumper
 from protrain_fx.passes.contract import ChunkManagerLike, DumperLike, GraphRecordLike, StepMonitorLike, SwapSpaceLike
 from protrain_fx.runtime.chunks import ChunkManager
 from protrain_fx.runtime.chunks.gather import ChunkSource
+from protrain_fx.runtime.chunks.outside import ChunkValues
 from protrain_fx.runtime.monitor import StepMonitor
 from protrain_fx.runtime.swap import SwapSpace
 
@@ -19,6 +20,10 @@ def chunk_manager(manager: ChunkManager) -> ChunkManagerLike:
 
 
 def chunk_source(manager: ChunkManager) -> ChunkSource:  # (what the manager's Gatherer reads of it)
+    return manager
+
+
+def chunk_values(manager: ChunkManager) -> ChunkValues:  # (what the manager's Outside reads of it)
     return manager
 
 

@@ -79,7 +79,7 @@ def test_blocks_with_a_graph_break_inside_are_each_compiled():
     # (two graphs a block: before and after its graph break)
     assert len([g for g in backend.graphs if g.block_map and g.block_map.blocks_in_graph]) == 2 * layers
     manager = protrain_fx.manager_of(model)
-    assert manager.read_by_no_graph([manager.index[id(model.pos)]]) and not manager.is_persistent(model.pos)
+    assert manager.outside.read_by_no_graph([manager.index[id(model.pos)]]) and not manager.is_persistent(model.pos)
 
 
 @pytest.mark.parametrize(

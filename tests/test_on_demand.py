@@ -18,6 +18,7 @@ from protrain_fx.backend import stages as stages_module
 from protrain_fx.profiler.memory import CpuMemoryTracker
 from protrain_fx.profiler.on_demand import OnDemand, storage_key
 from protrain_fx.profiler.timed import TimedGraph
+from protrain_fx.runtime.chunks.outside import Outside
 
 MEMORY_FIELDS = ("intra_delta_bytes", "inter_delta_bytes", "output_bytes", "saved_bytes", "saved_for_backward")
 
@@ -186,7 +187,7 @@ def test_profiling_leaves_the_fp32_masters_of_a_bf16_model_as_they_were():
     protrain_fx.prepare(model, plan={"n_persist": 0, "n_buffer": 1}, device="cpu")
     manager = protrain_fx.manager_of(model)
     for p in manager.params:  # masters that bf16 cannot hold
-        manager.load_param(manager.index[id(p)], torch.full(p.shape, 1 / 3))
+        manager.outside.load_param(manager.index[id(p)], torch.full(p.shape, 1 / 3))
     masters = [manager.master_shard(c).clone() for c in range(manager.layout.n_chunk)]
     assert masters[0].dtype == torch.float32 and not torch.equal(masters[0], masters[0].bfloat16().float())
     _compiled(model, "toy")
@@ -214,10 +215,8 @@ def test_each_graph_run_reads_a_chunk_from_the_host_once(monkeypatch):
     model = protrain_fx.prepare(models.build("llama", layers=4), device="cpu")
     manager = protrain_fx.manager_of(model)
     reads, runs = [], []
-    full_values, graph_run, replay = type(manager).full_values, OnDemand.graph_run, OnDemand.replay
-    monkeypatch.setattr(
-        type(manager), "full_values", lambda self, chunk: reads.append(chunk) or full_values(self, chunk)
-    )
+    full_values, graph_run, replay = Outside.full_values, OnDemand.graph_run, OnDemand.replay
+    monkeypatch.setattr(Outside, "full_values", lambda self, chunk: reads.append(chunk) or full_values(self, chunk))
     monkeypatch.setattr(OnDemand, "graph_run", lambda self, gm, **kw: runs.append(gm) or graph_run(self, gm, **kw))
     monkeypatch.setattr(OnDemand, "replay", lambda self, gm: runs.append(gm) or replay(self, gm))
     _compiled(model, "llama")

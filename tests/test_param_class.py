@@ -50,22 +50,22 @@ def _reads_copies_and_foreach() -> None:
     with pytest.raises(ValueError, match="read-only"):
         array[0] = 0
     lent_at_once = []
-    lend = manager.lend
+    lend = manager.outside.lend
 
     def counting(indices, *, for_backward):
-        lent_at_once.append(len(manager._lent) + len(indices))
+        lent_at_once.append(len(manager.outside.lent) + len(indices))
         return lend(indices, for_backward=for_backward)
 
-    manager.lend = counting
+    manager.outside.lend = counting
     emas = [[p.detach().clone() for p in net.parameters()] for net in (ref, model)]
     with torch.no_grad():
         for ema, net in zip(emas, (ref, model)):
             torch._foreach_lerp_(ema, list(net.parameters()), 0.5)
     assert all(torch.equal(x, y) for x, y in zip(*emas)) and max(lent_at_once) == 1
-    assert not manager._lent and all(p.untyped_storage().nbytes() == 0 for _, p in pairs)
+    assert not manager.outside.lent and all(p.untyped_storage().nbytes() == 0 for _, p in pairs)
     (a, b), index = pairs[2], manager.index[id(pairs[2][1])]
     assert torch.equal((a * 2).detach(), (b * 2).detach())  # (recorded by autograd: lent until the step ends)
-    assert manager._lent == {index: True} and manager.slots[index].chunk in manager.eager_chunks
+    assert manager.outside.lent == {index: True} and manager.slots[index].chunk in manager.eager_chunks
 
 
 def test_reads_copies_and_foreach_calls_on_offloaded_parameters():

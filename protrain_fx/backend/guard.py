@@ -191,7 +191,7 @@ class Guarded:
     def _chunks_may_move(self, manager) -> bool:
         """Whether a re-plan may place the model's chunks again: this graph is the only compiled graph reading them,
         and ends in no graph break (the other graphs, and the Python after a break, read them where they are)."""
-        return manager is not None and not self.graph_break and manager.graphs_reading == {self.record.key}
+        return manager is not None and not self.graph_break and manager.outside.graphs_reading == {self.record.key}
 
     def _decided(self) -> None:
         """The loop's decision to the dump (replan.json) and to the plan cache (backend/cache.py), for the next run

@@ -40,7 +40,9 @@ class InferencePasses:
         pin_to_frame_modules(self.dynamo_gm, roots)
         record.param_map = build_param_map(self.dynamo_gm, self.example_inputs, gm, roots)
         check_params_managed(self.manager, record.param_map, self.example_inputs)
-        self.manager.note_read_by_graph((self.example_inputs[e.index] for e in record.param_map.values()), record.key)
+        self.manager.outside.note_read_by_graph(
+            (self.example_inputs[e.index] for e in record.param_map.values()), record.key
+        )
         plans = roots.model.__dict__.get(PLANS_ATTR) if roots.model is not None else None
         record.plan = plans[-1][1] if plans else None  # (the training plan in force, for plan_of and the dump)
         dumper = Dumper(self.config.dump_dir) if self.config.dump_dir else None

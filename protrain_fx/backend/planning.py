@@ -90,7 +90,7 @@ def plan(c: GraphCompile, roots: FrameRoots, manager, graphs: tuple[fx.GraphModu
     record.manager = weakref.ref(manager) if manager is not None else None
     if manager is not None and params:  # (the latest plan of the model's graphs decides)
         manager.edits.n_clip_overlap = record.plan.n_clip_overlap
-        manager.note_read_by_graph(params, record.key)
+        manager.outside.note_read_by_graph(params, record.key)
     if roots.model is not None and params and not c.explain:
         _warn_if_reshaped(roots.model, record, c.example_inputs)
         entry = (len(params), record.plan, record.shapes, record.from_cache)

@@ -106,7 +106,7 @@ class OnDemand:
                 if read:
                     while len(self._chunk_values) >= HELD_CHUNKS:
                         self._chunk_values.popitem(last=False)  # (before the next chunk's copy is made)
-                    values = self.manager.full_values(slot.chunk)
+                    values = self.manager.outside.full_values(slot.chunk)
                     # pinned, so that each parameter's copy queues behind the GPU's work instead of waiting for it
                     self._chunk_values[slot.chunk] = values.pin_memory() if t.is_cuda else values
                 self._chunk_values.move_to_end(slot.chunk)

@@ -52,7 +52,7 @@ def deep_copy(manager_ref: weakref.ref, module_ref: weakref.ref, memo: dict[int,
         with torch.no_grad():
             for p in module.parameters():
                 if id(p) not in memo and manager.holds(p):
-                    values = manager.param_values(manager.index[id(p)])
+                    values = manager.outside.param_values(manager.index[id(p)])
                     memo[id(p)] = nn.Parameter(values.clone(), requires_grad=p.requires_grad)
     set_aside = {m: (_protrain_state(m), _hooks(m)) for m in module.modules()}
     try:

@@ -7,7 +7,7 @@ are chunked:
 
 - **forward outside the compiled graphs** (the uncompiled model, `generate()`, an eager region such as a
   function under `torch.compiler.disable`): a forward pre-hook gives the module's offloaded parameters their
-  current values for the call (`ChunkManager.lend`), and the forward hook takes them back after it, or, where
+  current values for the call (`Outside.lend`), and the forward hook takes them back after it, or, where
   autograd may read them in the backward, once the step is over. A compiled model's own hooks run in Python
   before Dynamo compiles its forward: they lend nothing where that frame will be compiled, but the parameters
   no graph read in the first step (`read_by_no_graph`: Dynamo gave up compiling the frame that reads them).
@@ -106,8 +106,8 @@ def _lend(ref: weakref.ref, indices: list[int], *, unread_only: bool) -> None:
     called from a loop) and runs it as Python."""
     manager = ref()
     if manager is not None:
-        lent = manager.read_by_no_graph(indices) if unread_only else indices
-        manager.lend(lent, for_backward=torch.is_grad_enabled())
+        lent = manager.outside.read_by_no_graph(indices) if unread_only else indices
+        manager.outside.lend(lent, for_backward=torch.is_grad_enabled())
 
 
 @_run_in_python
@@ -120,7 +120,7 @@ def _after_forward(ref: weakref.ref, indices: list[int], module: nn.Module, args
 def _take_back(ref: weakref.ref, indices: list[int]) -> None:
     manager = ref()
     if manager is not None:
-        manager.take_back(indices)
+        manager.outside.take_back(indices)
 
 
 _LOADED = "_protrain_loaded_keys"  # in load_state_dict's local metadata: the keys written into chunks
@@ -151,7 +151,7 @@ def _load_into_chunks(
                 f"load_state_dict(assign=True) would replace {key!r}, which lives in protrain chunks; load without "
                 "assign (the values are copied into the chunks)"
             )
-        manager.load_param(index, value)
+        manager.outside.load_param(index, value)
         del state_dict[key]
         module.__dict__.setdefault(_LOADED, set()).add(key)
 

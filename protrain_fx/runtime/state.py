@@ -46,7 +46,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     model = user_model(model, "full_state_dict()")
     manager = model_manager(model)
-    values = {id(p): v for p, v in manager.full_params()} if manager is not None else {}
+    values = {id(p): v for p, v in manager.outside.full_params()} if manager is not None else {}
     entries = model.state_dict(keep_vars=True)
     return {name: values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True) for name, t in entries.items()}
 

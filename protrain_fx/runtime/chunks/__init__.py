@@ -55,7 +55,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `step_state.py` | `StepState` (`manager.step_state`, a part of its own): the step's phase and the updates it started |
 | `edits.py` | `Edits` (`manager.edits`, a part of its own): changes between backward() and step(); updates wait |
 | `user_grads.py` | `param.grad` of a chunked parameter (runtime/grads.py), `zero_grad` |
-| `outside.py` | the model used outside the compiled graphs: values read, written, lent |
+| `outside.py` | `Outside` (`manager.outside`, a part of its own): the model used outside the compiled graphs: values read, written, lent |
 | `param_class.py` | `ChunkedParameter`, the chunked parameters' class: Python's calls on an offloaded one run on its values |
 
 This module holds `ChunkManager` itself (its construction).
@@ -91,7 +91,7 @@ from protrain_fx.runtime.chunks.common import (
     unfrozen_param_error,
 )
 from protrain_fx.runtime.chunks.edits import Edits
-from protrain_fx.runtime.chunks.outside import OutsideMixin
+from protrain_fx.runtime.chunks.outside import Outside
 from protrain_fx.runtime.chunks.placement import PlacementMixin
 from protrain_fx.runtime.chunks.reduce import ReduceMixin
 from protrain_fx.runtime.chunks.storage import StorageMixin
@@ -120,7 +120,6 @@ class ChunkManager(
     ReduceMixin,
     UpdatesMixin,
     GradAccessMixin,
-    OutsideMixin,
 ):
     """See the module docstring. One per model; shared by all its compiled graphs."""
 
@@ -182,7 +181,7 @@ class ChunkManager(
         self._chunk_params: dict[int, list[int]] = collections.defaultdict(list)  # chunk -> its parameters
         for i, slot in enumerate(layout.slots):
             self._chunk_params[slot.chunk].append(i)
-        self._init_outside()
+        self.outside = Outside(self)
         self._init_updates()
         self._init_reduce()
         self._init_storage()
@@ -206,7 +205,7 @@ class ChunkManager(
         for p in model.parameters() if model is not None else ():
             if not self.holds(p) and not p.requires_grad:
                 p.__dict__[FROZEN_OUT_ATTR] = True
-        self._param_versions = self._persistent_versions()
+        self.outside.note_versions()
         if model is not None:
             hook = model.register_state_dict_post_hook(functools.partial(_full_values_into_state_dict, self))
             deep_copy.note_hooks(model, hook)
@@ -284,6 +283,6 @@ def _full_values_into_state_dict(
             if isinstance(state_dict[name], nn.Parameter):
                 return
             names.setdefault(id(p), []).append(name)
-    for p, values in manager.full_params():
+    for p, values in manager.outside.full_params():
         for name in names.get(id(p), ()):
             state_dict[name] = values

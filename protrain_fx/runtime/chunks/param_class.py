@@ -5,14 +5,14 @@ PyTorch's answers instead of reading freed memory.
 A torch call made outside compiled code on an offloaded parameter, or on a tensor sharing its storage (`p.detach()`,
 `p.data`, `p[0]`: a `ChunkedView`), runs on the parameter's current values:
 
-    manager.lend([i])        its storage holds its values (a collective where its chunk is sharded, as a read of a
-                             sharded `.grad` is)
+    outside.lend([i])         its storage holds its values (a collective where its chunk is sharded, as a read of
+                              a sharded `.grad` is); `outside`: the manager's part, runtime/chunks/outside.py
     out = func(...)
-    manager.load_param(i, p) where the call wrote into it (a version moved): its chunk takes the values
-    manager.take_back([i])   its storage is emptied again; where autograd recorded the call (grad mode), it stays
-                             lent until the step ends, as for a forward Python runs, and its chunk's updates wait
-                             for the step (autograd may give it a gradient)
-    out                      a tensor sharing its storage is a ChunkedView, whose calls lend it again
+    outside.load_param(i, p)  where the call wrote into it (a version moved): its chunk takes the values
+    outside.take_back([i])    its storage is emptied again; where autograd recorded the call (grad mode), it stays
+                              lent until the step ends, as for a forward Python runs, and its chunk's updates wait
+                              for the step (autograd may give it a gradient)
+    out                       a tensor sharing its storage is a ChunkedView, whose calls lend it again
 
 A foreach call (`torch._foreach_lerp_` over a model's parameters: EMAs, `AveragedModel`) runs position by position, so
 that one parameter is lent at a time. `p.data = t` gives the parameter `t`'s values, which its chunk takes, as a write
@@ -35,6 +35,7 @@ frame's guards; a frame compiled earlier that reads the parameters (an inference
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from typing import Any
 
@@ -103,7 +104,7 @@ _SET_DATA = torch.Tensor.data.__set__  # `p.data = t`, as `__torch_function__` s
 _SET_GRAD = torch.Tensor.grad.__set__  # `p.grad = t`
 
 
-def as_plain() -> torch._C.DisableTorchFunctionSubclass:
+def as_plain() -> contextlib.AbstractContextManager[None]:
     """The runtime's own calls on chunked parameters (its optimizer, its gradient reductions, its copies in and out
     of the chunks): subclass dispatch off, so that they run as on plain parameters, not through `_torch_function`."""
     return torch._C.DisableTorchFunctionSubclass()
@@ -307,7 +308,7 @@ def _call_lent(func, args: tuple, kwargs: dict, found: dict) -> Any:
     for manager, lent, _ in seen.values():
         if lent:
             log.debug("parameters %s lent to a Python call of %s", [manager.slots[i].name for i in lent], func)
-            manager.lend(lent, for_backward=False)
+            manager.outside.lend(lent, for_backward=False)
     if name in _COPIED:  # (what it gives shares memory beyond torch's views: a copy's, read-only)
         args = (args[0].clone(), *args[1:])
     try:
@@ -315,7 +316,7 @@ def _call_lent(func, args: tuple, kwargs: dict, found: dict) -> Any:
         for p, _, ts in found.values():
             if any(t._version != versions[id(t)] for t in ts):  # (written into: its chunk takes the values)
                 manager = p.__dict__[MANAGER_ATTR]
-                manager.load_param(manager.index[id(p)], p)
+                manager.outside.load_param(manager.index[id(p)], p)
         if name in ("numpy", "__array__"):
             out.flags.writeable = False
         if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(out)):
@@ -324,7 +325,7 @@ def _call_lent(func, args: tuple, kwargs: dict, found: dict) -> Any:
         return _views_kept(out, [p for p, _, _ in found.values()])
     finally:
         for manager, lent, _ in seen.values():
-            manager.take_back(lent)
+            manager.outside.take_back(lent)
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -335,7 +336,7 @@ def _read_by_autograd(manager, indices: list[int], func) -> None:
     """A call under grad mode recorded these parameters for autograd, which may give them a gradient outside the
     graphs: the offloaded ones stay lent until the step ends, and their chunks' updates wait for the step."""
     waiting = set(manager.eager_chunks)
-    manager.lend(indices, for_backward=True)
+    manager.outside.lend(indices, for_backward=True)
     if manager.eager_chunks - waiting:
         log.info(
             "chunks %s update in optimizer.step() from now on, not during the backward: a Python call of %s under "

@@ -38,7 +38,7 @@ class PlacementMixin:
         """Move every parameter's values into its chunk; offloaded parameters keep their shape (on the chunks'
         device), not their storage. Values loaded into a parameter before its chunks were built
         (`protrain_fx.load_state_dict`) come with their fp32 master (LOADED_MASTER_ATTR), which is taken."""
-        lo, hi = self._shard_bounds()
+        lo, hi = self.shard_bounds()
         with torch.no_grad():
             pairs = zip(self.params, self.slots)
             for p, slot in progress(pairs, total=len(self.params), desc="parameters into chunks", unit="param"):
@@ -86,7 +86,7 @@ class PlacementMixin:
                 for i in self._chunk_params[c]:
                     a, b = self._slot_range(self.slots[i])
                     set_storage(self.params[i], self.flat[c][a:b].view(self.params[i].shape))
-        self._param_versions = self._persistent_versions()
+        self.outside.note_versions()
         log.info("chunks placed by the plan: %d of %d persistent, %d buffers", n_persist, n, self.n_buffer)
 
     @property
@@ -94,7 +94,7 @@ class PlacementMixin:
         """No step under way (where `place_again` may move chunks): no gradient held or in flight, no update of
         this step started (the last step's host updates may still run: `place_again` waits for them), no chunk in
         use by a graph, no parameter lent."""
-        busy = (self.has_grad, self._in_flight, self._unreduced, self.gathering.in_use, self._lent)
+        busy = (self.has_grad, self._in_flight, self._unreduced, self.gathering.in_use, self.outside.lent)
         return not any(busy) and not self.step_state.busy
 
     def place_again(self, n_persist: int, n_buffer: int, grad_slots: int | None, device_grad_slots: int | None) -> bool:
@@ -121,7 +121,7 @@ class PlacementMixin:
         if max(most_on_every_rank([0.0 if room else 1.0], self.device)):
             return False
         states = {c: self._chunk_states(c) for c in up + down}  # (a collective where sharded)
-        lo, hi = self._shard_bounds()
+        lo, hi = self.shard_bounds()
         with torch.no_grad():
             left = {c: self.master[c] for c in up}
             values = {c: self.gather_shards(self.master[c]) if self.is_sharded(c) else self.master[c] for c in up}
@@ -218,7 +218,7 @@ class PlacementMixin:
                 p = self.params[i]
                 set_storage(p, torch.empty(p.shape, dtype=self.dtype, device=self.device))
                 p.untyped_storage().resize_(0)
-        self._param_versions = self._persistent_versions()
+        self.outside.note_versions()
 
     @property
     def pending_host_bytes(self) -> int:

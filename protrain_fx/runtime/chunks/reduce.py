@@ -293,7 +293,7 @@ class ReduceMixin:
         all-reduce, then copy)."""
         if dist.get_backend() == "gloo":
             dist.all_reduce(flat)
-            lo, hi = self._shard_bounds()
+            lo, hi = self.shard_bounds()
             return shard.copy_(flat[lo:hi])
         dist.reduce_scatter_tensor(shard, flat)
         return shard

@@ -238,7 +238,7 @@ class StorageMixin:
             self,
             n_buffer=self.n_buffer,
             chunk_elems=self.layout.chunk_elems,
-            shard=self._shard_bounds(),
+            shard=self.shard_bounds(),
             dtype=self.dtype,
             landing_dtype=None if self.own_master or not offloaded else self.master_dtype,
             device=self.device,
@@ -253,14 +253,14 @@ class StorageMixin:
         """How many updates of `chunk` have been published (Gatherer's ChunkSource)."""
         return self._version.get(chunk, 0)
 
-    def _shard_bounds(self) -> tuple[int, int]:
+    def shard_bounds(self) -> tuple[int, int]:
         shard = self.layout.shard_elems
         return self.rank * shard, (self.rank + 1) * shard
 
     def check_params(self, indices: Sequence[int], inputs: Sequence[torch.Tensor]) -> None:
         """The parameters a compiled graph was called with must be the ones in the chunks. (And what was written
-        into persistent parameters from outside is taken into their masters, `_take_outside_writes`.)"""
-        self._take_outside_writes()
+        into persistent parameters from outside is taken into their masters, `Outside.take_writes`.)"""
+        self.outside.take_writes()
         for i, t in zip(indices, inputs):
             if t is not self.params[i]:
                 name = self.slots[i].name
@@ -281,7 +281,7 @@ class StorageMixin:
 
     def holds_no_values(self, p: nn.Parameter) -> bool:
         """Whether the parameter is offloaded and holds no values of its own now (none lent to Python: `lend`)."""
-        return self.holds(p) and not self.is_persistent(p) and self.index[id(p)] not in self._lent
+        return self.holds(p) and not self.is_persistent(p) and self.index[id(p)] not in self.outside.lent
 
     def is_persistent(self, p: nn.Parameter) -> bool:
         return self.slots[self.index[id(p)]].chunk < self.n_persist
@@ -295,7 +295,7 @@ class StorageMixin:
     def param_pieces(self, chunk: int) -> list[tuple[int, int, int, int]]:
         """(param index, start, end, first element of the parameter) of this rank's pieces of a chunk: `start`
         and `end` in piece coordinates (the whole chunk when persistent, else this rank's shard)."""
-        lo, hi = (0, self.layout.chunk_elems) if chunk < self.n_persist else self._shard_bounds()
+        lo, hi = (0, self.layout.chunk_elems) if chunk < self.n_persist else self.shard_bounds()
         pieces = []
         for i, slot in enumerate(self.slots):
             if slot.chunk != chunk:

@@ -283,7 +283,11 @@ class UpdatesMixin:
         self.device_grads.give_back(chunk, stream)
         self._join_at_end()
 
-    def _join_early_updates(self) -> None:
+    def update_in_step(self, chunk: int) -> None:
+        """`chunk` holds a parameter used outside the compiled graphs: it updates in `AdamW.step()` from now on."""
+        self.eager_chunks.add(chunk)
+
+    def join_early_updates(self) -> None:
         """The compute stream waits (on the device) for the persistent updates started during the backward."""
         if self._optim_stream is not None and self.step_state.early:
             torch.cuda.current_stream(self.device).wait_stream(self._optim_stream)
@@ -298,7 +302,7 @@ class UpdatesMixin:
 
         def join() -> None:
             self.step_state.join_queued = False
-            self._join_early_updates()
+            self.join_early_updates()
 
         torch.autograd.Variable._execution_engine.queue_callback(join)
 
@@ -330,7 +334,7 @@ class UpdatesMixin:
             chunks = {c for c in chunks if self.optimizer_of(c) is owner}
             self.step_state.optimizers_stepped.add(id(owner))
             self.hyper_at_backward.pop(id(owner), None)
-        self._join_early_updates()
+        self.join_early_updates()
         self.step_state.join_queued = False  # (a backward that raised ran no final callback)
         for chunk in sorted(
             self.step_state.early & chunks
@@ -351,7 +355,7 @@ class UpdatesMixin:
         } - self.step_state.optimizers_stepped
         if self.step_state.in_window and (owner is None or not waiting):
             self.found_inf.zero_()
-            self.take_back(all_of_them=True)  # (parameters lent to a forward outside the graphs: stale now)
+            self.outside.take_back(all_of_them=True)  # (parameters lent to a forward outside the graphs: stale now)
             self.step_state.close(had_grads=bool(self.has_grad))
             self.hyper_at_backward.clear()
 
@@ -359,7 +363,7 @@ class UpdatesMixin:
         """Block until the CPU optimizer step of `chunk` (of every chunk if None) is done; a persistent chunk's
         update during the backward is waited for on the device (the current stream waits for it)."""
         if chunk is None or chunk < self.n_persist:
-            self._join_early_updates()
+            self.join_early_updates()
         for c in [chunk] if chunk is not None else list(self._pending):
             future = self._pending.pop(c, None)
             if future is not None:

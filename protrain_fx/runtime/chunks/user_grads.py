@@ -41,7 +41,7 @@ class GradAccessMixin:
         grad = self.grad[slot.chunk]
         if not self.is_sharded(slot.chunk):
             return grad[a:b].view(self.params[i].shape)
-        lo, hi = self._shard_bounds()
+        lo, hi = self.shard_bounds()
         return grad[max(a, lo) - lo : max(min(b, hi), lo) - lo]
 
     def local_range(self, i: int) -> tuple[int, int]:
@@ -50,7 +50,7 @@ class GradAccessMixin:
         if not self.is_sharded(slot.chunk):
             return 0, slot.numel
         a, b = self._slot_range(slot)
-        lo, hi = self._shard_bounds()
+        lo, hi = self.shard_bounds()
         s, e = max(a, lo), min(b, hi)
         return (s - a, e - a) if s < e else (0, 0)
 
@@ -220,7 +220,7 @@ class GradAccessMixin:
                     self.slots[i].name,
                     chunk,
                 )
-                self.eager_chunks.add(chunk)
+                self.update_in_step(chunk)
             plain = self.param_grads.take_plain(i).to(self.master_dtype)
             if self.reduce_world > 1:
                 plain = self.all_reduce(plain.to(self.device), dist.ReduceOp.SUM, "the all-reduce of a gradient")
