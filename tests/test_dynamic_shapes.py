@@ -57,9 +57,9 @@ def train_both(kind: str, dynamic, options=None):
 
 @pytest.mark.parametrize(
     "kind, dynamic",
-    [("llama", None), ("llama", True), ("gpt_neox", True), ("qwen2", True), ("bart", True)],
-    ids=["llama-default", "llama", "gpt_neox", "qwen2", "bart"],
-)
+    [("llama", None), ("gpt_neox", True), ("qwen2", True), ("bart", True)],
+    ids=["llama-default", "gpt_neox", "qwen2", "bart"],
+)  # (LLaMA with dynamic=True: test_a_swapped_block_trains_like_eager_from_slots_sized_for_the_largest_shape)
 def test_every_shape_trains_like_eager_through_one_plan(kind, dynamic, monkeypatch):
     profiled = []
     profile = interpreter.profile_iteration
