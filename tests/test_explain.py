@@ -2,6 +2,7 @@
 runtime/monitor.py)."""
 
 import collections
+import copy
 import dataclasses
 import json
 import re
@@ -31,6 +32,28 @@ def test_explain_plans_without_training_or_moving_anything():
     assert "runner-up 3" in table and "predicted_step_s" in table and "ms" in table
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(k.startswith("_protrain") for k in model.__dict__)  # no chunks, no plan in force
+
+
+def test_explain_under_inductor_generates_no_kernels_and_plans_as_training_does(monkeypatch):
+    """To explain, inductor decomposes the graph and our partitioner profiles and plans it as in training, but no
+    kernels are generated for the one forward explain runs (`compile_fx_inner` is training's alone): the plan is
+    training's (on the CPU every chunk persistent, the predicted peak that of the same graph)."""
+    from torch._inductor import compile_fx
+
+    model = models.build("llama", layers=2)
+    trained = copy.deepcopy(model)
+    inner, compiled_graphs = compile_fx.compile_fx_inner, []
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", lambda *a, **k: compiled_graphs.append(1) or inner(*a, **k))
+    explained = protrain_fx.explain(model, models.batch("llama"))
+    assert not compiled_graphs
+    protrain_fx.optim.AdamW(trained.parameters(), lr=1e-3)
+    torch._dynamo.reset()
+    compiled = torch.compile(trained, backend="protrain", dynamic=False)
+    compiled(**models.batch("llama")).loss.backward()
+    assert compiled_graphs  # (training's graphs are inductor's kernels)
+    plan = protrain_fx.plan_of(compiled)
+    fields = ("n_chunk", "n_block", "n_persist", "block_modes", "predicted_peak_bytes")
+    assert {f: getattr(explained, f) for f in fields} == {f: getattr(plan, f) for f in fields}
 
 
 def test_explain_takes_positional_batches_and_says_what_is_wrong():

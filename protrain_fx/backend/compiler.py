@@ -88,7 +88,7 @@ class ProTrainBackend:
                 # which come rewritten (the plan and those objects' handles in them): a relaunch that rewrites
                 # them alike skips inductor's code generation (Partitioner.__reduce__ gives the rest of the key)
                 patches = {"custom_partitioner_fn": partitioner}
-                inner = functools.partial(_inductor_inner_compile, inference, guard, record.index)
+                inner = functools.partial(_inductor_inner_compile, inference, guard, record.index, self.explain)
                 with functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
                     compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
                 if compiling.partitioned is not None:  # (a training graph: its partitioner ran)
@@ -116,13 +116,16 @@ def _offloaded_manager(example_inputs: Sequence[Any]):
 
 
 def _inductor_inner_compile(
-    inference: InferencePasses | None, guard, index: int, gm: fx.GraphModule, example_inputs, **kwargs
+    inference: InferencePasses | None, guard, index: int, explain: bool, gm: fx.GraphModule, example_inputs, **kwargs
 ):
     """Inductor's per-graph compile, with the inference graph rewritten first (training graphs come rewritten
     by the partitioner) and the backward under the graph's out-of-memory guard (its compile's time logged: it
-    runs at the first backward)."""
+    runs at the first backward). To explain, the graphs inductor decomposed and our partitioner planned run as
+    they are: no kernels are generated for the one forward that planning needs."""
     from torch._inductor.compile_fx import compile_fx_inner
 
+    if explain:
+        return make_boxed_func(gm)
     if kwargs.get("is_inference") and inference is not None:
         gm = inference(gm)
     start = time.perf_counter()
