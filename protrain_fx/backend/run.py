@@ -21,7 +21,8 @@ from protrain_fx.runtime.chunks import MANAGER_ATTR
 def lent_at_break(dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[object, list[int]] | None:
     """A graph that ends in a graph break inside modules (capture.open_modules): Python runs the rest of their
     forward, maybe outside any compiled graph (a loop over data-dependent values), so once the graph has run, their
-    offloaded parameters get their values (`Outside.lend_to_python`, runtime/chunks/outside.py). Their manager and indices, or None."""
+    offloaded parameters get their values (`Outside.lend_to_python`, runtime/chunks/outside.py). Their manager and
+    indices, or None."""
     reason = getattr(dynamo_gm, "compile_subgraph_reason", None)
     if reason is None or not reason.graph_break:
         return None

@@ -55,7 +55,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `step_state.py` | `StepState` (`manager.step_state`, a part of its own): the step's phase and the updates it started |
 | `edits.py` | `Edits` (`manager.edits`, a part of its own): changes between backward() and step(); updates wait |
 | `user_grads.py` | `param.grad` of a chunked parameter (runtime/grads.py), `zero_grad` |
-| `outside.py` | `Outside` (`manager.outside`, a part of its own): the model used outside the compiled graphs: values read, written, lent |
+| `outside.py` | `Outside` (`manager.outside`, a part of its own): the model used outside the graphs: values read, lent |
 | `param_class.py` | `ChunkedParameter`, the chunked parameters' class: Python's calls on an offloaded one run on its values |
 
 This module holds `ChunkManager` itself (its construction).
