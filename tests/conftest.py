@@ -9,7 +9,7 @@ import torch
 from protrain_fx.host_queue import host_threads
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spawn import FEWER_COLLECTIONS  # noqa: E402
+from spawn import collect_less  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -90,7 +90,7 @@ def _fewer_collections():
     transformers and sympy hold, ran every few hundred thousand of them. Objects still go once they are no longer
     referenced, cycles at the next collection; tests that need one run it."""
     thresholds = gc.get_threshold()
-    gc.set_threshold(*FEWER_COLLECTIONS)
+    collect_less()
     yield
     gc.set_threshold(*thresholds)
 
@@ -99,7 +99,7 @@ def _fewer_collections():
 def _scalar_cpu_kernels():
     """Inductor's CPU kernels are built without SIMD for the session (spawned ranks included), unless
     $TORCHINDUCTOR_VEC_ISA_OK says otherwise: the tests check protrain's graphs, not inductor's vectoriser, and a
-    scalar kernel compiles in a fraction of a vectorised one's time, most of the suite's compiling on a CPU.
+    scalar kernel is quicker for g++ to build, which is much of an inductor test's time on a CPU.
     Both sides of every comparison (protrain against plain `torch.compile`) are built alike."""
     if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
         yield

@@ -41,9 +41,8 @@ class ChunkValues(Protocol):
     device: torch.device
     dtype: torch.dtype
     own_master: bool  # the parameters are their own master (persistent ones change with it)
-    master: dict[
-        int, torch.Tensor
-    ]  # chunk -> its master (persistent: whole, on the device; offloaded: this rank's shard)
+    # chunk -> its master (persistent: whole, on the device; offloaded: this rank's shard)
+    master: dict[int, torch.Tensor]
     flat: dict[int, torch.Tensor]  # persistent chunk -> its compute-dtype parameters, flat
     step_state: StepState
 
