@@ -154,7 +154,10 @@ def _ranks_accumulate(rank: int, world: int) -> None:
 
     def no_reduction(manager):  # each rank adds up its own gradient of the persistent chunks
         _nothing_stepped(manager)
-        assert not calls and manager._unreduced == set(range(manager.n_persist)), (calls, manager._unreduced)
+        assert not calls and manager.step_grads.unreduced == set(range(manager.n_persist)), (
+            calls,
+            manager.step_grads.unreduced,
+        )
 
     def reduced_once():
         assert len(calls) == protrain_fx.manager_of(model).n_persist, calls  # one all-reduce per chunk

@@ -148,7 +148,7 @@ def test_a_failed_first_compile_leaves_the_prepared_chunks_waiting(monkeypatch):
     with pytest.raises(Exception, match="raised by the test"):
         failed(**models.batch("llama"))
     manager = protrain_fx.manager_of(model)
-    assert manager.pending_plan == {} and manager.n_persist == 0 and not manager.has_grad
+    assert manager.pending_plan == {} and manager.n_persist == 0 and manager.step_grads.idle()
     monkeypatch.setattr(stages_module, "profile_iteration", real)
     torch._dynamo.reset()
     _compare(ref, model, "llama")

@@ -55,7 +55,7 @@ def clip_grad_norm_(
                 )
         manager.clip_norm_type = norm_type
         manager.edits.expect_edits("clip_grad_norm_")
-    known = manager.arrival_norms(norm_type) if manager is not None else {}
+    known = manager.step_grads.arrival_norms(norm_type) if manager is not None else {}
     pieces = _gradient_pieces(model, manager, without=set(known))
     pieces.local_norms = list(known.values())
     total = _total_norm(pieces, norm_type, manager) / scale  # a norm scales with its vector
@@ -67,7 +67,7 @@ def clip_grad_norm_(
     coef = max_norm / (total + 1e-6)
     clips = coef < 1
     if manager is not None and clips:
-        manager.refuse_edit("clip_grad_norm_ scaling the gradients", sorted(manager.has_grad))
+        manager.refuse_edit("clip_grad_norm_ scaling the gradients", sorted(manager.step_grads.chunks))
         manager.edits.edit_grads("clip_grad_norm_ scaling the gradients")
     if clips:
         pieces = _gradient_pieces(model, manager) if known else pieces
@@ -97,12 +97,12 @@ def _gradient_pieces(model: nn.Module, manager, without: set[int] = frozenset())
     managed = set()
     if manager is not None:
         manager.finish_reduction()  # every gradient reduced across ranks
-        for chunk in sorted(manager.has_grad - without):
+        for chunk in sorted(manager.step_grads.chunks - without):
             if chunk >= manager.n_persist:
                 manager.wait_for_update(chunk)  # its gradient copy to the host has landed
             target = pieces.once if chunk < manager.n_persist else pieces.local
             for i, start, end, _ in manager.param_pieces(chunk):
-                if i in manager.params_with_grad:
+                if i in manager.step_grads.params:
                     target.append(manager.grad[chunk][start:end])
         managed = {id(p) for p in manager.params}
     for p in model.parameters():

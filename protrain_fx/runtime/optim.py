@@ -224,7 +224,7 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         device; the fused kernel skips the update (and keeps `step`) when it is set by the time the update runs.
         `snapshot`: keep the master and states as they were, for `restore`."""
         hyper = self.hyperparameters() if hyper is None else hyper
-        with_grad = {i for i, _, _, _ in manager.param_pieces(chunk) if i in manager.params_with_grad}
+        with_grad = {i for i, _, _, _ in manager.param_pieces(chunk) if i in manager.step_grads.params}
 
         @torch.no_grad()
         def update() -> None:

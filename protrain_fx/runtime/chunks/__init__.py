@@ -54,6 +54,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `updates.py` | when each chunk's AdamW update runs: early, deferred, speculative; the end of a step |
 | `step_state.py` | `StepState` (`manager.step_state`, a part of its own): the step's phase and the updates it started |
 | `edits.py` | `Edits` (`manager.edits`, a part of its own): changes between backward() and step(); updates wait |
+| `step_grads.py` | `StepGrads` (`manager.step_grads`, a part of its own): the chunks and parameters holding a gradient of the step, the all-reduces in flight, the sums left to reduce, the arrival norms; written by reducing and the gradient access alike, through its methods |
 | `user_grads.py` | `param.grad` of a chunked parameter (runtime/grads.py), `zero_grad` |
 | `outside.py` | `Outside` (`manager.outside`, a part of its own): the model used outside the graphs: values read, lent |
 | `param_class.py` | `ChunkedParameter`, the chunked parameters' class: Python's calls on an offloaded one run on its values |
@@ -94,6 +95,7 @@ from protrain_fx.runtime.chunks.edits import Edits
 from protrain_fx.runtime.chunks.outside import Outside
 from protrain_fx.runtime.chunks.placement import PlacementMixin
 from protrain_fx.runtime.chunks.reduce import ReduceMixin
+from protrain_fx.runtime.chunks.step_grads import StepGrads
 from protrain_fx.runtime.chunks.storage import StorageMixin
 from protrain_fx.runtime.chunks.updates import UpdatesMixin
 from protrain_fx.runtime.chunks.user_grads import GradAccessMixin
@@ -182,6 +184,7 @@ class ChunkManager(
         for i, slot in enumerate(layout.slots):
             self._chunk_params[slot.chunk].append(i)
         self.outside = Outside(self)
+        self.step_grads = StepGrads()  # the step's gradients, shared by reducing and the gradient access
         self._init_updates()
         self._init_reduce()
         self._init_storage()

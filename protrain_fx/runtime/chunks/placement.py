@@ -63,7 +63,7 @@ class PlacementMixin:
         go to the device (a sharded one gathered from every rank: a collective), their host shards are freed; the
         others keep theirs, pinned now. The values are the masters' as they were, bitwise."""
         assert self.pending_plan is not None, "place() is for a manager built to wait for its plan"
-        assert not self.has_grad and not self._pending and not self.gathering.in_use, (
+        assert self.step_grads.idle() and not self._pending and not self.gathering.in_use, (
             "chunks placed after training started"
         )
         n = self.layout.n_chunk
@@ -94,8 +94,8 @@ class PlacementMixin:
         """No step under way (where `place_again` may move chunks): no gradient held or in flight, no update of
         this step started (the last step's host updates may still run: `place_again` waits for them), no chunk in
         use by a graph, no parameter lent."""
-        busy = (self.has_grad, self._in_flight, self._unreduced, self.gathering.in_use, self.outside.lent)
-        return not any(busy) and not self.step_state.busy
+        busy = (self.gathering.in_use, self.outside.lent)
+        return self.step_grads.idle() and not any(busy) and not self.step_state.busy
 
     def place_again(self, n_persist: int, n_buffer: int, grad_slots: int | None, device_grad_slots: int | None) -> bool:
         """Put a trained manager's chunks where a new plan says, between two steps (`between_steps`; every rank

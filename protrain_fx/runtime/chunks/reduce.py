@@ -17,8 +17,10 @@ State it owns:
 - `found_inf` (1 once a gradient of this step is not finite) and, as each update during the backward saw it,
   `_found_host` and `_found_early`;
 - the arrivals that say when a chunk's gradient is complete: `_sources`, `_grad_sources`, `_arrivals`,
-  `_runs_per_step`, `backwards_per_step`; `_unreduced` and `_in_flight` (persistent all-reduces); `_arrival_norms`
-  (clipping's norms, taken as the shards arrive).
+  `_runs_per_step`, `backwards_per_step`.
+
+Which chunks and parameters hold a gradient of this step, the all-reduces in flight, the sums left to reduce and the
+arrival norms it writes into `step_grads` (step_grads.py), which the gradient access shares.
 """
 
 from __future__ import annotations
@@ -51,13 +53,6 @@ class ReduceMixin:
         # backward passes per optimizer step, as the first step showed (gradient accumulation without no_sync):
         # a source first seen later is expected that many times a step
         self.backwards_per_step = 1
-        self._unreduced: set[int] = set()  # persistent chunks whose gradient is this rank's sum only (no_sync)
-        # persistent chunks' all-reduces in flight, landed in their gradient later (`_land_reductions`), so the
-        # backward computes on while the collective runs: (chunk, reduce buffer, work, add into the gradient)
-        self._in_flight: list[tuple[int, torch.Tensor, dist.Work, bool]] = []
-        # offloaded chunk -> the norm (clip_norm_type) of its gradient shard as it arrived, when the arrival is the
-        # whole gradient of the step: clipping reads these instead of waiting for the copies to the host
-        self._arrival_norms: dict[int, tuple[float, torch.Tensor | None]] = {}  # (None: it arrived in parts)
         self.clip_norm_type: float | None = None  # the norm type of the last clip_grad_norm_ call (arrival norms)
 
     def _build_reduce(self) -> None:
@@ -133,7 +128,7 @@ class ReduceMixin:
         if chunk < self.n_persist and self.reduce_world == 1:
             self._reduce_persistent_alone(chunk, params, grads, indices, accumulate)
             return
-        self.params_with_grad.update(indices)
+        self.step_grads.got(indices)
         self.param_grads.publish(indices)
         self._land_reductions()  # (at most one in flight: the reduce buffer it holds is the next to be taken)
         flat, slot = self.reduce_buffers.take()
@@ -162,8 +157,7 @@ class ReduceMixin:
         if owner is not None:
             self.hyper_at_backward[id(owner)] = owner.hyperparameters()
         self.step_state.gradient()
-        accumulate = chunk in self.has_grad  # the first gradient of a step overwrites: zero_grad never memsets
-        self.has_grad.add(chunk)
+        accumulate = self.step_grads.arrive(chunk)
         if self.sync_grads:  # (the arrivals of the step's last backward decide when a chunk is complete)
             self._arrivals.setdefault(chunk, collections.Counter())[source] += 1
         return accumulate, grads
@@ -188,11 +182,11 @@ class ReduceMixin:
         this step its slot holds a stale value, which is overwritten here or never read (the optimizer skips that
         parameter). Then the chunk's update may start (`_step_persistent_early`)."""
         grad = self._device_grad(chunk, accumulate)
-        seen = [self.index[id(p)] in self.params_with_grad for p in params]
+        seen = [self.index[id(p)] in self.step_grads.params for p in params]
         written = self._write_grads(grad, params, grads, seen)
         # the gradients as they came (compute dtype: fewer bytes read), or as added up (a sum may overflow)
         self._check_finite(written if any(seen) else grads)
-        self.params_with_grad.update(indices)
+        self.step_grads.got(indices)
         self.param_grads.publish(indices)
         self._step_persistent_early(chunk)
 
@@ -200,14 +194,13 @@ class ReduceMixin:
         """Several ranks: the reduce buffer `flat` is all-reduced without blocking (landed by `_land_reductions`);
         inside `no_sync` it is added to this rank's sum instead, reduced at the step's last backward."""
         if self.sync_grads:
-            if chunk in self._unreduced:  # reduce what this rank added up with this gradient, once
+            if self.step_grads.reduce_now(chunk):  # reduce what this rank added up with this gradient, once
                 flat.add_(self.grad[chunk])
-                self._unreduced.discard(chunk)
                 accumulate = False
             with across_ranks(f"the all-reduce of chunk {chunk}'s gradients"):
-                self._in_flight.append((chunk, flat, dist.all_reduce(flat, async_op=True), accumulate))
+                self.step_grads.start(chunk, flat, dist.all_reduce(flat, async_op=True), accumulate)
             return
-        self._unreduced.add(chunk)  # this rank's sum, reduced at the step's last backward
+        self.step_grads.reduce_later(chunk)  # this rank's sum, reduced at the step's last backward
         grad = self._device_grad(chunk, accumulate)
         grad.add_(flat) if accumulate else grad.copy_(flat)
 
@@ -225,7 +218,7 @@ class ReduceMixin:
         self._check_finite([shard])  # (a rank's shard holds every rank's contribution to its elements)
         if self.clip_norm_type is not None:  # (zeros where a parameter got no gradient: the flat buffer was zeroed)
             norm = None if accumulate else torch.linalg.vector_norm(shard, self.clip_norm_type)
-            self._arrival_norms[chunk] = (self.clip_norm_type, norm)
+            self.step_grads.note_norm(chunk, self.clip_norm_type, norm)
         self.wait_for_update(chunk)  # the previous gradient copy of this chunk is taken in
         copied, found = self._copy_to_host(chunk, shard, self._host_target(chunk, accumulate))
         update, speculative = self._update_on_arrival(chunk, found)
@@ -301,28 +294,32 @@ class ReduceMixin:
     def _land_reductions(self, *, discard: bool = False) -> None:
         """Put the persistent chunks' all-reduces in flight into their gradients: the compute stream waits for
         each (on the device; the CPU goes on). `discard`: wait only (the step's gradients are being dropped)."""
-        for chunk, flat, work, accumulate in self._in_flight:
+
+        def land(chunk: int, flat: torch.Tensor, work: dist.Work, accumulate: bool) -> None:
             with across_ranks(f"the all-reduce of chunk {chunk}'s gradients"):
                 work.wait()
             if discard:
-                continue
+                return
             flat /= self.reduce_world
             self._check_finite([flat])
             grad = self._device_grad(chunk, accumulate)
             grad.add_(flat) if accumulate else grad.copy_(flat)
             self._step_persistent_early(chunk)
-        self._in_flight.clear()
+
+        self.step_grads.land(land)
 
     def finish_reduction(self) -> None:
         """Before the gradients are read (an optimizer step, clipping): land the all-reduces in flight, and reduce
         the persistent gradients still holding this rank's sum (the step's last backward ran inside `no_sync`)."""
         self._land_reductions()
-        for chunk in sorted(self._unreduced):
+
+        def reduce(chunk: int) -> None:
             with across_ranks(f"the all-reduce of chunk {chunk}'s accumulated gradients"):
                 dist.all_reduce(self.grad[chunk])
             self.grad[chunk] /= self.reduce_world
             self._check_finite([self.grad[chunk]])
-        self._unreduced.clear()
+
+        self.step_grads.reduce_sums(reduce)
 
     def _taken_step_error(self, chunk: int) -> RuntimeError:
         """A backward adds to the gradient of a chunk given back by the step already taken (no zero_grad)."""
@@ -335,12 +332,3 @@ class ReduceMixin:
             "no room for one each), so their gradients do not outlive optimizer.step(); call "
             "optimizer.zero_grad() after each step"
         )
-
-    def arrival_norms(self, norm_type: float) -> dict[int, torch.Tensor]:
-        """Offloaded chunk -> the `norm_type` norm of this rank's shard of its gradient (a 0-dim tensor on the
-        device), for the chunks whose gradient of this step arrived whole."""
-        return {
-            chunk: norm
-            for chunk, (kind, norm) in self._arrival_norms.items()
-            if kind == norm_type and norm is not None and chunk in self.has_grad
-        }

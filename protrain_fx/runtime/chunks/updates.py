@@ -346,17 +346,18 @@ class UpdatesMixin:
             for s, n in counts:
                 self._runs_per_step[s] = max(n, self._runs_per_step.get(s, 0))
             self.backwards_per_step = max(1, min((n for _, n in counts), default=1))
-        for kept in (self._arrivals, self._arrival_norms, self._hyper_used):
+        for kept in (self._arrivals, self._hyper_used):
             for chunk in chunks & kept.keys():
                 del kept[chunk]
+        self.step_grads.forget_norms(chunks)
         self.step_state.ended(chunks)
         waiting = {
-            id(o) for c in self.has_grad if (o := self.optimizer_of(c)) is not None
+            id(o) for c in self.step_grads.chunks if (o := self.optimizer_of(c)) is not None
         } - self.step_state.optimizers_stepped
         if self.step_state.in_window and (owner is None or not waiting):
             self.found_inf.zero_()
             self.outside.take_back(all_of_them=True)  # (parameters lent to a forward outside the graphs: stale now)
-            self.step_state.close(had_grads=bool(self.has_grad))
+            self.step_state.close(had_grads=bool(self.step_grads.chunks))
             self.hyper_at_backward.clear()
 
     def wait_for_update(self, chunk: int | None = None) -> None:
@@ -374,7 +375,9 @@ class UpdatesMixin:
         reducing into them did not run its backward, or the optimizer was not known yet), of `owner` (an AdamW;
         None: of any): its `step()` steps them."""
         return sorted(
-            c for c in self.has_grad - self.step_state.started if owner is None or self.optimizer_of(c) is owner
+            c
+            for c in self.step_grads.chunks - self.step_state.started
+            if owner is None or self.optimizer_of(c) is owner
         )
 
     def updates_started(self, *, undoable: bool = True) -> list[int]:
@@ -428,11 +431,11 @@ class UpdatesMixin:
                 owner.step_as_at_backward()
         finally:
             self.step_state.keeping = False
-        for chunk in sorted(c for c in self.has_grad if id(self.optimizer_of(c)) in owners):
+        for chunk in sorted(c for c in self.step_grads.chunks if id(self.optimizer_of(c)) in owners):
             if set_to_none:
                 for i in self._chunk_params[chunk]:
                     self.params[i].grad = None
-            self._drop(chunk, [i for i in self._chunk_params[chunk] if i in self.params_with_grad])
+            self._drop(chunk, self.step_grads.with_grad(self._chunk_params[chunk]))
         self.zero_grad()
         return RuntimeError(
             f"{what} before optimizer.step() (skipping the step?): the update of chunk(s) {started} had already run "
@@ -453,7 +456,7 @@ class UpdatesMixin:
         if (
             self.step_state.in_window
             and id(owner) not in self.step_state.optimizers_stepped
-            and any(self.optimizer_of(c) is owner for c in self.has_grad)
+            and any(self.optimizer_of(c) is owner for c in self.step_grads.chunks)
         ):
             self.edits.note_edit(f"the optimizer's {key!r} set")
 

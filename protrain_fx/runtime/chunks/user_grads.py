@@ -8,8 +8,8 @@ started (runtime/chunks/edits.py). A `.grad` the user dropped or replaced takes 
 gradient (`_reconcile`); plain tensors in `.grad` (a use outside the compiled graphs) are added into the chunks at
 the step (`fold_plain_grads`).
 
-State it owns: `params_with_grad` (parameters that got a gradient this step), `has_grad` (chunks whose gradient holds
-this step's values) and `param_grads` (the `ChunkGrad`s of runtime/grads.py).
+State it owns: `param_grads` (the `ChunkGrad`s of runtime/grads.py). Which chunks and parameters hold a gradient of
+this step it reads and changes in `step_grads` (step_grads.py), which the reduce path shares.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ class GradAccessMixin:
     """`param.grad` of the chunked parameters (module docstring). Part of ChunkManager."""
 
     def _init_grad_access(self) -> None:
-        self.has_grad: set[int] = set()  # chunks whose gradient holds this step's values
-        self.params_with_grad: set[int] = set()  # parameters (indices) that got a gradient this step
         self.param_grads = ParamGrads(self)  # param.grad of the chunked parameters (runtime/grads.py)
 
     def _piece(self, i: int) -> torch.Tensor:
@@ -70,7 +68,7 @@ class GradAccessMixin:
         chunk = self.slots[i].chunk
         self.edits.note_read()
         self._settle_grads(chunk, i)
-        if i not in self.params_with_grad:
+        if i not in self.step_grads.params:
             return None
         if chunk not in self.grad:
             raise RuntimeError(
@@ -93,14 +91,14 @@ class GradAccessMixin:
         must not have started with it (a kept copy undoes it)."""
         chunk = self.slots[i].chunk
         self._settle_grads(chunk, i)
-        if not create and i not in self.params_with_grad:
+        if not create and i not in self.step_grads.params:
             self.edits.note_read()
             return None
         if torch._C._current_graph_task_id() == -1:  # (within a backward: autograd accumulating, not an edit)
             self.refuse_edit(f"{what} on the gradient of {self.slots[i].name!r}", [chunk])
         self.edits.check_not_started([chunk], f"{what} on the gradient of {self.slots[i].name!r}")
         self.edits.note_edit(what)
-        if i not in self.params_with_grad:
+        if i not in self.step_grads.params:
             self._new_grad(i)
         return self._piece(i)
 
@@ -108,7 +106,7 @@ class GradAccessMixin:
         """Parameter `i` has no gradient this step any more (`zero_()` of its `.grad`)."""
         chunk = self.slots[i].chunk
         self._settle_grads(chunk, i)
-        if i in self.params_with_grad:
+        if i in self.step_grads.params:
             if self.committed_updates([chunk]):
                 raise self.keep_started_step(
                     f"{what} on the gradient of {self.slots[i].name!r}", [chunk], set_to_none=False
@@ -127,7 +125,7 @@ class GradAccessMixin:
             return
         if value is not None:
             self.refuse_edit(f"a tensor set as the .grad of {self.slots[i].name!r}", [chunk])
-        if i in self.params_with_grad:
+        if i in self.step_grads.params:
             self.params[i].grad = None
             raise self.keep_started_step(f"the .grad of {self.slots[i].name!r} set to None", [chunk])
 
@@ -135,24 +133,24 @@ class GradAccessMixin:
         """Zeros for parameter `i`'s gradient in its chunk (the chunk's gradient taken, and zeroed, if it has none
         this step: later gradients add to it)."""
         chunk = self.slots[i].chunk
-        if chunk not in self.has_grad:
+        if chunk not in self.step_grads.chunks:
             grad = self._device_grad(chunk, False) if chunk < self.n_persist else self.host_grads.take(chunk)
             grad.zero_()
-            self.has_grad.add(chunk)
+            self.step_grads.arrive(chunk)
             self.step_state.gradient()
         else:
             self._piece(i).zero_()
-        self.params_with_grad.add(i)
+        self.step_grads.got([i])
         self.param_grads.publish([i])
 
     def _reconcile(self, chunk: int, indices: Sequence[int] | None = None) -> None:
         """Parameters of the chunk (those of `indices`, or all) whose `.grad` the user dropped (set to None, or
         replaced) since it took their gradient leave it: the optimizer skips them, as torch's skips a parameter
         without a gradient. (A `.grad` op settles its own parameter only: a clip loop would scan each chunk per op.)"""
-        if chunk not in self.has_grad or self.step_state.keeping:
+        if chunk not in self.step_grads.chunks or self.step_state.keeping:
             return
         candidates = self._chunk_params[chunk] if indices is None else indices
-        dropped = [i for i in candidates if i in self.params_with_grad and self.param_grads.cleared(i)]
+        dropped = [i for i in self.step_grads.with_grad(candidates) if self.param_grads.cleared(i)]
         if dropped:
             if self.committed_updates([chunk]):
                 raise self.keep_started_step(f"dropping the gradient of {self.slots[dropped[0]].name!r}", [chunk])
@@ -166,7 +164,7 @@ class GradAccessMixin:
             self._drop(chunk, dropped)
 
     def reconcile_all(self) -> None:
-        for chunk in sorted(self.has_grad):
+        for chunk in sorted(self.step_grads.chunks):
             self._reconcile(chunk)
 
     def _update_gives_back(self, chunk: int, dropped: Sequence[int]) -> bool:
@@ -174,23 +172,18 @@ class GradAccessMixin:
         its host shard back itself (or the shard is the chunk's own): then dropping it need not wait for the update,
         which the next forward's gather of the chunk waits for (`zero_grad` after `step()` would otherwise hold the
         loop until every host update of the step has run, and the next forward would not start beside them)."""
-        whole = len(dropped) == sum(1 for i in self._chunk_params[chunk] if i in self.params_with_grad)
+        whole = len(dropped) == len(self.step_grads.with_grad(self._chunk_params[chunk]))
         return whole and (not self.host_grads.shared or chunk in self.host_grads.giving)
 
     def _drop(self, chunk: int, indices: Sequence[int]) -> None:
         """The parameters' gradients leave the chunk; a chunk left without any forgets its gradient (a shared
         buffer or shard is given back), else their slices are zeroed, since later gradients add to the chunk's."""
-        self.params_with_grad.difference_update(indices)
-        if any(i in self.params_with_grad for i in self._chunk_params[chunk]):
+        self.step_grads.drop(indices)
+        if self.step_grads.with_grad(self._chunk_params[chunk]):
             for i in indices:
                 self._piece(i).zero_()
             return
-        self.has_grad.discard(chunk)
-        self._arrival_norms.pop(chunk, None)
-        self._unreduced.discard(chunk)
-        for entry in [e for e in self._in_flight if e[0] == chunk]:
-            entry[2].wait()
-            self._in_flight.remove(entry)
+        self.step_grads.forget(chunk)
         if chunk < self.n_persist:
             self.device_grads.give_back(chunk)
         elif chunk not in self.host_grads.giving:
@@ -226,7 +219,7 @@ class GradAccessMixin:
                 plain = self.all_reduce(plain.to(self.device), dist.ReduceOp.SUM, "the all-reduce of a gradient")
                 plain /= self.reduce_world
             self.edits.check_not_started([chunk], f"the gradient of {self.slots[i].name!r} from outside the graphs")
-            if i not in self.params_with_grad:
+            if i not in self.step_grads.params:
                 self._new_grad(i)
             piece = self._piece(i)
             lo, hi = self.local_range(i)
@@ -238,14 +231,14 @@ class GradAccessMixin:
         gradients, and the next one overwrites each chunk's gradient (no memset). Shared host gradient shards not
         given back by an update are given back now. Once no chunk holds a gradient, the step is over."""
         self.reconcile_all()
-        if not self.has_grad:
+        if not self.step_grads.chunks:
             self._land_reductions(discard=True)
-            self._unreduced.clear()
+            self.step_grads.drop_sums()
             self.end_step()
 
     def drop_all_grads(self) -> None:
         """Forget every gradient of the step, whatever `.grad` holds (a step lost to an out-of-memory error)."""
-        for i in sorted(self.params_with_grad):
+        for i in sorted(self.step_grads.params):
             self.params[i].grad = None
         self.zero_grad()
 
