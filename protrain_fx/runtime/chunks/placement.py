@@ -198,13 +198,12 @@ class PlacementMixin:
         shard, the reduce buffers and the persistent chunks' gradient buffers (so the device holds both plans'
         chunks at once, not their buffers too)."""
         self.gathering.drop()
-        self.reduce_buffers = None
+        self._drop_reduce_storage()
         owners = {id(o): o for c in range(self.layout.n_chunk) if (o := self.optimizer_of(c)) is not None}
         for owner in owners.values():  # (their inner optimizers' views of the gradient buffers keep them alive)
             owner.let_go_of_grads(self)
         self.grad = {}
         self.device_grads = None
-        self.staging = None
 
     def _repoint_params(self, up: list[int], down: list[int]) -> None:
         """The parameters of chunks now persistent view their flat chunk; those of chunks now offloaded hold no

@@ -13,7 +13,7 @@
 State it owns:
 - `reduce_buffers`, the part that holds the buffers gradients are reduced in, used in turn (reduce_buffers.py);
 - `_d2h_stream`: the CUDA stream of device-to-host gradient copies; `staging`: the host shard a second gradient of
-  one step lands in (made by `_build`, storage.py);
+  one step lands in (made when first needed, `_host_target`); both let go of at a placement (`_drop_reduce_storage`);
 - `found_inf` (1 once a gradient of this step is not finite) and, as each update during the backward saw it,
   `_found_host` and `_found_early`;
 - the arrivals that say when a chunk's gradient is complete: `_sources`, `_grad_sources`, `_arrivals`,
@@ -67,11 +67,17 @@ class ReduceMixin:
             dtype=self.master_dtype,
             device=self.device,
         )
+        self.staging: torch.Tensor | None = None  # host fp32 shard a second gradient of one step lands in (lazily)
         self._d2h_stream = torch.cuda.Stream(self.device) if cuda else None  # device-to-host gradient copies
         self.found_inf = torch.zeros(1, device=self.device)  # 1 once a gradient of this step is not finite
         # found_inf as each offloaded chunk's update started during the backward saw it: the update skips if set
         self._found_host = torch.zeros(self.layout.n_chunk, pin_memory=cuda)
         self._found_early = torch.zeros(self.n_persist, device=self.device)  # the same, of persistent chunks
+
+    def _drop_reduce_storage(self) -> None:
+        """Let go of the reduce buffers and the landing shard (a placement builds them again)."""
+        self.reduce_buffers = None
+        self.staging = None
 
     def grad_source(self, key: Any) -> int:
         """The id of a compiled frame (for the modules its locals are) whose backward reduces gradients, for its
@@ -155,7 +161,7 @@ class ReduceMixin:
         grads = self._with_plain_grads(indices, grads)
         owner = self.optimizer_of(chunk)
         if owner is not None:
-            self.hyper_at_backward[id(owner)] = owner.hyperparameters()
+            self.note_hyperparameters_at_backward(owner)
         self.step_state.gradient()
         accumulate = self.step_grads.arrive(chunk)
         if self.sync_grads:  # (the arrivals of the step's last backward decide when a chunk is complete)
@@ -268,6 +274,17 @@ class ReduceMixin:
             if pairs:
                 op(*map(list, zip(*pairs)))
         return views
+
+    def arrivals_stepped(self, chunks: set[int], *, first: bool) -> None:
+        """The chunks' step ended: their arrivals are counted afresh. After the first step, how many backward
+        passes it had, per source (a source first seen later is expected that many times a step)."""
+        if first:
+            counts = [(s, n) for c in chunks & self._arrivals.keys() for s, n in self._arrivals[c].items()]
+            for s, n in counts:
+                self._runs_per_step[s] = max(n, self._runs_per_step.get(s, 0))
+            self.backwards_per_step = max(1, min((n for _, n in counts), default=1))
+        for chunk in chunks & self._arrivals.keys():
+            del self._arrivals[chunk]
 
     def _complete(self, chunk: int) -> bool:
         """Whether the chunk's gradient is final for this step: this is the step's last backward (not inside

@@ -64,7 +64,6 @@ class StorageMixin:
         self.flat: dict[int, torch.Tensor] = {}  # persistent: chunk -> device params
         self.master: dict[int, torch.Tensor] = {}  # chunk -> fp32 master (device: whole chunk; host: shard)
         self.grad: dict[int, torch.Tensor] = {}  # chunk -> fp32 gradient (device: whole chunk; host: shard)
-        self.staging: torch.Tensor | None = None  # host fp32 shard a second gradient of one step lands in
         self._build_persistent(kept or {})
         self._build_device_grads(device_grad_slots)
         self._build_host(grad_slots, masters, reused, freed)

@@ -24,7 +24,7 @@ State it owns:
   (timings of the latest host updates, read by runtime/monitor.py), `_optim_stream` (persistent early updates);
 - the step: `step_state` (step_state.py, a part of its own: the step's phase, the updates it started, those started
   early or speculatively), `_room_for_undo`, `eager_chunks`;
-- the optimizers: `_owners` (chunk -> its AdamW), `_hyper_used`, `hyper_at_backward`.
+- the optimizers: `_owners` (chunk -> its AdamW), `_hyper_used`, `_hyper_at_backward`.
 
 `speculates` keeps the updated chunks' states only where the host keeps UNDO_HOST_RESERVE of its memory available.
 """
@@ -95,7 +95,7 @@ class UpdatesMixin:
         self.eager_chunks: set[int] = set()
         # the hyperparameters each started update used, and those of the last gradient's arrival, per optimizer
         self._hyper_used: dict[int, list[dict]] = {}
-        self.hyper_at_backward: dict[int, list[dict]] = {}
+        self._hyper_at_backward: dict[int, list[dict]] = {}
 
     def _build_updates(self) -> None:
         """The stream of persistent chunks' updates during the backward, beside it (memory-bound AdamW next to its
@@ -333,7 +333,7 @@ class UpdatesMixin:
         if owner is not None:
             chunks = {c for c in chunks if self.optimizer_of(c) is owner}
             self.step_state.optimizers_stepped.add(id(owner))
-            self.hyper_at_backward.pop(id(owner), None)
+            self._hyper_at_backward.pop(id(owner), None)
         self.join_early_updates()
         self.step_state.join_queued = False  # (a backward that raised ran no final callback)
         for chunk in sorted(
@@ -341,14 +341,9 @@ class UpdatesMixin:
         ):  # the parameters take the masters updated during the backward
             self.step_state.early.discard(chunk)
             self.publish(chunk)
-        if self.step_state.first:  # (how many backward passes the first step had, per source)
-            counts = [(s, n) for c in chunks & self._arrivals.keys() for s, n in self._arrivals[c].items()]
-            for s, n in counts:
-                self._runs_per_step[s] = max(n, self._runs_per_step.get(s, 0))
-            self.backwards_per_step = max(1, min((n for _, n in counts), default=1))
-        for kept in (self._arrivals, self._hyper_used):
-            for chunk in chunks & kept.keys():
-                del kept[chunk]
+        self.arrivals_stepped(chunks, first=self.step_state.first)
+        for chunk in chunks & self._hyper_used.keys():
+            del self._hyper_used[chunk]
         self.step_grads.forget_norms(chunks)
         self.step_state.ended(chunks)
         waiting = {
@@ -358,7 +353,7 @@ class UpdatesMixin:
             self.found_inf.zero_()
             self.outside.take_back(all_of_them=True)  # (parameters lent to a forward outside the graphs: stale now)
             self.step_state.close(had_grads=bool(self.step_grads.chunks))
-            self.hyper_at_backward.clear()
+            self._hyper_at_backward.clear()
 
     def wait_for_update(self, chunk: int | None = None) -> None:
         """Block until the CPU optimizer step of `chunk` (of every chunk if None) is done; a persistent chunk's
@@ -460,10 +455,15 @@ class UpdatesMixin:
         ):
             self.edits.note_edit(f"the optimizer's {key!r} set")
 
+    def note_hyperparameters_at_backward(self, owner) -> None:
+        """A gradient of `owner`'s chunks arrives: its hyperparameters of this moment are those its step compares
+        against (`check_hyperparameters`)."""
+        self._hyper_at_backward[id(owner)] = owner.hyperparameters()
+
     def check_hyperparameters(self, owner, now: list[dict]) -> None:
         """At `owner`'s step: hyperparameters changed since its chunks' gradients arrived apply to this step, as in
         torch's AdamW (the updates started with the old ones are undone, where they can be)."""
-        seen = self.hyper_at_backward.get(id(owner))
+        seen = self._hyper_at_backward.get(id(owner))
         stale = [c for c, used in self._hyper_used.items() if self.optimizer_of(c) is owner and used != now]
         if (seen is not None and seen != now) or stale:
             self.edits.note_edit("hyperparameters (lr, betas, eps, weight_decay) set")
