@@ -137,9 +137,7 @@ class PlacementMixin:
                 self.master[c].copy_(values.pop(c))
                 if self.flat[c] is not self.master[c]:
                     self.flat[c].copy_(self.master[c])
-                unpin = self._pinned.pop(left.pop(c).data_ptr(), None)
-                if unpin is not None:  # (unregistered now, and no longer held)
-                    unpin()
+                self._unpin(left.pop(c))
         self._repoint_params(up, down)
         for c, (owner, moved) in states.items():
             if owner is not None:
@@ -202,8 +200,7 @@ class PlacementMixin:
         owners = {id(o): o for c in range(self.layout.n_chunk) if (o := self.optimizer_of(c)) is not None}
         for owner in owners.values():  # (their inner optimizers' views of the gradient buffers keep them alive)
             owner.let_go_of_grads(self)
-        self.grad = {}
-        self.device_grads = None
+        self._drop_grads()
 
     def _repoint_params(self, up: list[int], down: list[int]) -> None:
         """The parameters of chunks now persistent view their flat chunk; those of chunks now offloaded hold no

@@ -166,6 +166,17 @@ class StorageMixin:
             wait_for_one=self._wait_for_a_give_back,
         )
 
+    def _unpin(self, master: torch.Tensor) -> None:
+        """A master shard pinned on its own (`_pinned`) is unregistered and no longer held, where it was."""
+        unpin = self._pinned.pop(master.data_ptr(), None)
+        if unpin is not None:
+            unpin()
+
+    def _drop_grads(self) -> None:
+        """Let go of the chunks' gradients and the persistent chunks' gradient buffers (`_build` makes them again)."""
+        self.grad = {}
+        self.device_grads = None
+
     def _device_grad_for_step(self, chunk: int) -> torch.Tensor:
         """A persistent chunk's gradient for this step where every shared buffer is held (this step's updates wait
         for `AdamW.step()`, or the chunk's gradient comes in parts): device memory, where the GPU has it."""
