@@ -333,7 +333,7 @@ class ReduceMixin:
         def reduce(chunk: int) -> None:
             with across_ranks(f"the all-reduce of chunk {chunk}'s accumulated gradients"):
                 dist.all_reduce(self.grad[chunk])
-            self.grad[chunk] /= self.reduce_world
+            self.grad[chunk].div_(self.reduce_world)
             self._check_finite([self.grad[chunk]])
 
         self.step_grads.reduce_sums(reduce)
