@@ -1,6 +1,6 @@
 """What every stage needs of torch.distributed: this rank and the world size, collectives that name themselves
-when a peer is gone, the check that every rank builds the same chunks, and the least or most of a value on any
-rank.
+when a peer is gone, the check that every rank builds the same chunks, the least or most of a value on any
+rank, and for the caches on disk: which rank writes a machine's files, and whether every rank read the same.
 
 Below the profiler, the planner and the runtime, which all read it; it imports none of them (`check_ranks_agree`
 reads the chunk layout it is given as a `LayoutLike`).
@@ -9,6 +9,8 @@ reads the chunk layout it is given as a `LayoutLike`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -22,6 +24,25 @@ def rank_and_world_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def writes_machine_files() -> bool:
+    """Whether this rank writes its machine's cache files: each machine's local rank 0 (torchrun's LOCAL_RANK; a
+    process started otherwise is its machine's only rank), so that every machine of a multi-node run keeps its own
+    (a cache directory on a shared file system gets the same file from each)."""
+    rank, _ = rank_and_world_size()
+    return int(os.environ.get("LOCAL_RANK", rank)) == 0
+
+
+def same_on_every_rank(text: str | None, device: torch.device) -> bool:
+    """Whether every rank has `text` (None: this rank has none) and all are equal: what each machine read from its
+    own cache, used only where every rank would decide from the same. On one rank, whether it has it."""
+    _, world = rank_and_world_size()
+    if world == 1:
+        return text is not None
+    mine = 0 if text is None else int(hashlib.sha256(text.encode()).hexdigest()[:15], 16) + 1
+    least, minus_most = least_on_every_rank([mine, -mine], device, "the check that every rank read the same cache")
+    return least != 0 and least == -minus_most
 
 
 class CollectiveError(RuntimeError):
@@ -89,7 +110,11 @@ def check_ranks_agree(layout: LayoutLike, n_persist: int, n_buffer: int) -> None
         )
 
 
-def least_on_every_rank(values: list[int | None], device: torch.device) -> list[int | None]:
+def least_on_every_rank(
+    values: list[int | None],
+    device: torch.device,
+    what: str = "the all-reduce of the GPU and host capacities the plan is searched under",
+) -> list[int | None]:
     """Each of `values` (capacities in bytes; None: not budgeted) as the least any rank has, so that every rank
     plans under the same limits."""
     _, world_size = rank_and_world_size()
@@ -99,7 +124,7 @@ def least_on_every_rank(values: list[int | None], device: torch.device) -> list[
     with real_tensors():
         where = device if dist.get_backend() == "nccl" else torch.device("cpu")
         mine = torch.tensor([unset if v is None else v for v in values], dtype=torch.int64, device=where)
-        with across_ranks("the all-reduce of the GPU and host capacities the plan is searched under"):
+        with across_ranks(what):
             dist.all_reduce(mine, op=dist.ReduceOp.MIN)
         least = mine.tolist()  # (a device-to-host copy: out of a fake mode, as planning inside the partitioner is)
     return [None if v == unset else v for v in least]

@@ -45,7 +45,7 @@ from torch import fx
 
 from protrain_fx.backend.record import GraphCompile
 from protrain_fx.cache_dir import default_cache_dir
-from protrain_fx.distributed import least_on_every_rank, rank_and_world_size
+from protrain_fx.distributed import same_on_every_rank, writes_machine_files
 from protrain_fx.planner.calibrate import Calibration, calibrated
 from protrain_fx.planner.plan import Plan
 from protrain_fx.planner.search import NoPlanFits
@@ -180,7 +180,7 @@ class GraphCache:
     def _write(self) -> None:
         """The entry, whole, under a temporary name then renamed (a reader sees the old file or the new one), by each
         machine's local rank 0. A cache that cannot be written is said once and training goes on."""
-        if not _writes():
+        if not writes_machine_files():
             return
         self.entry.update(format=FORMAT, key=self.key)
         partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
@@ -419,17 +419,5 @@ def _digest(value: Any) -> str:
 
 
 def _agreed(part: Any, device: torch.device) -> bool:
-    """Whether every rank has `part` (None: this rank has none), the same (a digest's least and most over the
-    ranks are equal); on one rank, whether it has it."""
-    _, world = rank_and_world_size()
-    if world == 1:
-        return part is not None
-    mine = 0 if part is None else int(_digest(part)[:15], 16) + 1
-    least, minus_most = least_on_every_rank([mine, -mine], device)
-    return least != 0 and least == -minus_most
-
-
-def _writes() -> bool:
-    """Each machine's local rank 0 writes (a cache directory on a shared file system gets the same file from each)."""
-    rank, _ = rank_and_world_size()
-    return int(os.environ.get("LOCAL_RANK", rank)) == 0
+    """Whether every rank has `part` (None: this rank has none), the same."""
+    return same_on_every_rank(None if part is None else _digest(part), device)

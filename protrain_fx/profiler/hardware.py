@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from protrain_fx.cache_dir import default_cache_dir
-from protrain_fx.distributed import least_on_every_rank, rank_and_world_size
+from protrain_fx.distributed import rank_and_world_size, same_on_every_rank, writes_machine_files
 from protrain_fx.host import available_host_bytes, release_cached_pinned
 from protrain_fx.host_queue import host_threads
 from protrain_fx.profiler.microbench import METHOD, device_facts, measurements
@@ -186,14 +186,16 @@ def _cached_or_measured(device: torch.device, cache_dir: Path | None, remeasure:
     path = (cache_dir or default_cache_dir()) / "hardware" / f"{digest}.json"
     cached = None if remeasure else _read(path)
     cached = cached if cached is not None and cached.key == key else None
-    if not _everyone(cached is not None, device):  # measuring is a collective: all ranks measure, or none
-        cached = None
-    if cached is not None:
+    # each machine reads its own cache: a profile is used only where every rank read the same, so that every rank
+    # plans from the same figures; else all measure (a collective), and each machine's local rank 0 writes it
+    text = None if cached is None else json.dumps(cached.to_json(), sort_keys=True)
+    if same_on_every_rank(text, device):
         log.info("hardware profile from %s", path)
         return cached
+    if cached is not None:
+        log.info("hardware profile in %s is not the one every rank has: measuring again on every rank", path)
     profile = measure(device, key)
-    rank, _ = rank_and_world_size()
-    if rank == 0:  # written whole under a temporary name, then renamed: a reader never sees half a file
+    if writes_machine_files():  # written whole under a temporary name, then renamed: a reader never sees half a file
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps(profile.to_json(), indent=2))
@@ -219,11 +221,6 @@ def measure(device: torch.device, key: dict | None = None) -> HardwareProfile:
         device = torch.device(device)
         measured = measurements(device)
         return HardwareProfile(key=key or cache_key(device), **measured)
-
-
-def _everyone(flag: bool, device: torch.device) -> bool:
-    """True on every rank when `flag` is true on every rank."""
-    return least_on_every_rank([int(flag)], device)[0] == 1
 
 
 def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
