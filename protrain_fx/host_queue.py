@@ -87,7 +87,13 @@ def host_threads() -> int:
     (torchrun's LOCAL_WORLD_SIZE). Not torch's thread count, which torchrun sets to 1 (OMP_NUM_THREADS) in every
     rank it starts: the host AdamW would then run on one core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return max(1, cores // machine_ranks())
+
+
+def machine_ranks() -> int:
+    """The ranks on this machine, which share its host (torchrun's LOCAL_WORLD_SIZE; a process started otherwise
+    is its machine's only rank)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _execute(copied, fn: Callable[[], None]) -> BaseException | None:

@@ -145,6 +145,7 @@ def what_if(
         hardware=_hardware(inputs.hardware, hardware, world_size),
         forced=dict(inputs.forced if forced is None else forced),
         tokens=tokens,
+        ranks_per_node=ranks_per_node,
     )
     blocks = inputs.n_block if n_block is None else n_block
     try:
@@ -168,7 +169,8 @@ def what_if(
 @dataclasses.dataclass(frozen=True)
 class Machine:
     """The machine planned for: its world size, each rank's GPU and host bytes (None: not budgeted), its hardware
-    profile, the plan fields forced, and one rank's tokens per step (None: not known)."""
+    profile, the plan fields forced, one rank's tokens per step (None: not known), and the ranks of a node, which
+    share its host."""
 
     world_size: int
     gpu_bytes: int | None
@@ -176,12 +178,15 @@ class Machine:
     hardware: HardwareProfile
     forced: dict[str, Any]
     tokens: int | None = None
+    ranks_per_node: int = 1
 
     def what_if(self, profile: GraphProfile, inputs: PlanningInputs, n_block: int) -> WhatIf:
         """The plan of the profiled model at `n_block` blocks on this machine, as the backend plans it
         (backend/planning.py `_search_profile`). Raises NoPlanFits."""
         costs, layout = self._costs(profile, inputs, n_block)
-        plan = plan_graph(costs, self.forced, layout, self.gpu_bytes, self.host_bytes)
+        plan = plan_graph(
+            costs, self.forced, layout, self.gpu_bytes, self.host_bytes, machine_ranks=self.ranks_per_node
+        )
         n_params = sum(s.numel for s in layout.slots) if layout is not None else 0
         step_s = plan.predicted_step_s
         rate = self.world_size * self.tokens / step_s if self.tokens is not None and step_s else None
@@ -251,7 +256,11 @@ class Machine:
             tries = [{**self.forced, "n_swap": k, "n_checkpoint": n_block - k, "n_selective": 0} for k in swapped]
         for forced in tries:
             try:
-                if self._fits(plan_graph(costs, forced, layout, self.gpu_bytes, self.host_bytes)):
+                if self._fits(
+                    plan_graph(
+                        costs, forced, layout, self.gpu_bytes, self.host_bytes, machine_ranks=self.ranks_per_node
+                    )
+                ):
                     return True
             except NoPlanFits:
                 continue

@@ -151,6 +151,21 @@ def test_too_little_host_gives_the_host_needed_and_a_batch_that_fits():
     assert "- more GPUs: each rank holds its shard of the offloaded chunks" in message
 
 
+def test_too_little_host_on_a_machine_of_several_ranks_says_what_the_machine_lacks():
+    """Ranks of one machine share its host (torchrun's LOCAL_WORLD_SIZE): the error also says what they need of it
+    together and what it gives them."""
+    model = synthetic()
+    capacity = capacities(model)[3]
+    host = min(model.least_host_bytes(c) for c, _, _ in brute_force(model, capacity)) - GiB
+    with pytest.raises(NoPlanFits) as err:
+        plan_graph(model, {}, _layout(model), capacity, host, machine_ranks=4)
+    needed = err.value.host_needed
+    assert (
+        f"and there are {host / GiB:.2f} GiB (4 ranks share this machine's host: {4 * needed / GiB:.2f} GiB in all, "
+        f"of the {4 * host / GiB:.2f} GiB it gives them): too little" in str(err.value)
+    )
+
+
 def test_compiling_in_the_process_is_a_lever_only_where_compile_workers_kept_host_memory():
     """TORCHINDUCTOR_COMPILE_THREADS=1 is named only where the host capacity kept memory for inductor's compile
     workers, with how much, and whether that alone is enough."""

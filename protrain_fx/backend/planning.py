@@ -22,6 +22,7 @@ from protrain_fx.backend.record import PLANS_ATTR, GraphCompile, GraphRecord
 from protrain_fx.backend.sizes import guard_within
 from protrain_fx.capture import FrameRoots, ParamEntry
 from protrain_fx.distributed import least_on_every_rank
+from protrain_fx.host_queue import machine_ranks
 from protrain_fx.passes.chunks import buffers_needed
 from protrain_fx.planner.calibrate import calibrated
 from protrain_fx.planner.cost import Candidate, CostModel, swap_interval
@@ -202,7 +203,14 @@ def _search_profile(
         (costs, sorted(forced.items()), layout, sorted(forced_by.items()), workers),  # (all the search reads)
         (record.capacity, host),
         lambda: plan_graph(
-            costs, forced, layout, record.capacity, host, forced_by=forced_by, compile_workers_bytes=workers
+            costs,
+            forced,
+            layout,
+            record.capacity,
+            host,
+            forced_by=forced_by,
+            compile_workers_bytes=workers,
+            machine_ranks=machine_ranks(),
         ),
     )
     record.seconds["search"] = time.perf_counter() - start
@@ -223,7 +231,9 @@ def check_states_fit(c: GraphCompile, manager) -> None:
         states_alone(CostModel.of_states(manager.layout, master_bytes(forced)), capacity, host)
     except NoPlanFits as error:  # (true whatever other fields are forced: it holds none of them)
         log.info("graph %d: no placement of the chunks fits even with no activations; not profiled", c.record.index)
-        raise error.told(forced={}, forced_by={}, released=None, compile_workers_bytes=workers) from None
+        raise error.told(
+            forced={}, forced_by={}, released=None, compile_workers_bytes=workers, machine_ranks=machine_ranks()
+        ) from None
 
 
 def _capacities(c: GraphCompile, manager) -> tuple[int | None, int | None, int]:

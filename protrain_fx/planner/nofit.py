@@ -114,11 +114,12 @@ class NoPlanFits(ValueError):
         forced_by: Mapping[str, str] | None = None,
         released: Released | None = None,
         compile_workers_bytes: int = 0,
+        machine_ranks: int = 1,
     ):
         self.peak_bytes, self.config, self.capacity_bytes = peak_bytes, config, capacity_bytes
         self.host_needed, self.host_bytes = host_needed, host_bytes
         self.n_chunk, self.batch, self.released = n_chunk, batch, released
-        self.compile_workers_bytes = compile_workers_bytes
+        self.compile_workers_bytes, self.machine_ranks = compile_workers_bytes, machine_ranks
         self.forced, self.forced_by = dict(forced or {}), dict(forced_by or {})
         super().__init__(self._message())
 
@@ -129,9 +130,10 @@ class NoPlanFits(ValueError):
         forced_by: Mapping[str, str],
         released: Released | None,
         compile_workers_bytes: int = 0,
+        machine_ranks: int = 1,
     ):
-        """The same error, also naming the forced fields, what searching them would give, and the host memory
-        kept for inductor's compile workers (`compile_workers_bytes`)."""
+        """The same error, also naming the forced fields, what searching them would give, the host memory kept
+        for inductor's compile workers (`compile_workers_bytes`) and the ranks sharing this machine's host."""
         return NoPlanFits(
             self.peak_bytes,
             self.config,
@@ -144,6 +146,7 @@ class NoPlanFits(ValueError):
             forced_by=forced_by,
             released=released,
             compile_workers_bytes=compile_workers_bytes,
+            machine_ranks=machine_ranks,
         )
 
     def _message(self) -> str:
@@ -156,8 +159,8 @@ class NoPlanFits(ValueError):
             head = (
                 f"no plan fits the host memory: the plans that fit the GPU need at least {_gib(self.host_needed)} "
                 f"of it for this rank (the least, {self.config}, for its offloaded chunks' masters, AdamW states "
-                f"and gradients and its swap space), and there are {_gib(self.host_bytes)}: too little to offload "
-                f"the chunks the GPU has no room for{self._forced_text()}."
+                f"and gradients and its swap space), and there are {_gib(self.host_bytes)}{self._machine_text()}: "
+                f"too little to offload the chunks the GPU has no room for{self._forced_text()}."
             )
         levers = [self._released_text(), self._batch_text()]
         if self.host_needed is None:
@@ -178,6 +181,17 @@ class NoPlanFits(ValueError):
                 "if the host capacity is wrong, set options={'host_memory_bytes': ...}",
             ]
         return head + " What would make it fit:\n" + "\n".join(f"- {lever}" for lever in levers if lever)
+
+    def _machine_text(self) -> str:
+        """' (4 ranks share this machine's host: 480 GiB in all, of the 400 GiB it gives them)'."""
+        if self.machine_ranks <= 1:
+            return ""
+        assert self.host_needed is not None and self.host_bytes is not None, "named where the host is short"
+        n = self.machine_ranks
+        return (
+            f" ({n} ranks share this machine's host: {_gib(n * self.host_needed)} in all, of the "
+            f"{_gib(n * self.host_bytes)} it gives them)"
+        )
 
     def _workers_text(self) -> str:
         """The host memory kept for inductor's compile workers, where some was: compiling in the process frees it."""

@@ -399,6 +399,7 @@ def plan_graph(
     *,
     forced_by: Mapping[str, str] | None = None,
     compile_workers_bytes: int = 0,
+    machine_ranks: int = 1,
 ) -> Plan:
     """The plan of one graph: the forced fields kept (checked by make_plan), the rest searched, with the
     predictions and the runners-up. Fully forced plans are not searched; one predicted over capacity is kept,
@@ -406,7 +407,8 @@ def plan_graph(
     is the user's or that of the model's chunks, already built (their host memory is in use, not available).
     Where none fits, NoPlanFits names the forced fields (`forced_by`: where each came from, as "options['plan']";
     default: nofit.GENERIC_ORIGIN), what searching them instead gives, and the host memory kept out of
-    `host_bytes` for inductor's compile workers (`compile_workers_bytes`), which compiling in the process frees."""
+    `host_bytes` for inductor's compile workers (`compile_workers_bytes`), which compiling in the process frees, and
+    the ranks sharing this machine's host (`machine_ranks`)."""
     forced = dict(forced)
     make_plan(costs.n_block, forced, layout, swap_interval=costs.swap_interval)  # the user's fields, checked
     assert layout is None or costs.master_bytes == master_bytes(forced), "CostModel.build got another master_dtype"
@@ -429,6 +431,7 @@ def plan_graph(
                 forced_by=forced_by or {},
                 released=released,
                 compile_workers_bytes=compile_workers_bytes,
+                machine_ranks=machine_ranks,
             ) from None
         if model.share_device_grads:
             _warn_device_grads_shared(model, best[0])

@@ -29,7 +29,7 @@ import torch
 from protrain_fx.cache_dir import default_cache_dir
 from protrain_fx.distributed import rank_and_world_size, same_on_every_rank, writes_machine_files
 from protrain_fx.host import available_host_bytes, release_cached_pinned
-from protrain_fx.host_queue import host_threads
+from protrain_fx.host_queue import host_threads, machine_ranks
 from protrain_fx.profiler.microbench import METHOD, device_facts, measurements
 from protrain_fx.real_tensors import real_tensors
 
@@ -261,8 +261,7 @@ def host_capacity(device: torch.device) -> int | None:
     available = available_host_bytes()
     if available is None:
         return None
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return host_share(available, ranks, HOST_RESERVE_BYTES + compile_workers_bytes())
+    return host_share(available, machine_ranks(), HOST_RESERVE_BYTES + compile_workers_bytes())
 
 
 def host_share(available: int, ranks: int, reserve: int) -> int:
