@@ -288,3 +288,5 @@ def test_largest_model_with_the_host_shared_by_a_node():
     assert over.plan is None and "host" in over.no_fit
     assert one.largest_n_block - 2 <= over.largest_n_block <= one.largest_n_block
     assert "no plan fits" in str(over) and "largest that fits" in str(over)
+    with pytest.raises(NoPlanFits, match="4 ranks share this machine's host"):  # (what the node lacks)
+        what_if(source, world_size=4, **machine, hardware=TWO_RANKS, n_block=2 * node.largest_n_block, largest=False)
