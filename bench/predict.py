@@ -108,9 +108,12 @@ def turn_rows(plans: list[dict], r: int, result: dict, graphs: list[dict]) -> li
             rows.append({"forced": forced, "round": r, "result": {"error": why}, "graphs": []})
             continue
         steps = result["step_times_s"][k * MONITOR_STEPS + WARMUP_STEPS : (k + 1) * MONITOR_STEPS]
-        k += 1
         harness = {"step_time_s": statistics.median(steps), "loss_last": result["loss_last"]}
         graph = {"graph": f"turn{i}", "plan": turn["plan"], "predicted_vs_measured": turn["report"]}
+        if i > 0 and "switch_s" in turn:  # (the plan's first step holds its switch: what it took over the median)
+            extra = result["step_times_s"][k * MONITOR_STEPS] - harness["step_time_s"]
+            graph["switch"] = {"step_s": extra, **turn["switch_s"]}
+        k += 1
         if i == 0:  # (the profile and the search are the first plan's)
             graph["seconds"] = next((g["seconds"] for g in graphs if "seconds" in g), {})
         rows.append({"forced": forced, "round": r, "result": harness, "graphs": [graph]})
@@ -178,7 +181,15 @@ def format_table(rows: list[dict]) -> str:
 
 def _after_loop(graph: dict) -> str:
     """The closed loop's outcome (`--replan on`): the plan in force predicted again by the calibrated model, or the
-    plan switched to, predicted against measured; "-" where the loop did not run."""
+    plan switched to, predicted against measured; with plans in turn, the seconds the switch to this one took over
+    its plan's step (the harness's), and of them placing the chunks and compiling the forward (the backend's); "-"
+    where the loop did not run."""
+    if "switch" in graph:  # (plans in turn: what switching to this one took)
+        took = graph["switch"]
+        return (
+            f"switched to in {took['step_s']:.1f} s (chunks placed {took['placed_s']:.1f} s, forward compiled "
+            f"{took['compiled_s']:.1f} s)"
+        )
     replan = graph.get("replan")
     if not replan or "before" not in replan:
         return "-"

@@ -226,7 +226,8 @@ def test_predict_runs_each_plan_on_nproc_ranks(monkeypatch, nproc):
 
 def test_in_turn_runs_the_plans_in_one_worker_and_reports_each(tmp_path, capsys):
     """`--in-turn`: one worker a round; the searched plan compiled, then `n_checkpoint` 1 and the searched plan again
-    switched to in turn; a row each, with the monitor's report and the harness's median of that plan's own steps.
+    switched to in turn; a row each, with the monitor's report, the harness's median of that plan's own steps and
+    what its switch took.
     Too few steps for every plan to measure its own is refused before any worker starts."""
     from bench.cli import main
     from bench.predict import MONITOR_STEPS
@@ -242,7 +243,13 @@ def test_in_turn_runs_the_plans_in_one_worker_and_reports_each(tmp_path, capsys)
     assert fields[1]["n_checkpoint"] == 1 and fields[0] == fields[2] and fields[0]["n_checkpoint"] == 0
     for row in rows:
         assert row["graphs"][0]["predicted_vs_measured"]["measured_step_s"] > 0 < row["result"]["step_time_s"]
-    assert "searched plan against the fastest forced one" in capsys.readouterr().out
+    # each switch's cost: the step holding it over the plan's median, and of it the backend's placing and compiling
+    assert "switch" not in rows[0]["graphs"][0]
+    for row in rows[1:]:
+        took = row["graphs"][0]["switch"]
+        assert took["step_s"] > took["placed_s"] + took["compiled_s"] > 0 and took["compiled_s"] > took["placed_s"]
+    out = capsys.readouterr().out
+    assert "searched plan against the fastest forced one" in out and out.count("switched to in ") == 2
     with pytest.raises(
         SystemExit, match=rf"--in-turn with 3 plans needs --warmup \+ --steps >= {3 * MONITOR_STEPS + 1}"
     ):

@@ -200,6 +200,9 @@ def test_plans_in_turn_move_the_chunks_to_the_host_and_back_and_train_on_like_ea
     assert [t["forced"] for t in replan["turns"]] == [{}, *turns]
     assert [t["plan"]["n_persist"] for t in replan["turns"]] == [first.n_persist, 2, third.n_persist]
     assert all(t["report"]["measured_step_s"] > 0 for t in replan["turns"]) and replan["switched"]
+    # what each switch took: both moved the chunks; each compiled the forward again
+    assert "switch_s" not in replan["turns"][0] and replan["switches_s"] == [t["switch_s"] for t in replan["turns"][1:]]
+    assert all(s["placed_s"] > 0 and s["compiled_s"] > 0 for s in replan["switches_s"])
 
 
 def test_a_plan_whose_chunks_find_no_room_is_not_put_in_force(monkeypatch, tmp_path):

@@ -7,6 +7,7 @@ profile."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -154,7 +155,7 @@ class Guarded:
             if self.loop.done:
                 self._decided()
             return
-        before, plan = record.plan, switch[0]
+        before, plan, started = record.plan, switch[0], time.perf_counter()
         if self.symbolic:  # (compiled again outside Dynamo, its sizes would become this call's)
             log.warning(
                 "graph %d has symbolic sizes and keeps its plan; the closed loop would switch %s\nto: %s",
@@ -173,16 +174,21 @@ class Guarded:
                 self.loop.not_placed()
                 self._decided()
                 return
+        placed = time.perf_counter()
         self.switching = switch
         try:
             self._compile_again(args)
         finally:
             self.switching = None
+        compiled = time.perf_counter()
+        self.loop.note_switch(placed_s=placed - started, compiled_s=compiled - placed)
         self._decided()
         log.warning(
-            "graph %d re-planned %s\nbefore: %s\nafter:  %s\n%s",
+            "graph %d re-planned %s (chunks placed in %.1f s, forward compiled in %.1f s)\nbefore: %s\nafter:  %s\n%s",
             record.index,
             self.loop.reason,
+            placed - started,
+            compiled - placed,
             plan_summary(before),
             plan_summary(record.plan),
             record.plan,

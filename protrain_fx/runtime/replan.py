@@ -105,6 +105,9 @@ class ClosedLoop:
     done: bool = False
     switched: bool = False
     waits: int = 0  # forwards the switch waited for the chunks to be between two steps
+    # each switch's cost: the seconds placing the chunks again and compiling the forward again took (the backward
+    # compiles at its first call)
+    switches_s: list[dict] = dataclasses.field(default_factory=list)
 
     def resume(self, calibration: Calibration, costs: CostModel, *, switched: bool) -> None:
         """Take an earlier run's decision as this loop's (the plan cache, backend/cache.py): calibrated as it was,
@@ -240,11 +243,19 @@ class ClosedLoop:
         else:
             self.measured[-1]["error"] = "no room to place the chunks"
 
+    def note_switch(self, *, placed_s: float, compiled_s: float) -> None:
+        """The switch just made took `placed_s` to place the chunks again and `compiled_s` to compile the forward."""
+        took = {"placed_s": placed_s, "compiled_s": compiled_s}
+        self.switches_s.append(took)
+        if self.turns is not None:
+            self.measured[-1]["switch_s"] = took
+
     def to_json(self) -> dict:
         """replan.json."""
         return {
             "calibration": self.calibration.to_json() if self.calibration else None,
             "switched": self.switched,
+            "switches_s": self.switches_s,
             **(self.replan.to_json() if self.replan else {}),
             **({"turns": self.measured} if self.turns is not None else {}),
         }
