@@ -40,7 +40,7 @@ class GraphRecord:
     capacity: int | None = None  # the GPU bytes its plan was searched under (None: not budgeted, on the CPU)
     model: Any = None  # weak reference to the model whose graph it is
     manager: Any = None  # weak reference to the model's ChunkManager, None when not chunked
-    grad_source: int | None = None  # its frame's id for the ChunkManager (ChunkManager.grad_source)
+    grad_source: int | None = None  # its frame's id for the ChunkManager (runtime/chunks/arrivals.py)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time of profile, hardware, search
     planning: PlanningInputs | None = None  # the planner's inputs besides the profile (a dump's planning.json)
     dumper: Any = None  # its Dumper (debug/dump.py), where dumped: a re-plan's files go beside the first plan's

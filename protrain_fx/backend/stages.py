@@ -206,7 +206,7 @@ class GraphRuntime:
     manager: Any  # the model's ChunkManager, None when not chunked
     swap: SwapSpace | None  # the graph's swapped activations, None when no block swaps
     monitor: StepMonitor | None  # its step marks' monitor, None when neither dumped nor re-planned
-    grad_source: int  # its frame, as the ChunkManager counts gradients (ChunkManager.grad_source)
+    grad_source: int  # its frame, as the ChunkManager counts gradients (runtime/chunks/arrivals.py)
 
 
 def runtime_for(c: GraphCompile, roots: FrameRoots, manager) -> GraphRuntime:
@@ -227,7 +227,7 @@ def runtime_for(c: GraphCompile, roots: FrameRoots, manager) -> GraphRuntime:
         # runs), those for other modules running the same code (one graph per layer) do not
         compile_id = torch._guards.CompileContext.current_compile_id()
         frame = compile_id.frame_id if compile_id is not None else ("graph", record.index)
-        record.grad_source = manager.grad_source((frame, tuple(sorted(roots.paths.values()))))
+        record.grad_source = manager.arrivals.source((frame, tuple(sorted(roots.paths.values()))))
     return GraphRuntime(manager=manager, swap=swap, monitor=monitor, grad_source=record.grad_source or 0)
 
 
@@ -317,7 +317,7 @@ def attach_runtime(c: GraphCompile, runtime: GraphRuntime, fw: fx.GraphModule, b
         c.record.swap = runtime.swap
     if runtime.manager is not None:
         for node in bw.graph.find_nodes(op="call_function", target=torch.ops.protrain.reduce_grads.default):
-            runtime.manager.expect_gradients(node.args[1], node.args[2])
+            runtime.manager.arrivals.expect(node.args[1], node.args[2])
 
 
 def _at_sizes(t: torch.Tensor, at) -> torch.Tensor:

@@ -39,7 +39,7 @@ grad_reduce_pass (backward graph), for each chunk c (persistent ones too):
     before:  return (g1, g2, ...)                 # gradients of the primals, in primal order
     after:   protrain.reduce_grads(m, c, s, [i1, i2], [g1, g2], [r])   # after the chunk's last gradient and
                                                                         # the outputs r of its last readers; s:
-                                                                        # this frame (ChunkManager.grad_source)
+                                                                        # this frame (runtime/chunks/arrivals.py)
              return (None, None, ...)             # the chunk owns its gradients; param.grad stays None
 
 A chunk's update may start at its reduce, during the backward: the readers r are an offloaded chunk's (its

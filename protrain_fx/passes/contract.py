@@ -106,7 +106,7 @@ class PassContext:
     needed_from: Mapping[str, int] = dataclasses.field(default_factory=dict)
     swap: SwapSpaceLike | None = None  # the graph's SwapSpace, None when no block swaps
     monitor: StepMonitorLike | None = None  # the graph's StepMonitor: with a dump directory, or for the closed loop
-    grad_source: int = 0  # the graph's frame, as the ChunkManager counts gradients (ChunkManager.grad_source)
+    grad_source: int = 0  # the graph's frame, as the ChunkManager counts gradients (runtime/chunks/arrivals.py)
 
 
 _JOINT_FIELDS = ("config", "plan", "record", "dumper", "manager", "example_inputs")

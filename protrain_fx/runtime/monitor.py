@@ -99,7 +99,7 @@ class StepMonitor:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
             if (manager := self.manager()) is not None:
-                manager.host_updates.clear()
+                manager.host_updates.timings.clear()
         self.marks.append(self._now())
         if len(self.marks) == self.warmup + self.steps + 1:
             self._write()
@@ -214,7 +214,7 @@ class StepMonitor:
     def _host_adam(self) -> dict:
         """The host AdamW's measured and profiled seconds per parameter (none without offloaded updates)."""
         manager = self.manager()
-        updates = tuple(manager.host_updates) if manager is not None else ()  # (the worker thread appends)
+        updates = tuple(manager.host_updates.timings) if manager is not None else ()  # (the worker thread appends)
         if not updates or self.hardware is None:
             return {}
         measured = statistics.median(seconds / params for params, seconds in updates)

@@ -109,8 +109,8 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
             # reduce its gradient (runtime/adopt.py, `pass_through_ddp`)
             p._ddp_ignored = True
         for manager in self._managers():
-            manager.forget_owners()
-            manager.check_owners()  # (a chunk stepped by two optimizers is an error now, not at the step)
+            manager.owners.forget()
+            manager.owners.check()  # (a chunk stepped by two optimizers is an error now, not at the step)
         accept_in_accelerate()  # (a Trainer built next may compile with torch_compile_backend="protrain")
 
     def add_param_group(self, param_group: dict) -> None:
@@ -346,7 +346,7 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         """Whether any gradient of this step, on any rank, is inf or NaN (one device sync)."""
         plain = [p.grad for g in self.param_groups for p in g["params"] if MANAGER_ATTR not in p.__dict__]
         plain = [g if g.dtype in (torch.float16, torch.float32) else g.float() for g in plain if g is not None]
-        flags = [m.found_inf for m in managers]
+        flags = [m.nonfinite.found for m in managers]
         if plain:
             found = torch.zeros(1, device=plain[0].device)
             torch._amp_foreach_non_finite_check_and_unscale_(plain, found, torch.ones(1, device=found.device))

@@ -50,8 +50,13 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `placement.py` | the parameters moved into the chunks; `place` for a pending manager, `place_again` (a re-plan) |
 | `gather.py` | `Gatherer` (`manager.gathering`, a part of its own): the offloaded chunks' device buffers, gather, prefetch, release |
 | `reduce.py` | the backward's gradients into the chunks, across ranks: three paths |
+| `arrivals.py` | `Arrivals` (`manager.arrivals`, a part of its own): when a chunk's gradient of the step is complete |
 | `reduce_buffers.py` | `ReduceBuffers` (`manager.reduce_buffers`, a part of its own): the buffers gradients are reduced in, in turn |
 | `updates.py` | when each chunk's AdamW update runs: early, deferred, speculative; the end of a step |
+| `nonfinite.py` | `NonfiniteFlags` (`manager.nonfinite`, a part of its own): the step's inf/NaN flag, and as each update saw it |
+| `host_updates.py` | `HostUpdates` (`manager.host_updates`, a part of its own): the worker thread's task for each offloaded chunk |
+| `owners.py` | `Owners` (`manager.owners`, a part of its own): the AdamW stepping each chunk |
+| `hyper.py` | `HyperparametersSeen` (`manager.hyper`, a part of its own): the hyperparameters a step's updates started with |
 | `step_state.py` | `StepState` (`manager.step_state`, a part of its own): the step's phase and the updates it started |
 | `edits.py` | `Edits` (`manager.edits`, a part of its own): changes between backward() and step(); updates wait |
 | `step_grads.py` | `StepGrads` (`manager.step_grads`, a part of its own): the chunks and parameters holding a gradient of the step, the all-reduces in flight, the sums left to reduce, the arrival norms; written by reducing and the gradient access alike, through its methods |
@@ -81,7 +86,6 @@ from protrain_fx.runtime.chunks import param_class
 from protrain_fx.runtime.chunks.common import (
     DDP_ATTR,
     FROZEN_OUT_ATTR,
-    HOST_UPDATES_KEPT,
     LOADED_MASTER_ATTR,
     MANAGER_ATTR,
     NO_SYNC_ATTR,
@@ -103,7 +107,6 @@ from protrain_fx.runtime.chunks.user_grads import GradAccessMixin
 __all__ = [
     "DDP_ATTR",
     "FROZEN_OUT_ATTR",
-    "HOST_UPDATES_KEPT",
     "LOADED_MASTER_ATTR",
     "MANAGER_ATTR",
     "NO_SYNC_ATTR",
@@ -236,8 +239,7 @@ class ChunkManager(
 
     def update_pending(self, chunk: int) -> bool:
         """Whether `chunk`'s host update is queued and not done (Gatherer's ChunkSource)."""
-        future = self._pending.get(chunk)
-        return future is not None and not future.done()
+        return self.host_updates.pending(chunk)
 
     def check_model_params(self) -> None:
         """Each name the chunked parameters had in the model when the chunks were built still names the same

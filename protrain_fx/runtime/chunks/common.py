@@ -19,7 +19,7 @@ LOADED_MASTER_ATTR = "_protrain_loaded_master"
 # on a parameter of the model frozen when its chunks were built, which they left out
 FROZEN_OUT_ATTR = "_protrain_frozen_out"
 
-HOST_UPDATES_KEPT = 64  # host AdamW timings kept (ChunkManager.host_updates)
+HOST_UPDATES_KEPT = 64  # host AdamW timings kept (runtime/chunks/host_updates.py)
 
 
 def skips_nonfinite(optimizer, dtype: torch.dtype) -> bool:

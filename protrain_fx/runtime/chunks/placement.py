@@ -63,7 +63,7 @@ class PlacementMixin:
         go to the device (a sharded one gathered from every rank: a collective), their host shards are freed; the
         others keep theirs, pinned now. The values are the masters' as they were, bitwise."""
         assert self.pending_plan is not None, "place() is for a manager built to wait for its plan"
-        assert self.step_grads.idle() and not self._pending and not self.gathering.in_use, (
+        assert self.step_grads.idle() and not self.host_updates.queued() and not self.gathering.in_use, (
             "chunks placed after training started"
         )
         n = self.layout.n_chunk
@@ -188,7 +188,7 @@ class PlacementMixin:
     def _chunk_states(self, chunk: int):
         """(its optimizer, its parameters' AdamW states whole) of a chunk about to move; (None, {}) where no
         protrain AdamW steps it."""
-        owner = self.optimizer_of(chunk)
+        owner = self.owners.of(chunk)
         return (owner, owner.chunk_states(self, chunk)) if owner is not None else (None, {})
 
     def _drop_device_storage(self) -> None:
@@ -197,7 +197,7 @@ class PlacementMixin:
         chunks at once, not their buffers too)."""
         self.gathering.drop()
         self._drop_reduce_storage()
-        owners = {id(o): o for c in range(self.layout.n_chunk) if (o := self.optimizer_of(c)) is not None}
+        owners = {id(o): o for c in range(self.layout.n_chunk) if (o := self.owners.of(c)) is not None}
         for owner in owners.values():  # (their inner optimizers' views of the gradient buffers keep them alive)
             owner.let_go_of_grads(self)
         self._drop_grads()

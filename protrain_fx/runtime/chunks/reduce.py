@@ -14,10 +14,9 @@ State it owns:
 - `reduce_buffers`, the part that holds the buffers gradients are reduced in, used in turn (reduce_buffers.py);
 - `_d2h_stream`: the CUDA stream of device-to-host gradient copies; `staging`: the host shard a second gradient of
   one step lands in (made when first needed, `_host_target`); both let go of at a placement (`_drop_reduce_storage`);
-- `found_inf` (1 once a gradient of this step is not finite) and, as each update during the backward saw it,
-  `_found_host` and `_found_early`;
-- the arrivals that say when a chunk's gradient is complete: `_sources`, `_grad_sources`, `_arrivals`,
-  `_runs_per_step`, `backwards_per_step`.
+- `nonfinite` (nonfinite.py, a part of its own): whether a gradient of this step is inf or NaN, and that flag as
+  each update during the backward saw it;
+- `arrivals` (arrivals.py, a part of its own): the reductions that say when a chunk's gradient is complete.
 
 Which chunks and parameters hold a gradient of this step, the all-reduces in flight, the sums left to reduce and the
 arrival norms it writes into `step_grads` (step_grads.py), which the gradient access shares.
@@ -25,10 +24,8 @@ arrival norms it writes into `step_grads` (step_grads.py), which the gradient ac
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +33,9 @@ from torch import nn
 
 from protrain_fx.distributed import across_ranks
 from protrain_fx.planner.plan import REDUCE_BUFFERS
+from protrain_fx.runtime.chunks.arrivals import Arrivals
 from protrain_fx.runtime.chunks.common import DDP_ATTR, NO_SYNC_ATTR
+from protrain_fx.runtime.chunks.nonfinite import NonfiniteFlags
 from protrain_fx.runtime.chunks.reduce_buffers import ReduceBuffers
 
 
@@ -44,15 +43,7 @@ class ReduceMixin:
     """Gradient reduction (module docstring). Part of ChunkManager."""
 
     def _init_reduce(self) -> None:
-        self._sources: dict[Any, int] = {}  # a compiled frame (for its modules) -> its id in the graphs' ops
-        self._grad_sources: dict[int, set[int]] = {}  # chunk -> the sources whose backward reduces into it
-        self._arrivals: dict[int, collections.Counter] = {}  # chunk -> source -> its reductions this step
-        # source -> its backward passes per optimizer step, as the first step showed: more than one where a step
-        # accumulates without no_sync, or where one frame's compiles for two calls (a shared embedding) both run
-        self._runs_per_step: dict[int, int] = {}
-        # backward passes per optimizer step, as the first step showed (gradient accumulation without no_sync):
-        # a source first seen later is expected that many times a step
-        self.backwards_per_step = 1
+        self.arrivals = Arrivals()  # when each chunk's gradient of the step is complete (arrivals.py)
         self.clip_norm_type: float | None = None  # the norm type of the last clip_grad_norm_ call (arrival norms)
 
     def _build_reduce(self) -> None:
@@ -69,26 +60,13 @@ class ReduceMixin:
         )
         self.staging: torch.Tensor | None = None  # host fp32 shard a second gradient of one step lands in (lazily)
         self._d2h_stream = torch.cuda.Stream(self.device) if cuda else None  # device-to-host gradient copies
-        self.found_inf = torch.zeros(1, device=self.device)  # 1 once a gradient of this step is not finite
-        # found_inf as each offloaded chunk's update started during the backward saw it: the update skips if set
-        self._found_host = torch.zeros(self.layout.n_chunk, pin_memory=cuda)
-        self._found_early = torch.zeros(self.n_persist, device=self.device)  # the same, of persistent chunks
+        # whether a gradient of this step is inf or NaN, and as each update during the backward saw it (nonfinite.py)
+        self.nonfinite = NonfiniteFlags(self.layout.n_chunk, self.n_persist, self.device)
 
     def _drop_reduce_storage(self) -> None:
         """Let go of the reduce buffers and the landing shard (a placement builds them again)."""
         self.reduce_buffers = None
         self.staging = None
-
-    def grad_source(self, key: Any) -> int:
-        """The id of a compiled frame (for the modules its locals are) whose backward reduces gradients, for its
-        graphs' `reduce_grads` ops."""
-        return self._sources.setdefault(key, len(self._sources))
-
-    def expect_gradients(self, chunk: int, source: int) -> None:
-        """Compile time: the backward of `source` (`grad_source`) reduces gradients into `chunk`. An offloaded
-        chunk steps once every source has, as many times as in the first step (recompiles of one frame for other
-        input shapes count once: only one of them runs)."""
-        self._grad_sources.setdefault(chunk, set()).add(source)
 
     @property
     def sync_grads(self) -> bool:
@@ -99,15 +77,6 @@ class ReduceMixin:
             return True
         ddp = model.__dict__[DDP_ATTR]() if DDP_ATTR in model.__dict__ else None
         return not model.__dict__.get(NO_SYNC_ATTR, 0) and (ddp is None or ddp.require_backward_grad_sync)
-
-    def _check_finite(self, grads: Sequence[torch.Tensor]) -> None:
-        """Set `found_inf` to 1 if a gradient is inf or NaN: the sum of their L2 norms (torch's foreach norm,
-        accumulated in fp32) is not finite. On the device, no sync, and each gradient is only read, once (a norm
-        also overflows past about 1e19, where training has failed anyway). `AdamW.step()` reads it, and the fused
-        AdamW skips an update where it is exactly 1."""
-        norms = torch._foreach_norm(list(grads), 2, dtype=torch.promote_types(grads[0].dtype, torch.float32))
-        nonfinite = torch.isfinite(torch.stack(norms).sum()).logical_not().to(self.found_inf.dtype)
-        torch.maximum(self.found_inf, nonfinite, out=self.found_inf)
 
     def reduce_grads(
         self, chunk: int, source: int, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]
@@ -159,13 +128,13 @@ class ReduceMixin:
             )
         self._reconcile(chunk)
         grads = self._with_plain_grads(indices, grads)
-        owner = self.optimizer_of(chunk)
+        owner = self.owners.of(chunk)
         if owner is not None:
-            self.note_hyperparameters_at_backward(owner)
+            self.hyper.arrived(id(owner), owner.hyperparameters())  # (what its step compares against)
         self.step_state.gradient()
         accumulate = self.step_grads.arrive(chunk)
         if self.sync_grads:  # (the arrivals of the step's last backward decide when a chunk is complete)
-            self._arrivals.setdefault(chunk, collections.Counter())[source] += 1
+            self.arrivals.arrive(chunk, source)
         return accumulate, grads
 
     def _device_grad(self, chunk: int, accumulate: bool) -> torch.Tensor:
@@ -191,7 +160,7 @@ class ReduceMixin:
         seen = [self.index[id(p)] in self.step_grads.params for p in params]
         written = self._write_grads(grad, params, grads, seen)
         # the gradients as they came (compute dtype: fewer bytes read), or as added up (a sum may overflow)
-        self._check_finite(written if any(seen) else grads)
+        self.nonfinite.check(written if any(seen) else grads)
         self.step_grads.got(indices)
         self.param_grads.publish(indices)
         self._step_persistent_early(chunk)
@@ -221,7 +190,7 @@ class ReduceMixin:
             shard /= self.reduce_world
         else:
             shard = flat
-        self._check_finite([shard])  # (a rank's shard holds every rank's contribution to its elements)
+        self.nonfinite.check([shard])  # (a rank's shard holds every rank's contribution to its elements)
         if self.clip_norm_type is not None:  # (zeros where a parameter got no gradient: the flat buffer was zeroed)
             norm = None if accumulate else torch.linalg.vector_norm(shard, self.clip_norm_type)
             self.step_grads.note_norm(chunk, self.clip_norm_type, norm)
@@ -248,17 +217,16 @@ class ReduceMixin:
     def _copy_to_host(
         self, chunk: int, shard: torch.Tensor, target: torch.Tensor
     ) -> tuple[torch.cuda.Event | None, torch.Tensor]:
-        """`shard` into the host `target`, and `found_inf` into the chunk's flag, without blocking: on CUDA off the
-        compute stream, so the copy overlaps the rest of the backward. Returns the copy's event (None on the CPU)
-        and the flag."""
+        """`shard` into the host `target`, and the step's inf/NaN flag into the chunk's, without blocking: on CUDA
+        off the compute stream, so the copy overlaps the rest of the backward. Returns the copy's event (None on the
+        CPU) and the flag."""
         copied = None
         stream = self._d2h_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             target.copy_(shard, non_blocking=True)
-            found = self._found_host[chunk]
-            found.copy_(self.found_inf[0], non_blocking=True)
+            found = self.nonfinite.to_host(chunk)
             if stream is not None:
                 copied = stream.record_event()
         return copied, found
@@ -275,23 +243,10 @@ class ReduceMixin:
                 op(*map(list, zip(*pairs)))
         return views
 
-    def arrivals_stepped(self, chunks: set[int], *, first: bool) -> None:
-        """The chunks' step ended: their arrivals are counted afresh. After the first step, how many backward
-        passes it had, per source (a source first seen later is expected that many times a step)."""
-        if first:
-            counts = [(s, n) for c in chunks & self._arrivals.keys() for s, n in self._arrivals[c].items()]
-            for s, n in counts:
-                self._runs_per_step[s] = max(n, self._runs_per_step.get(s, 0))
-            self.backwards_per_step = max(1, min((n for _, n in counts), default=1))
-        for chunk in chunks & self._arrivals.keys():
-            del self._arrivals[chunk]
-
     def _complete(self, chunk: int) -> bool:
         """Whether the chunk's gradient is final for this step: this is the step's last backward (not inside
-        `no_sync`) and every compiled frame reducing into the chunk has run its backward, as many times as a step
-        has backward passes, as the first step showed (`_runs_per_step`)."""
-        expected = sum(self._runs_per_step.get(s, self.backwards_per_step) for s in self._grad_sources.get(chunk, ()))
-        return self.sync_grads and sum(self._arrivals.get(chunk, {}).values()) >= expected
+        `no_sync`) and every compiled frame reducing into the chunk has run its backward as often as a step does."""
+        return self.sync_grads and self.arrivals.complete(chunk)
 
     def _reduce_buffer_count(self) -> int:
         """As many as chunks reduce their gradients in one (every offloaded chunk, persistent ones across ranks)."""
@@ -318,7 +273,7 @@ class ReduceMixin:
             if discard:
                 return
             flat /= self.reduce_world
-            self._check_finite([flat])
+            self.nonfinite.check([flat])
             grad = self._device_grad(chunk, accumulate)
             grad.add_(flat) if accumulate else grad.copy_(flat)
             self._step_persistent_early(chunk)
@@ -334,7 +289,7 @@ class ReduceMixin:
             with across_ranks(f"the all-reduce of chunk {chunk}'s accumulated gradients"):
                 dist.all_reduce(self.grad[chunk])
             self.grad[chunk].div_(self.reduce_world)
-            self._check_finite([self.grad[chunk]])
+            self.nonfinite.check([self.grad[chunk]])
 
         self.step_grads.reduce_sums(reduce)
 

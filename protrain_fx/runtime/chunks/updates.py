@@ -20,31 +20,31 @@ backward left it; a step skipped after it (its gradients dropped before `step()`
 the error says so, and from the next step on updates wait for `step()`, so that later changes apply exactly.
 
 State it owns:
-- `_host` (the worker thread of host updates), `_pending` (offloaded chunk -> its queued host task), `host_updates`
-  (timings of the latest host updates, read by runtime/monitor.py), `_optim_stream` (persistent early updates);
+- `host_updates` (host_updates.py, a part of its own: the worker thread, each offloaded chunk's queued task, the
+  timings of the latest host updates), `_optim_stream` (persistent early updates);
 - the step: `step_state` (step_state.py, a part of its own: the step's phase, the updates it started, those started
   early or speculatively), `_room_for_undo`, `eager_chunks`;
-- the optimizers: `_owners` (chunk -> its AdamW), `_hyper_used`, `_hyper_at_backward`.
+- the optimizers: `owners` (owners.py, a part of its own: chunk -> its AdamW), `hyper` (hyper.py, a part of its
+  own: the hyperparameters the step's updates started with, and those of its backward).
 
 `speculates` keeps the updated chunks' states only where the host keeps UNDO_HOST_RESERVE of its memory available.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import logging
 import os
 import time
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
 
 from protrain_fx.host import available_host_bytes, meminfo_bytes
-from protrain_fx.host_queue import HostQueue
 from protrain_fx.planner.plan import HOST_STATES
-from protrain_fx.runtime.chunks.common import HOST_UPDATES_KEPT, OPTIMIZER_ATTR, skips_nonfinite
+from protrain_fx.runtime.chunks.common import skips_nonfinite
+from protrain_fx.runtime.chunks.host_updates import HostUpdates
+from protrain_fx.runtime.chunks.hyper import HyperparametersSeen
+from protrain_fx.runtime.chunks.owners import Owners
 from protrain_fx.runtime.chunks.step_state import StepState
 
 log = logging.getLogger(__name__)
@@ -75,27 +75,20 @@ class UpdatesMixin:
     """When chunk updates run (module docstring). Part of ChunkManager."""
 
     def _init_updates(self) -> None:
-        self._host = HostQueue(spare_core=self.device.type == "cuda")  # runs the offloaded chunks' CPU steps
+        self.host_updates = HostUpdates(spare_core=self.device.type == "cuda")  # the worker thread (host_updates.py)
         if self.device.type == "cuda" and self.n_persist < self.layout.n_chunk and _spinning_openmp():
             log.warning(
                 "OMP_WAIT_POLICY=ACTIVE: idle OpenMP threads keep spinning, beside the offloaded chunks' CPU AdamW, "
                 "which then ran 3x slower in our measurements (a 16-core H100 machine); unset it, or set it to "
                 "PASSIVE, before Python starts"
             )
-        weakref.finalize(self, self._host.close)
-        self._pending: dict[int, concurrent.futures.Future] = {}  # offloaded chunk -> its CPU AdamW step
-        # (parameters, seconds) of the latest host AdamW updates (not those that also copy aside what they change):
-        # what the host takes in training, set beside the hardware profile's figure (runtime/monitor.py)
-        self.host_updates: collections.deque[tuple[int, float]] = collections.deque(maxlen=HOST_UPDATES_KEPT)
         self.step_state = StepState()  # the step's phase and the updates it started (step_state.py)
         self._room_for_undo: bool | None = None  # whether the host can keep what speculative updates change (once)
-        self._owners: dict[int, object] = {}  # chunk -> the AdamW stepping it (`optimizer_of`), as last looked up
+        self.owners = Owners(self.params, self._chunk_params, self.layout.n_chunk)  # chunk -> its AdamW (owners.py)
         # chunks holding a parameter used outside the compiled graphs: their gradient gets that use's part at
         # `AdamW.step()` (`fold_plain_grads`), so they update there
         self.eager_chunks: set[int] = set()
-        # the hyperparameters each started update used, and those of the last gradient's arrival, per optimizer
-        self._hyper_used: dict[int, list[dict]] = {}
-        self._hyper_at_backward: dict[int, list[dict]] = {}
+        self.hyper = HyperparametersSeen()  # those the step's updates started with, and its backward's (hyper.py)
 
     def _build_updates(self) -> None:
         """The stream of persistent chunks' updates during the backward, beside it (memory-bound AdamW next to its
@@ -103,57 +96,16 @@ class UpdatesMixin:
         cuda = self.device.type == "cuda"
         self._optim_stream = torch.cuda.Stream(self.device) if cuda and self.n_persist else None
 
-    def optimizer_of(self, chunk: int):
-        """The protrain_fx.optim.AdamW stepping the chunk's parameters (None: no optimizer steps them). The layout
-        keeps the parameters of different optimizers in different chunks."""
-        ref = self._owners.get(chunk)
-        if ref is not None and ref() is not None:
-            return ref()
-        owners = {}
-        for i in self._chunk_params[chunk]:
-            ref = self.params[i].__dict__.get(OPTIMIZER_ATTR)
-            if ref is not None and ref() is not None:
-                owners[id(ref())] = ref
-        if len(owners) > 1:
-            raise ValueError(
-                f"chunk {chunk} holds parameters of {len(owners)} protrain_fx.optim.AdamW optimizers, and a chunk "
-                "is stepped by one: build every optimizer before the model's chunks are built (its first compiled "
-                "step, or protrain_fx.prepare), so that the layout keeps each optimizer's parameters apart"
-            )
-        ref = next(iter(owners.values()), None)
-        if ref is not None:
-            self._owners[chunk] = ref
-        return ref() if ref is not None else None
-
-    def forget_owners(self) -> None:
-        """A protrain_fx.optim.AdamW was built over some of the parameters: look the chunks' optimizers up again."""
-        self._owners.clear()
-
-    def check_owners(self) -> None:
-        """Raise now where a chunk holds parameters of several optimizers (`optimizer_of`)."""
-        for chunk in range(self.layout.n_chunk):
-            self.optimizer_of(chunk)
-
-    @property
-    def optimizers(self) -> list:
-        """The protrain_fx.optim.AdamW optimizers stepping this model's chunks."""
-        found = {}
-        for chunk in range(self.layout.n_chunk):
-            owner = self.optimizer_of(chunk)
-            if owner is not None:
-                found[id(owner)] = owner
-        return list(found.values())
-
     @property
     def skips_nonfinite(self) -> bool:
         """A step with an inf or NaN gradient is skipped (on every rank), not an error (`skips_nonfinite`)."""
-        return self.edits.torch_scaled or any(skips_nonfinite(o, self.dtype) for o in self.optimizers or [None])
+        return self.edits.torch_scaled or any(skips_nonfinite(o, self.dtype) for o in self.owners.all() or [None])
 
     @property
     def waits_for_edits(self) -> bool:
         """Gradients or hyperparameters may change between backward() and step(), or the step be skipped there: seen
         at a step (`edits.after_backward`), or said at the start (`AdamW(..., edits_after_backward=True)`)."""
-        return self.edits.after_backward or any(o.edits_after_backward for o in self.optimizers)
+        return self.edits.after_backward or any(o.edits_after_backward for o in self.owners.all())
 
     @property
     def defer_updates(self) -> bool:
@@ -162,12 +114,7 @@ class UpdatesMixin:
 
     def _update_now(self, chunk: int) -> bool:
         """Whether an offloaded chunk whose gradient is complete starts its host update now."""
-        if (
-            self.optimizer_of(chunk) is None
-            or self.skips_nonfinite
-            or self.step_state.first
-            or chunk in self.eager_chunks
-        ):
+        if self.owners.of(chunk) is None or self.skips_nonfinite or self.step_state.first or chunk in self.eager_chunks:
             return False
         return not self.waits_for_edits or (
             chunk >= self.layout.n_chunk - self.edits.n_clip_overlap and self.speculates
@@ -201,8 +148,8 @@ class UpdatesMixin:
 
     def _start_update(self, chunk: int, **kwargs) -> Callable[[], None]:
         """The chunk's update, to run now (during the backward), with the hyperparameters of this moment."""
-        owner = self.optimizer_of(chunk)
-        self._hyper_used[chunk] = owner.hyperparameters()
+        owner = self.owners.of(chunk)
+        self.hyper.started(chunk, owner.hyperparameters())
         return owner.chunk_update(self, chunk, **kwargs)
 
     def _update_on_arrival(self, chunk: int, found: torch.Tensor) -> tuple[Callable[[], None] | None, bool]:
@@ -237,16 +184,16 @@ class UpdatesMixin:
                     start = time.perf_counter()
                     update()
                     if not speculative:  # (one kept for undoing is read again if the clip applies)
-                        self.host_updates.append((self.master[chunk].numel(), time.perf_counter() - start))
+                        self.host_updates.timed(self.master[chunk].numel(), time.perf_counter() - start)
                         self.host_grads.give_back(chunk)
 
         if update is not None and not speculative and self.shares_grads:
             self.host_grads.giving.add(chunk)
-        self._pending[chunk] = self._host.submit(chunk, copied, take_in)
+        self.host_updates.submit(chunk, copied, take_in)
 
     def _wait_for_a_give_back(self) -> bool:
         """Wait for a queued host update that gives its gradient shard back; False where none is queued."""
-        giving = [c for c in self._pending if c in self.host_grads.giving]
+        giving = [c for c in self.host_updates.queued() if c in self.host_grads.giving]
         if not giving:
             return False
         self.wait_for_update(giving[0])
@@ -262,15 +209,14 @@ class UpdatesMixin:
         (`_join_at_end`), so what runs after it reads the new values. Like an offloaded chunk's update, it skips
         itself if a gradient of the step so far is inf or NaN."""
         if (
-            self.optimizer_of(chunk) is None
+            self.owners.of(chunk) is None
             or self.defer_updates  # (clipped: GPU memory is not spent on undoing them, they update in step())
             or chunk in self.eager_chunks
             or not self._complete(chunk)
         ):
             return
         self.step_state.start(chunk, early=True)
-        found = self._found_early[chunk]
-        found.copy_(self.found_inf[0])  # as of now: later gradients' flags do not reach this update
+        found = self.nonfinite.early(chunk)  # as of now: later gradients' flags do not reach this update
         update = self._start_update(chunk, found_inf=found)
         stream = self._optim_stream
         if stream is None:
@@ -323,7 +269,7 @@ class UpdatesMixin:
 
         if self.shares_grads:
             self.host_grads.giving.add(chunk)
-        self._pending[chunk] = self._host.submit(chunk, None, update_and_give_back)
+        self.host_updates.submit(chunk, None, update_and_give_back)
 
     def end_step(self, owner=None) -> None:
         """After `owner`'s step (an AdamW; None: every chunk's step is over): its chunks' next gradient starts a new
@@ -331,9 +277,9 @@ class UpdatesMixin:
         gradient has stepped, the step is over."""
         chunks = set(range(self.layout.n_chunk))
         if owner is not None:
-            chunks = {c for c in chunks if self.optimizer_of(c) is owner}
+            chunks = {c for c in chunks if self.owners.of(c) is owner}
             self.step_state.optimizers_stepped.add(id(owner))
-            self._hyper_at_backward.pop(id(owner), None)
+            self.hyper.stepped(id(owner))
         self.join_early_updates()
         self.step_state.join_queued = False  # (a backward that raised ran no final callback)
         for chunk in sorted(
@@ -341,38 +287,32 @@ class UpdatesMixin:
         ):  # the parameters take the masters updated during the backward
             self.step_state.early.discard(chunk)
             self.publish(chunk)
-        self.arrivals_stepped(chunks, first=self.step_state.first)
-        for chunk in chunks & self._hyper_used.keys():
-            del self._hyper_used[chunk]
+        self.arrivals.stepped(chunks, first=self.step_state.first)
+        self.hyper.ended(chunks)
         self.step_grads.forget_norms(chunks)
         self.step_state.ended(chunks)
         waiting = {
-            id(o) for c in self.step_grads.chunks if (o := self.optimizer_of(c)) is not None
+            id(o) for c in self.step_grads.chunks if (o := self.owners.of(c)) is not None
         } - self.step_state.optimizers_stepped
         if self.step_state.in_window and (owner is None or not waiting):
-            self.found_inf.zero_()
+            self.nonfinite.step_over()
             self.outside.take_back(all_of_them=True)  # (parameters lent to a forward outside the graphs: stale now)
             self.step_state.close(had_grads=bool(self.step_grads.chunks))
-            self._hyper_at_backward.clear()
+            self.hyper.closed()
 
     def wait_for_update(self, chunk: int | None = None) -> None:
         """Block until the CPU optimizer step of `chunk` (of every chunk if None) is done; a persistent chunk's
         update during the backward is waited for on the device (the current stream waits for it)."""
         if chunk is None or chunk < self.n_persist:
             self.join_early_updates()
-        for c in [chunk] if chunk is not None else list(self._pending):
-            future = self._pending.pop(c, None)
-            if future is not None:
-                future.result()
+        self.host_updates.wait(chunk)
 
     def unstepped(self, owner=None) -> list[int]:
         """Chunks with a gradient this step whose update has not started (updates deferred to the step, a frame
         reducing into them did not run its backward, or the optimizer was not known yet), of `owner` (an AdamW;
         None: of any): its `step()` steps them."""
         return sorted(
-            c
-            for c in self.step_grads.chunks - self.step_state.started
-            if owner is None or self.optimizer_of(c) is owner
+            c for c in self.step_grads.chunks - self.step_state.started if owner is None or self.owners.of(c) is owner
         )
 
     def updates_started(self, *, undoable: bool = True) -> list[int]:
@@ -383,16 +323,16 @@ class UpdatesMixin:
     def committed_updates(self, chunks: Iterable[int]) -> list[int]:
         """Chunks of the optimizers stepping `chunks` whose update started during this step's backward and cannot be
         undone (no copy kept: not `speculates`), their optimizer's `step()` not run yet."""
-        owners = {id(o) for c in chunks if (o := self.optimizer_of(c)) is not None}
+        owners = {id(o) for c in chunks if (o := self.owners.of(c)) is not None}
         return sorted(
-            c for c in self.step_state.started - self.step_state.speculative if id(self.optimizer_of(c)) in owners
+            c for c in self.step_state.started - self.step_state.speculative if id(self.owners.of(c)) in owners
         )
 
     def started_with(self, owner) -> list[dict] | None:
         """The hyperparameters with which `owner`'s updates that cannot be undone started during this step's
         backward (`committed_updates`); None where none did."""
-        started = self.committed_updates(c for c in range(self.layout.n_chunk) if self.optimizer_of(c) is owner)
-        return self._hyper_used[started[0]] if started else None
+        started = self.committed_updates(c for c in range(self.layout.n_chunk) if self.owners.of(c) is owner)
+        return self.hyper.used(started[0]) if started else None
 
     def refuse_edit(self, what: str, chunks: Iterable[int]) -> None:
         """`what` would change the gradients of `chunks` (between backward() and step()): a RuntimeError, before
@@ -418,7 +358,7 @@ class UpdatesMixin:
         as zeros: `set_to_none` False), as `zero_grad()` would. Returns the error to raise, which says so; later
         steps wait for `step()`, so that a later skip is exact."""
         started = self.committed_updates(chunks)
-        owners = {id(o): o for c in started if (o := self.optimizer_of(c)) is not None}
+        owners = {id(o): o for c in started if (o := self.owners.of(c)) is not None}
         self.edits.note_edit(what)
         self.step_state.keeping = True
         try:
@@ -426,7 +366,7 @@ class UpdatesMixin:
                 owner.step_as_at_backward()
         finally:
             self.step_state.keeping = False
-        for chunk in sorted(c for c in self.step_grads.chunks if id(self.optimizer_of(c)) in owners):
+        for chunk in sorted(c for c in self.step_grads.chunks if id(self.owners.of(c)) in owners):
             if set_to_none:
                 for i in self._chunk_params[chunk]:
                     self.params[i].grad = None
@@ -443,7 +383,7 @@ class UpdatesMixin:
 
     def carried_scale(self) -> float | None:
         """The loss scale the gradients carry, as announced by `protrain_fx.amp.GradScaler.unscale_`."""
-        return next((o.carried_scale for o in self.optimizers if o.carried_scale is not None), None)
+        return next((o.carried_scale for o in self.owners.all() if o.carried_scale is not None), None)
 
     def note_hyperparameter_set(self, owner, key: str) -> None:
         """`owner`'s hyperparameter `key` was set: between the backward and `owner`'s step, its updates must see
@@ -451,21 +391,16 @@ class UpdatesMixin:
         if (
             self.step_state.in_window
             and id(owner) not in self.step_state.optimizers_stepped
-            and any(self.optimizer_of(c) is owner for c in self.step_grads.chunks)
+            and any(self.owners.of(c) is owner for c in self.step_grads.chunks)
         ):
             self.edits.note_edit(f"the optimizer's {key!r} set")
-
-    def note_hyperparameters_at_backward(self, owner) -> None:
-        """A gradient of `owner`'s chunks arrives: its hyperparameters of this moment are those its step compares
-        against (`check_hyperparameters`)."""
-        self._hyper_at_backward[id(owner)] = owner.hyperparameters()
 
     def check_hyperparameters(self, owner, now: list[dict]) -> None:
         """At `owner`'s step: hyperparameters changed since its chunks' gradients arrived apply to this step, as in
         torch's AdamW (the updates started with the old ones are undone, where they can be)."""
-        seen = self._hyper_at_backward.get(id(owner))
-        stale = [c for c, used in self._hyper_used.items() if self.optimizer_of(c) is owner and used != now]
-        if (seen is not None and seen != now) or stale:
+        mine = [c for c in range(self.layout.n_chunk) if self.owners.of(c) is owner]
+        changed, stale = self.hyper.changed(id(owner), now, mine)
+        if changed:
             self.edits.note_edit("hyperparameters (lr, betas, eps, weight_decay) set")
             self.edits.check_not_started(stale, "hyperparameters (lr, betas, eps, weight_decay) set after the backward")
 
@@ -474,6 +409,6 @@ class UpdatesMixin:
         master and AdamW states they had, and `AdamW.step()` updates them again from the clipped gradients."""
         self.wait_for_update()
         for chunk in sorted(self.step_state.speculative):
-            self.optimizer_of(chunk).restore(self, chunk)
+            self.owners.of(chunk).restore(self, chunk)
             self.publish(chunk)  # (the master changed again: a buffered copy is stale)
             self.step_state.undone(chunk)

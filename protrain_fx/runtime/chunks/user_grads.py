@@ -158,7 +158,7 @@ class GradAccessMixin:
                 self.wait_for_update(chunk)  # (its copy to the host landed)
             what = f"dropping the gradient of {self.slots[dropped[0]].name!r}"
             self.edits.check_not_started([chunk], what)
-            owner = self.optimizer_of(chunk)
+            owner = self.owners.of(chunk)
             if self.step_state.in_window and owner is not None and id(owner) not in self.step_state.optimizers_stepped:
                 self.edits.note_edit(what)  # (between its backward and its step)
             self._drop(chunk, dropped)
@@ -224,7 +224,7 @@ class GradAccessMixin:
             piece = self._piece(i)
             lo, hi = self.local_range(i)
             piece.add_(plain.reshape(-1)[lo:hi].view(piece.shape).to(piece.device))
-            self._check_finite([piece])
+            self.nonfinite.check([piece])
 
     def zero_grad(self) -> None:
         """After the parameters' `.grad` were set to None (by an optimizer's `zero_grad`): the chunks forget those
