@@ -88,10 +88,16 @@ def _fewer_collections():
     """The collector runs less often for the session, then as before: tracing and compiling make objects by the
     million, and with Python's default thresholds a full collection, over every object the imported torch,
     transformers and sympy hold, ran every few hundred thousand of them. Objects still go once they are no longer
-    referenced, cycles at the next collection; tests that need one run it."""
+    referenced, cycles at the next collection; tests that need one run it. Dynamo's collection after each compile
+    is off too (spawned ranks included), unless $TORCH_DYNAMO_RUN_GC_AFTER_COMPILE says otherwise."""
     thresholds = gc.get_threshold()
     collect_less()
-    yield
+    if "TORCH_DYNAMO_RUN_GC_AFTER_COMPILE" in os.environ:
+        yield
+    else:
+        with pytest.MonkeyPatch.context() as patch, torch._dynamo.config.patch(run_gc_after_compile=False):
+            patch.setenv("TORCH_DYNAMO_RUN_GC_AFTER_COMPILE", "0")  # (the started processes read it at import)
+            yield
     gc.set_threshold(*thresholds)
 
 
