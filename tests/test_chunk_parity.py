@@ -282,7 +282,8 @@ def test_zero_grad_after_the_step_leaves_the_host_updates_running(monkeypatch, p
     running = []
 
     def after_step(step):  # just after zero_grad: how many host updates of the step are still queued or running
-        running.append(sum(not f.done() for f in protrain_fx.manager_of(model)._pending.values()))
+        updates = protrain_fx.manager_of(model).host_updates
+        running.append(sum(updates.pending(c) for c in updates.queued()))
 
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2)

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import re
+import types
 
 import models
 import pytest
@@ -233,8 +234,8 @@ def test_a_host_adamw_far_from_its_profile_is_reported(caplog):
     rates = {"host_adam_s_per_param": 2e-10, "host_adam_both_s_per_param": 3.5e-10}
     hardware = dataclasses.replace(hardware_profile(torch.device("cpu")), **rates)
 
-    class Manager:  # (held weakly, as the model's ChunkManager)
-        host_updates = collections.deque([(100, 100 * 2.5e-10)] * 3)
+    class Manager:  # (held weakly, as the model's ChunkManager; its worker thread's timings, runtime/chunks)
+        host_updates = types.SimpleNamespace(timings=collections.deque([(100, 100 * 2.5e-10)] * 3))
 
     manager = Manager()
     monitor = StepMonitor(torch.device("cuda"), Plan(), None, manager=manager, hardware=hardware)
@@ -246,8 +247,8 @@ def test_a_host_adamw_far_from_its_profile_is_reported(caplog):
         "profiled_host_adam_s_per_param": [2e-10, 3.5e-10],
     }
     assert not caplog.records
-    manager.host_updates.clear()
-    manager.host_updates.extend([(100, 100 * 3.5e-10 * HOST_RATE_SLACK * 2)] * 3)  # twice past the slack
+    manager.host_updates.timings.clear()
+    manager.host_updates.timings.extend([(100, 100 * 3.5e-10 * HOST_RATE_SLACK * 2)] * 3)  # twice past the slack
     with caplog.at_level("WARNING"):
         monitor._host_adam()
     assert "measure it again: delete the cached profiles under" in caplog.text
