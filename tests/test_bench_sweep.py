@@ -1,8 +1,6 @@
 """bench sweep and maxsize: the bisection finds the largest trainable size; a sweep runs on CPU at tiny sizes."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -52,32 +50,33 @@ def test_maxsize_report_keeps_why_a_size_failed(tmp_path, monkeypatch):
     assert tried == {32: (True, None, 2), 40: (False, "worker exited with code -9", None)}
 
 
-def test_sweep_on_cpu(tmp_path):
+def test_sweep_on_cpu(tmp_path, capsys):
+    """The command's own code in this process (`python -m bench` calls `main`), each size's worker a process."""
+    from bench.cli import main
+
     out = tmp_path / "sweep.json"
     tiny = "--hidden 32 --layers 2 --intermediate 64 --heads 4 --vocab 96 --seq 16 --steps 1 --warmup 0 --dtype float32"
-    cmd = [sys.executable, "-m", "bench", "sweep", "--systems", "eager", "--batches", "1,2", *tiny.split()]
-    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "best tokens/s" in proc.stdout and "eager" in proc.stdout
+    assert main(["sweep", "--systems", "eager", "--batches", "1,2", *tiny.split(), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "best tokens/s" in printed and "eager" in printed
     results = json.loads(out.read_text())["results"]["eager"]
     assert set(results) == {"1", "2"} and all(r["tokens_per_s"] > 0 for r in results.values())
 
 
-def test_scaling_on_two_cpu_ranks(tmp_path):
+def test_scaling_on_two_cpu_ranks(tmp_path, capsys):
     """protrain-chunks under torchrun with 2 gloo ranks: the total tokens/s and the efficiency against 1 rank. A
-    system that trains each rank alone is refused before any worker starts (checked in this process)."""
+    system that trains each rank alone is refused before any worker starts."""
     from bench.cli import main
 
     out = tmp_path / "scaling.json"
     tiny = "--hidden 32 --layers 2 --intermediate 64 --heads 4 --vocab 96 --seq 16 --steps 2 --warmup 1 --dtype float32"
-    cmd = [sys.executable, "-m", "bench", "scaling", "--systems", "protrain-chunks", "--gpus", "1,2", *tiny.split()]
-    proc = subprocess.run([*cmd, "--executor", "eager", "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    argv = ["scaling", "--systems", "protrain-chunks", "--gpus", "1,2", *tiny.split()]
+    assert main([*argv, "--executor", "eager", "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]["protrain-chunks"]
     assert [results[n]["world_size"] for n in ("1", "2")] == [1, 2]
-    assert "%)" in proc.stdout.splitlines()[-1]
+    assert "%)" in capsys.readouterr().out.splitlines()[-1]
     with pytest.raises(SystemExit, match="train each rank alone"):
-        main([*cmd[3:5], "eager", *cmd[6:]])
+        main([*argv[:2], "eager", *argv[3:]])
 
 
 def test_plot_of_compare_reports(tmp_path):
