@@ -145,5 +145,7 @@ def chunk_grads(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in getattr(model, "_orig_mod", model).named_parameters():
         slot = manager.slot_of(p)
-        out[name] = manager.grad[slot.chunk][slot.offset : slot.offset + slot.numel].view(p.shape).to("cpu", copy=True)
+        out[name] = (
+            manager.storage.grad[slot.chunk][slot.offset : slot.offset + slot.numel].view(p.shape).to("cpu", copy=True)
+        )
     return out

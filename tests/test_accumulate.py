@@ -226,4 +226,4 @@ def test_shared_gradient_buffers_forced_above_the_chunks_hold_in_every_graph():
     losses = train(torch.compile(model, backend=backend), "qwen2", 2, opt=opt)
     assert losses == train(ref, "qwen2", 2) and len(backend.graphs) > 1
     manager = protrain_fx.manager_of(model)
-    assert manager.grad_slots == manager.layout.n_chunk - manager.n_persist
+    assert manager.storage.grad_slots == manager.layout.n_chunk - manager.n_persist

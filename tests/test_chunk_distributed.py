@@ -106,7 +106,7 @@ def _meta_worker(rank, world, rendezvous, errors):
         protrain_fx.prepare(model, device="cpu", init=init)
         manager = protrain_fx.manager_of(model)
         shard = manager.layout.shard_elems  # each rank holds its own shard of every master, not the model
-        assert manager.pending_plan == {} and all(m.numel() == shard for m in manager.master.values())
+        assert manager.pending_plan == {} and all(m.numel() == shard for m in manager.storage.master.values())
         options = {"executor": "eager", "gpu_memory_bytes": int(ample.predicted_reserved_bytes * 0.8)}
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)

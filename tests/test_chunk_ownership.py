@@ -26,9 +26,9 @@ MUTATORS = {
     "difference_update",
     "setdefault",
 }
-# where the chunks are: the manager's construction sets the plan's counts (or the plan a pending manager waits for),
-# placement changes them when it places the chunks (`place`, `place_again`)
-SHARED = {name: {"__init__.py", "placement.py"} for name in ("n_persist", "n_buffer", "pending_plan")}
+# the manager's construction sets the plan's buffer count (and the plan a pending manager waits for), placement changes
+# them when it places the chunks (`place`, `place_again`); the persistent chunks' count is the storage's, set by `build`
+SHARED = {name: {"__init__.py", "placement.py"} for name in ("n_buffer", "pending_plan")}
 
 
 def _self_attr(node: ast.AST) -> str | None:

@@ -94,8 +94,8 @@ def test_bfloat16_masters_train_as_torch_adamw_over_the_bfloat16_model(device, p
     ref, model, backend = run("llama", plan, device=device, dtype=torch.bfloat16, optimizers=optimizers)
     manager = protrain_fx.manager_of(model)
     assert backend.graphs[0].plan.master_dtype == "bfloat16" and manager.master_dtype == torch.bfloat16
-    assert all(manager.master[c] is manager.flat[c] for c in range(manager.n_persist))
-    assert all(g.dtype == torch.bfloat16 for g in manager._device_grads)
+    assert all(manager.storage.master[c] is manager.storage.flat[c] for c in range(manager.n_persist))
+    assert all(g.dtype == torch.bfloat16 for g in manager.storage.device_grads.owned)
     state = protrain_fx.full_state_dict(model)
     for name, value in ref.state_dict().items():
         assert torch.equal(state[name], value.cpu()), name
@@ -120,7 +120,7 @@ def test_the_cost_model_counts_what_the_chunks_hold(master_dtype):
     assert costs.master_bytes == manager.master_bytes
     assert device_bytes_held(manager, states) == costs.state_bytes(config)
     offloaded = range(manager.n_persist, manager.layout.n_chunk)
-    host = manager.arena.numel() + sum(nbytes(states[c]) for c in offloaded)
+    host = manager.storage.arena.numel() + sum(nbytes(states[c]) for c in offloaded)
     # (the model counts a shard's AdamW states over its padding too: one rank's shard of several ranks' may hold it)
     padding = sum(manager.layout.shard_elems - costs.chunk_params[c] for c in offloaded)
     assert host == costs.host_bytes(config) - padding * 2 * manager.master_bytes
@@ -138,9 +138,11 @@ def device_bytes_held(manager, states) -> int:
     """The device bytes of the model states `manager` holds: its chunks, gradient, chunk and reduce buffers
     (with their shards across ranks), masters, and the persistent chunks' AdamW `states` (chunk -> tensors)."""
     persistent = range(manager.n_persist)
-    device = [*manager.flat.values(), *manager._device_grads, *manager.gathering.device_tensors()]
+    device = [*manager.storage.flat.values(), *manager.storage.device_grads.owned, *manager.gathering.device_tensors()]
     device += manager.reduce_buffers.device_tensors()
-    device += [manager.master[c] for c in persistent if manager.master[c] is not manager.flat[c]]
+    device += [
+        manager.storage.master[c] for c in persistent if manager.storage.master[c] is not manager.storage.flat[c]
+    ]
     return sum(t.numel() * t.element_size() for t in [*device, *(t for c in persistent for t in states[c])])
 
 
@@ -153,7 +155,7 @@ def test_offloaded_parameters_hold_no_storage_and_arena_is_exact():
     assert offloaded and all(p.untyped_storage().nbytes() == 0 for p in offloaded)
     # fp32 parameters (= master) and fp32 gradient: the gradient is copied straight into its shard
     per_chunk = manager.layout.shard_elems * (4 + 4)
-    assert manager.arena.numel() == per_chunk * (manager.layout.n_chunk - manager.n_persist)
+    assert manager.storage.arena.numel() == per_chunk * (manager.layout.n_chunk - manager.n_persist)
     assert len(manager.gathering.buffers) == 1
 
 
@@ -256,10 +258,10 @@ def test_offloaded_chunks_share_the_host_gradient_shards_of_the_plan(monkeypatch
     manager = protrain_fx.manager_of(model)
     manager.wait_for_update()
     n = manager.layout.n_chunk
-    assert n > 1 and (manager.n_persist, manager.grad_slots) == (0, 1)
-    assert manager.arena.numel() == manager.layout.shard_elems * 4 * (n + 1)
+    assert n > 1 and (manager.n_persist, manager.storage.grad_slots) == (0, 1)
+    assert manager.storage.arena.numel() == manager.layout.shard_elems * 4 * (n + 1)
     assert sum("gradients" in what for what in asked) == n - 1, asked
-    assert len(manager._free_grads) == 1 and not manager.grad
+    assert len(manager.storage.host_grads.free) == 1 and not manager.storage.grad
 
 
 @pytest.mark.parametrize("plan", [PLANS["in-between"], SHARED_GRADIENTS], ids=["own-shards", "shared-shards"])
@@ -459,7 +461,7 @@ def updates_during_the_backward_equal_updates_in_step(device: str = "cpu", maste
             read_directly = {n: p.detach().cpu() for n, p in model.named_parameters() if manager.is_persistent(p)}
             opt.step()
             # a shared buffer is free again (a step's own is let go), however the chunks were updated
-            assert not manager.shares_device_grads or len(manager._free_device_grads) == 1
+            assert not manager.storage.shares_device_grads or len(manager.storage.device_grads.free) == 1
             opt.zero_grad()
         weights = protrain_fx.full_state_dict(model)
         if not clip and rank_and_world_size()[1] == 1:
@@ -511,8 +513,8 @@ def test_shared_host_gradient_shards_train_as_one_each():
         runs.append((losses, protrain_fx.full_state_dict(model), manager))
         torch._dynamo.reset()
     (losses, state, each), (shared_losses, shared_state, shared) = runs
-    assert (each.grad_slots, shared.grad_slots) == (each.layout.n_chunk, 1) and each.layout.n_chunk >= 2
-    assert shared.arena.is_pinned() and len(shared._free_grads) == 1
+    assert (each.storage.grad_slots, shared.storage.grad_slots) == (each.layout.n_chunk, 1) and each.layout.n_chunk >= 2
+    assert shared.storage.arena.is_pinned() and len(shared.storage.host_grads.free) == 1
     assert shared_losses == losses
     assert all(torch.equal(shared_state[k], v) for k, v in state.items())
 
@@ -544,5 +546,5 @@ def test_chunk_buffers_allocated_once():
     compiled(input_ids=ids, labels=ids).loss.backward()
     assert [b.data_ptr() for b in manager.gathering.buffers] == pointers
     assert allocated[2] == allocated[3] == allocated[4], allocated
-    assert manager.arena.is_pinned()
+    assert manager.storage.arena.is_pinned()
     print(f"chunks {manager.layout.n_chunk} x {manager.layout.chunk_bytes / 2**20:.1f} MiB, allocated {allocated}")

@@ -126,8 +126,8 @@ def test_grad_reduce_pass_hands_gradients_over():
     )
     bw = grad_reduce_pass(bw, ctx)
     assert bw(torch.ones(8, 4), torch.ones(3, 8)) == (None, None)
-    assert torch.equal(manager.grad[0][:32], torch.full((32,), 2.0)) and torch.equal(
-        manager.grad[0][32:56], torch.full((24,), 2.0)
+    assert torch.equal(manager.storage.grad[0][:32], torch.full((32,), 2.0)) and torch.equal(
+        manager.storage.grad[0][32:56], torch.full((24,), 2.0)
     )
 
 

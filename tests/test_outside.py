@@ -15,6 +15,19 @@ from protrain_fx.runtime.chunks.step_state import StepState
 ELEMS = 8
 
 
+class Memory:
+    """A ChunkMemory of one rank: chunk 0's parameters flat in `flat[0]`, each chunk's master in `master`."""
+
+    def __init__(self, flat: dict[int, torch.Tensor], master: dict[int, torch.Tensor]):
+        self.flat, self.master = flat, master
+
+    def is_sharded(self, chunk: int) -> bool:
+        return False
+
+    def shard_bounds(self) -> tuple[int, int]:
+        return 0, ELEMS
+
+
 class Chunks:
     """A ChunkValues: chunk 0's parameters view `flat[0]` (master: a float64 copy), chunk 1's hold no storage (its
     master on the host holds 10 + the element's index). Publishes, waits and updates moved to the step are noted."""
@@ -24,11 +37,14 @@ class Chunks:
         self.layout = ChunkLayout(chunk_elems=ELEMS, element_size=4, world_size=1, slots=tuple(slots), n_chunk=2)
         self.slots, self.n_persist, self.world_size, self.own_master = slots, 1, 1, own_master
         self.device, self.dtype, self.step_state = torch.device("cpu"), torch.float32, StepState()
-        self.flat = {0: torch.arange(ELEMS, dtype=torch.float32)}
+        flat = {0: torch.arange(ELEMS, dtype=torch.float32)}
         master_dtype = torch.float32 if own_master else torch.float64
-        self.master = {0: self.flat[0] if own_master else self.flat[0].to(master_dtype), 1: 10.0 + torch.arange(ELEMS)}
-        self.master[1] = self.master[1].to(master_dtype)
-        self.params = [nn.Parameter(self.flat[0][a : a + 4]) for a in (0, 4)]
+        master = {
+            0: flat[0] if own_master else flat[0].to(master_dtype),
+            1: (10.0 + torch.arange(ELEMS)).to(master_dtype),
+        }
+        self.storage = Memory(flat, master)
+        self.params = [nn.Parameter(flat[0][a : a + 4]) for a in (0, 4)]
         for _ in range(2):
             p = nn.Parameter(torch.empty(4))
             p.untyped_storage().resize_(0)
@@ -41,12 +57,6 @@ class Chunks:
     def is_persistent(self, p: nn.Parameter) -> bool:
         return self.slots[self.index[id(p)]].chunk < self.n_persist
 
-    def is_sharded(self, chunk: int) -> bool:
-        return False
-
-    def shard_bounds(self) -> tuple[int, int]:
-        return 0, ELEMS
-
     def wait_for_update(self, chunk: int | None = None) -> None:
         self.waited.append(chunk)
 
@@ -56,7 +66,7 @@ class Chunks:
     def publish(self, chunk: int) -> None:
         self.published.append(chunk)
         if chunk < self.n_persist and not self.own_master:
-            self.flat[chunk].copy_(self.master[chunk])
+            self.storage.flat[chunk].copy_(self.storage.master[chunk])
 
     def update_in_step(self, chunk: int) -> None:
         self.in_step.add(chunk)
@@ -83,11 +93,15 @@ def test_a_value_loaded_goes_into_the_master_and_is_published():
     chunks = Chunks()
     outside = Outside(chunks)
     outside.load_param(1, torch.full((4,), -1.0))
-    assert chunks.master[0][4:].eq(-1).all() and chunks.flat[0][4:].eq(-1).all() and chunks.published == [0]
+    assert (
+        chunks.storage.master[0][4:].eq(-1).all()
+        and chunks.storage.flat[0][4:].eq(-1).all()
+        and chunks.published == [0]
+    )
     outside.lend([2], for_backward=False)
     outside.load_param(2, torch.full((4,), -2.0))  # (lent: its own storage takes the value too)
-    assert chunks.master[1][:4].eq(-2).all() and chunks.params[2].detach().eq(-2).all()
-    assert chunks.published == [0, 1] and chunks.master[1][4:].eq(torch.tensor([14.0, 15, 16, 17])).all()
+    assert chunks.storage.master[1][:4].eq(-2).all() and chunks.params[2].detach().eq(-2).all()
+    assert chunks.published == [0, 1] and chunks.storage.master[1][4:].eq(torch.tensor([14.0, 15, 16, 17])).all()
 
 
 def test_writes_into_a_persistent_parameter_go_into_its_master_once():
@@ -97,10 +111,10 @@ def test_writes_into_a_persistent_parameter_go_into_its_master_once():
     with torch.no_grad():
         chunks.params[0].mul_(2)
     outside.take_writes()
-    assert torch.equal(chunks.master[0][:4], torch.tensor([0.0, 2, 4, 6], dtype=torch.float64))
-    chunks.master[0][:4] = 5  # (an update of the master since: no write of the parameter takes it back)
+    assert torch.equal(chunks.storage.master[0][:4], torch.tensor([0.0, 2, 4, 6], dtype=torch.float64))
+    chunks.storage.master[0][:4] = 5  # (an update of the master since: no write of the parameter takes it back)
     outside.take_writes()
-    assert chunks.master[0][:4].eq(5).all()
+    assert chunks.storage.master[0][:4].eq(5).all()
 
 
 def test_parameters_that_are_their_own_master_are_not_tracked():
@@ -110,7 +124,7 @@ def test_parameters_that_are_their_own_master_are_not_tracked():
     with torch.no_grad():
         chunks.params[0].add_(1)  # (the master itself)
     outside.take_writes()
-    assert chunks.master[0][:4].eq(torch.tensor([1.0, 2, 3, 4])).all()
+    assert chunks.storage.master[0][:4].eq(torch.tensor([1.0, 2, 3, 4])).all()
 
 
 def test_what_the_graphs_read_is_not_lent_and_only_after_the_first_step():
@@ -131,7 +145,7 @@ def test_full_values_per_chunk_and_every_parameter_whole():
     chunks = Chunks()
     outside = Outside(chunks)
     assert torch.equal(outside.full_values(0), torch.arange(ELEMS, dtype=torch.float32))
-    chunks.master[0].add_(100)  # (updated during the backward: the master is current, the parameters not yet)
+    chunks.storage.master[0].add_(100)  # (updated during the backward: the master is current, the parameters not yet)
     chunks.step_state.early.add(0)
     assert torch.equal(outside.full_values(0), 100.0 + torch.arange(ELEMS))
     values = dict((id(p), v) for p, v in outside.full_params())

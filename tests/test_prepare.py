@@ -117,7 +117,7 @@ def test_placing_counts_the_host_masters_it_frees(monkeypatch):
     n_chunk, shard = manager.layout.n_chunk, manager.layout.shard_elems * 4
     persist, offloaded = n_chunk // 2, n_chunk - n_chunk // 2
     assert persist >= 3 and manager.pending_plan is not None
-    prepared = [weakref.ref(m) for m in manager.master.values()]
+    prepared = [weakref.ref(m) for m in manager.storage.master.values()]
     # the simulated host: room for the offloaded masters, their AdamW states and a gradient shard each, less the
     # masters prepare filled while they live
     room = shard * offloaded * 4 + shard // 2
@@ -288,7 +288,7 @@ Path("/proc/self/clear_refs").write_text("5")  # (the peak so far: from here)
 before = rss_peak()
 protrain_fx.prepare(model, weights=sys.argv[1], device="cpu")
 manager = protrain_fx.manager_of(model)
-chunks = sum(m.untyped_storage().nbytes() for m in manager.master.values()) + manager.arena.numel()
+chunks = sum(m.untyped_storage().nbytes() for m in manager.storage.master.values()) + manager.storage.arena.numel()
 print(json.dumps({"grew": (rss_peak() - before) * 1024, "chunks": chunks}))
 """
 
@@ -427,12 +427,12 @@ def test_a_waiting_managers_host_arena_is_let_go_when_placed():
 
     model = protrain_fx.prepare(models.build("llama", layers=4).to(torch.bfloat16))
     manager = protrain_fx.manager_of(model)
-    waiting = weakref.ref(manager.arena)
+    waiting = weakref.ref(manager.storage.arena)
     opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend="protrain", dynamic=False)
     compiled(**{k: v.cuda() for k, v in models.batch("llama").items()}).loss.backward()
     opt.step()
-    assert manager.pending_plan is None and manager.arena is not waiting()
+    assert manager.pending_plan is None and manager.storage.arena is not waiting()
     gc.collect()
     assert waiting() is None
 

@@ -233,11 +233,11 @@ def test_a_switch_lets_go_of_the_old_gradient_buffers():
     backend = protrain_fx.ProTrainBackend({"executor": "eager", "plan": {"n_swap": 0}, "replan": "off"})
     _train(torch.compile(model, backend=backend, dynamic=False), opt, 2)
     manager = model_manager(model)
-    old = [weakref.ref(t) for t in manager.device_grads.owned]
+    old = [weakref.ref(t) for t in manager.storage.device_grads.owned]
     assert len(old) == manager.n_persist > 1
     assert manager.place_again(manager.n_persist, manager.n_buffer, None, 1)
     gc.collect()
-    assert manager.device_grad_slots == 1 and not [ref for ref in old if ref() is not None]
+    assert manager.storage.device_grad_slots == 1 and not [ref for ref in old if ref() is not None]
 
 
 PROFILED_ALPHA = 1.25  # as a profile on demand measures it (docs/limitations.md: 1.27 for a 5.5B model)
@@ -525,7 +525,7 @@ def _switch_on_cuda(device: str, forced: dict, fields: dict, rank: int = 0) -> N
     assert all(p is first for p in plans[:SWITCH_AT]) and all(p is last for p in plans[SWITCH_AT:]), f"rank {rank}"
     assert all(getattr(last, k) == v for k, v in {**forced, **fields}.items()), f"rank {rank}: {first} then {last}"
     manager = model_manager(model)
-    assert (manager.n_persist, manager.device_grad_slots) == (last.n_persist, last.device_grad_slots)
+    assert (manager.n_persist, manager.storage.device_grad_slots) == (last.n_persist, last.device_grad_slots)
     state = protrain_fx.full_state_dict(model)  # (a collective on several ranks)
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(state[name], value.cpu(), rtol=0, atol=STEPS * 1e-2, msg=f"rank {rank}: {name}")

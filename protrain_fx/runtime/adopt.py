@@ -326,7 +326,9 @@ def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str
         actual.update({k: v for k, v in manager.pending_plan.items() if k not in actual})
     else:
         actual.update(
-            n_persist=manager.n_persist, host_grad_slots=manager.grad_slots, device_grad_slots=manager.device_grad_slots
+            n_persist=manager.n_persist,
+            host_grad_slots=manager.storage.grad_slots,
+            device_grad_slots=manager.storage.device_grad_slots,
         )
         if manager.n_buffer:
             actual["n_buffer"] = manager.n_buffer

@@ -101,9 +101,9 @@ def _gradient_pieces(model: nn.Module, manager, without: set[int] = frozenset())
             if chunk >= manager.n_persist:
                 manager.wait_for_update(chunk)  # its gradient copy to the host has landed
             target = pieces.once if chunk < manager.n_persist else pieces.local
-            for i, start, end, _ in manager.param_pieces(chunk):
+            for i, start, end, _ in manager.storage.param_pieces(chunk):
                 if i in manager.step_grads.params:
-                    target.append(manager.grad[chunk][start:end])
+                    target.append(manager.storage.grad[chunk][start:end])
         managed = {id(p) for p in manager.params}
     for p in model.parameters():
         if id(p) not in managed and p.grad is not None:

@@ -155,8 +155,8 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
     def _build_inner(self, manager, chunk: int) -> torch.optim.AdamW | None:
         groups: dict[int, list[torch.Tensor]] = {}
         index = self._group_index()
-        master = manager.master[chunk]
-        pieces = manager.param_pieces(chunk)
+        master = manager.storage.master[chunk]
+        pieces = manager.storage.param_pieces(chunk)
         views_in_order = []
         for i, start, end, _ in pieces:
             view = master[start:end]
@@ -224,7 +224,7 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
         device; the fused kernel skips the update (and keeps `step`) when it is set by the time the update runs.
         `snapshot`: keep the master and states as they were, for `restore`."""
         hyper = self.hyperparameters() if hyper is None else hyper
-        with_grad = {i for i, _, _, _ in manager.param_pieces(chunk) if i in manager.step_grads.params}
+        with_grad = {i for i, _, _, _ in manager.storage.param_pieces(chunk) if i in manager.step_grads.params}
 
         @torch.no_grad()
         def update() -> None:
@@ -232,7 +232,7 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
             if inner is not None:
                 for group, g in zip(inner.param_groups, inner.outer_groups):
                     group.update(hyper[g])
-                grad = manager.grad[chunk]
+                grad = manager.storage.grad[chunk]
                 if inner.grads_from is not grad:
                     inner.grad_of = {i: grad[a:b] for i, (a, b) in inner.grad_range.items()}
                     inner.grads_from = grad
@@ -240,11 +240,11 @@ class AdamW(AdamWStates, torch.optim.Optimizer):
                     for view in group["params"]:  # like torch's AdamW, a parameter without gradient is not updated
                         got_grad = manager.index[id(inner.param_of[id(view)])] in with_grad
                         view.grad = inner.grad_of[id(view)] if got_grad else None
-                _set_grad_scale(inner, grad_scale, manager.master[chunk].device, found_inf)
+                _set_grad_scale(inner, grad_scale, manager.storage.master[chunk].device, found_inf)
                 if snapshot:
                     self._snapshot(manager, chunk, inner)
                 inner.step()
-                if manager.grad_is_shared(chunk):  # (the buffer or shard is given back next)
+                if manager.storage.grad_is_shared(chunk):  # (the buffer or shard is given back next)
                     for view in (v for group in inner.param_groups for v in group["params"]):
                         view.grad = None
                     inner.grad_of, inner.grads_from = {}, None

@@ -17,7 +17,7 @@ class AdamWStates:
     def _snapshot(self, manager, chunk: int, inner: torch.optim.AdamW) -> None:
         """Copy what an update of the chunk's piece changes (its master, each view's AdamW states) into a buffer
         kept for the chunk (three elements of the master dtype per element, allocated once)."""
-        master = manager.master[chunk]
+        master = manager.storage.master[chunk]
         n = master.numel()
         key = (id(manager), chunk)
         kept, _ = self._snapshots.get(key, (None, None))
@@ -40,7 +40,7 @@ class AdamWStates:
         if self._inner.get((id(manager), chunk)) is None:  # (this rank's piece is all padding: nothing changed)
             return
         kept, steps = self._snapshots[(id(manager), chunk)]
-        master = manager.master[chunk]
+        master = manager.storage.master[chunk]
         n = master.numel()
         master.copy_(kept[:n])
         inner = self._inner[(id(manager), chunk)]
@@ -67,7 +67,7 @@ class AdamWStates:
         params = [p for g in self.param_groups for p in g["params"]]
         index = {id(p): i for i, p in enumerate(params)}
         state: dict[int, dict] = {}
-        sharded = {(id(m), c) for m in managers for c in range(m.layout.n_chunk) if m.is_sharded(c)}
+        sharded = {(id(m), c) for m in managers for c in range(m.layout.n_chunk) if m.storage.is_sharded(c)}
         for key, inner in [*self._inner.items(), (None, self._plain)]:
             if inner is None or key in sharded:
                 continue
@@ -79,7 +79,7 @@ class AdamWStates:
                         state[index[id(p)]] = _full_state(st, p)
         for manager in managers:
             for chunk in range(manager.layout.n_chunk):
-                if manager.is_sharded(chunk):
+                if manager.storage.is_sharded(chunk):
                     state.update(self._gathered_states(manager, chunk, index))
         for p in params:  # states loaded but not placed yet (no step since load_state_dict)
             if index[id(p)] not in state and id(p) in self._loaded:
@@ -142,7 +142,7 @@ class AdamWStates:
         flat = {k: torch.zeros(shard) for k in ("exp_avg", "exp_avg_sq")}
         step = torch.zeros(1)
         inner = self._inner.get((id(manager), chunk))
-        pieces = {i: (start, end) for i, start, end, _ in manager.param_pieces(chunk)}
+        pieces = {i: (start, end) for i, start, end, _ in manager.storage.param_pieces(chunk)}
         for group in inner.param_groups if inner is not None else ():
             for view in group["params"]:
                 st = inner.state.get(view)
@@ -199,7 +199,7 @@ class AdamWStates:
         manager.wait_for_update(chunk)
         inner = self._inner.pop((id(manager), chunk), None)
         self._snapshots.pop((id(manager), chunk), None)
-        if manager.is_sharded(chunk):
+        if manager.storage.is_sharded(chunk):
             return _gathered_chunk_states(manager, chunk, inner)
         found = {}
         for view in (v for group in inner.param_groups for v in group["params"]) if inner is not None else ():
@@ -240,7 +240,7 @@ def _gathered_chunk_states(manager, chunk: int, inner: torch.optim.AdamW | None)
     indices = [i for i, slot in enumerate(manager.slots) if slot.chunk == chunk]
     flat = {k: torch.zeros(manager.layout.shard_elems, dtype=manager.master_dtype) for k in ("exp_avg", "exp_avg_sq")}
     steps = torch.full((len(indices),), -1.0)  # (-1: no state on this rank)
-    pieces = {i: (start, end) for i, start, end, _ in manager.param_pieces(chunk)}
+    pieces = {i: (start, end) for i, start, end, _ in manager.storage.param_pieces(chunk)}
     for view in (v for group in inner.param_groups for v in group["params"]) if inner is not None else ():
         st = inner.state.get(view)
         if st:

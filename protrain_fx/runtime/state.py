@@ -135,7 +135,7 @@ def _model_entries(model: nn.Module, manager: ChunkManager | None) -> dict[str, 
     entries = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if manager is not None and id(t) in manager.index:
-            entries[name] = _placed(manager, t, lambda chunk, a, b: manager.master[chunk][a:b])
+            entries[name] = _placed(manager, t, lambda chunk, a, b: manager.storage.master[chunk][a:b])
         elif isinstance(t, nn.Parameter) and t.dtype != torch.float32 and OPTIMIZER_ATTR in t.__dict__:
             entries[name] = t.detach().to(torch.float32)  # what becomes its master (kept by load_state_dict)
         else:
@@ -187,7 +187,7 @@ def _placed(manager: ChunkManager, p: nn.Parameter, read) -> Any:
     master: a view of the chunk's master; for states: the piece itself)."""
     slot = manager.slot_of(p)
     a, b = slot.offset, slot.offset + slot.numel
-    if not manager.is_sharded(slot.chunk):
+    if not manager.storage.is_sharded(slot.chunk):
         return read(slot.chunk, a, b).view(p.shape)
     shard = manager.layout.shard_elems
     pieces = [(r, max(a, r * shard), min(b, (r + 1) * shard)) for r in range(manager.world_size)]

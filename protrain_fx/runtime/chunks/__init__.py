@@ -45,7 +45,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | module | owns |
 | --- | --- |
 | `common.py` | the attributes set on parameters and models, `skips_nonfinite`, the errors for a replaced, tied or unfrozen parameter |
-| `storage.py` | the chunks' memory (`flat`, `master`, `grad`, the host arena) and where each parameter sits in it |
+| `storage.py` | `ChunkStorage` (`manager.storage`, a part of its own): the chunks' memory (`flat`, `master`, `grad`, the host arena, the gradient pools), built again by each placement, and where this rank's elements of a chunk are |
 | `slots.py` | `SlotPool`: the gradient buffers (device) or shards (host) a group of chunks shares in turn |
 | `placement.py` | the parameters moved into the chunks; `place` for a pending manager, `place_again` (a re-plan) |
 | `gather.py` | `Gatherer` (`manager.gathering`, a part of its own): the offloaded chunks' device buffers, gather, prefetch, release |
@@ -64,21 +64,24 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `outside.py` | `Outside` (`manager.outside`, a part of its own): the model used outside the graphs: values read, lent |
 | `param_class.py` | `ChunkedParameter`, the chunked parameters' class: Python's calls on an offloaded one run on its values |
 
-This module holds `ChunkManager` itself (its construction).
+This module holds `ChunkManager` itself: its construction, the parts built again at each placement (`_build`), and
+what the others ask of the whole (which parameters it holds, the collectives over a chunk, publishing an update).
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from protrain_fx.distributed import check_ranks_agree, rank_and_world_size
+from protrain_fx.distributed import across_ranks, check_ranks_agree, rank_and_world_size
 from protrain_fx.planner.chunking import ChunkLayout, Slot
 from protrain_fx.planner.plan import MASTER_BYTES
 from protrain_fx.runtime import deep_copy, model_hooks, ops
@@ -96,13 +99,16 @@ from protrain_fx.runtime.chunks.common import (
     unfrozen_param_error,
 )
 from protrain_fx.runtime.chunks.edits import Edits
+from protrain_fx.runtime.chunks.gather import Gatherer
 from protrain_fx.runtime.chunks.outside import Outside
 from protrain_fx.runtime.chunks.placement import PlacementMixin
 from protrain_fx.runtime.chunks.reduce import ReduceMixin
 from protrain_fx.runtime.chunks.step_grads import StepGrads
-from protrain_fx.runtime.chunks.storage import StorageMixin
+from protrain_fx.runtime.chunks.storage import ChunkStorage
 from protrain_fx.runtime.chunks.updates import UpdatesMixin
 from protrain_fx.runtime.chunks.user_grads import GradAccessMixin
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DDP_ATTR",
@@ -120,7 +126,6 @@ __all__ = [
 
 
 class ChunkManager(
-    StorageMixin,
     PlacementMixin,
     ReduceMixin,
     UpdatesMixin,
@@ -164,7 +169,6 @@ class ChunkManager(
         self.layout = layout
         self.params = list(params)
         self.slots: list[Slot] = list(layout.slots)
-        self.n_persist = n_persist
         self.n_buffer = n_buffer if n_persist < layout.n_chunk else 0
         self.device = torch.device(device) if device is not None else self.params[0].device
         self.dtype = self.params[0].dtype
@@ -175,32 +179,46 @@ class ChunkManager(
         # the parameters are their own master: a persistent chunk's update during the backward changes what the
         # rest of the backward would read, so its graphs reduce it after those reads (passes/chunks.py)
         self.own_master = self.dtype == self.master_dtype
+        # the chunks' memory (storage.py), its persistent chunks those of the placement it was last built for
+        self.storage = ChunkStorage(
+            layout,
+            n_persist=n_persist,
+            dtype=self.dtype,
+            master_dtype_name=master_dtype,
+            device=self.device,
+            rank=self.rank,
+            world_size=self.world_size,
+            wait_for_a_give_back=self._wait_for_a_give_back,
+        )
         check_ranks_agree(layout, n_persist, n_buffer)
-        self.index = {id(p): i for i, p in enumerate(self.params)}
-        # every name the chunked parameters have in the model (a tied weight has several) -> its index
-        self._by_name = {s.name: i for i, s in enumerate(layout.slots)}
-        named = model.named_parameters(remove_duplicate=False) if model is not None else ()
-        self._by_name.update((n, self.index[id(p)]) for n, p in named if id(p) in self.index)
-        self.names = set(self._by_name)
-        self._model = weakref.ref(model) if model is not None else None
-        self._chunk_params: dict[int, list[int]] = collections.defaultdict(list)  # chunk -> its parameters
-        for i, slot in enumerate(layout.slots):
-            self._chunk_params[slot.chunk].append(i)
+        self._index(model)
         self.outside = Outside(self)
         self.step_grads = StepGrads()  # the step's gradients, shared by reducing and the gradient access
         self._init_updates()
         self._init_reduce()
-        self._init_storage()
         self._init_grad_access()
         self.edits = Edits(
             self.step_state, loss_scaled=self.dtype == torch.float16, undo_speculative=self.undo_speculative_updates
         )
         self.pending_plan = dict(pending_plan) if pending_plan is not None else None
         assert self.pending_plan is None or n_persist == 0, "a pending manager offloads every chunk"
-        self._build(grad_slots, device_grad_slots)
+        self._build(n_persist, grad_slots, device_grad_slots)
         self._adopt(source or (lambda p: p.detach()))
         self._attach(model)
         self.handle = ops.register(self)
+
+    def _index(self, model: nn.Module | None) -> None:
+        """Each chunked parameter's index, by identity and by every name it has in the model; each chunk's."""
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        # every name the chunked parameters have in the model (a tied weight has several) -> its index
+        self._by_name = {s.name: i for i, s in enumerate(self.slots)}
+        named = model.named_parameters(remove_duplicate=False) if model is not None else ()
+        self._by_name.update((n, self.index[id(p)]) for n, p in named if id(p) in self.index)
+        self.names = set(self._by_name)
+        self._model = weakref.ref(model) if model is not None else None
+        self._chunk_params: dict[int, list[int]] = collections.defaultdict(list)  # chunk -> its parameters
+        for i, slot in enumerate(self.slots):
+            self._chunk_params[slot.chunk].append(i)
 
     def _attach(self, model: nn.Module | None) -> None:
         """Mark the chunked parameters as this manager's and the model's frozen ones as left out, and hook the
@@ -216,6 +234,130 @@ class ChunkManager(
             hook = model.register_state_dict_post_hook(functools.partial(_full_values_into_state_dict, self))
             deep_copy.note_hooks(model, hook)
             model_hooks.install(self, model)
+
+    @property
+    def n_persist(self) -> int:
+        """The persistent chunks (the first ones), as the storage was last built."""
+        return self.storage.n_persist
+
+    def _build(
+        self,
+        n_persist: int,
+        grad_slots: int | None,
+        device_grad_slots: int | None,
+        masters: dict[int, torch.Tensor] | None = None,
+        *,
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        reused: Sequence[torch.Tensor] = (),
+        freed: int = 0,
+    ) -> None:
+        """The chunks' storage for `n_persist` persistent chunks (`ChunkStorage.build`, which takes the other
+        arguments), and the parts built around it: the buffers of gathering and reducing, the update stream."""
+        pending = self.pending_plan is not None
+        self.storage.build(
+            n_persist, grad_slots, device_grad_slots, masters, pending=pending, kept=kept, reused=reused, freed=freed
+        )
+        self.gathering = self._new_gatherer()
+        self._build_reduce()
+        self._build_updates()
+        log.info(
+            "chunks: %d of %.1f MiB (master %s; %d persistent on %s with %d gradient buffers, %d offloaded, a %.1f "
+            "MiB host arena, %d buffers%s)",
+            self.layout.n_chunk,
+            self.layout.chunk_bytes / 2**20,
+            self.master_dtype,
+            n_persist,
+            self.device,
+            self.storage.device_grad_slots,
+            self.layout.n_chunk - n_persist,
+            self.storage.arena.numel() / 2**20,
+            self.n_buffer,
+            "; placed by the first compile's plan" if pending else "",
+        )
+
+    def _new_gatherer(self) -> Gatherer:
+        """The part that loads the offloaded chunks into the plan's `n_buffer` device buffers (gather.py)."""
+        offloaded = self.n_persist < self.layout.n_chunk
+        return Gatherer(
+            self,
+            n_buffer=self.n_buffer,
+            chunk_elems=self.layout.chunk_elems,
+            shard=self.storage.shard_bounds(),
+            dtype=self.dtype,
+            landing_dtype=None if self.own_master or not offloaded else self.master_dtype,
+            device=self.device,
+            world_size=self.world_size,
+        )
+
+    def master_shard(self, chunk: int) -> torch.Tensor:
+        """This rank's master shard of offloaded `chunk` (Gatherer's ChunkSource)."""
+        return self.storage.master_shard(chunk)
+
+    def version(self, chunk: int) -> int:
+        """How many updates of `chunk` have been published (Gatherer's ChunkSource)."""
+        return self.storage.version(chunk)
+
+    def publish(self, chunk: int) -> None:
+        """After an update: a persistent chunk's parameters take the fp32 master's values; an offloaded chunk's
+        next gather loads the new master (a buffered copy is stale now). A persistent chunk updated during the
+        backward publishes at `end_step` instead."""
+        if chunk < self.n_persist and chunk not in self.step_state.early and not self.own_master:
+            self.storage.flat[chunk].copy_(self.storage.master[chunk])
+        self.storage.published(chunk)
+
+    def check_params(self, indices: Sequence[int], inputs: Sequence[torch.Tensor]) -> None:
+        """The parameters a compiled graph was called with must be the ones in the chunks. (And what was written
+        into persistent parameters from outside is taken into their masters, `Outside.take_writes`.)"""
+        self.outside.take_writes()
+        for i, t in zip(indices, inputs):
+            if t is not self.params[i]:
+                name = self.slots[i].name
+                model = self._model() if self._model is not None else None
+                if model is not None and dict(model.named_parameters()).get(name) is self.params[i]:
+                    raise ValueError(
+                        f"a graph compiled for another model was called with this model's {name!r}: torch.compile "
+                        "reuses compiled code across models of one class when their backend is the same object, "
+                        "and each model's graphs are rewritten for its own chunks; compile each model with its own "
+                        "backend object: torch.compile(model, backend=protrain_fx.ProTrainBackend())"
+                    )
+                self.check_model_params()  # (a weight tied since says so)
+                raise replaced_param_error(name)
+
+    def holds(self, p: nn.Parameter) -> bool:
+        """Whether the parameter is in this manager's chunks."""
+        return id(p) in self.index
+
+    def holds_no_values(self, p: nn.Parameter) -> bool:
+        """Whether the parameter is offloaded and holds no values of its own now (none lent to Python: `lend`)."""
+        return self.holds(p) and not self.is_persistent(p) and self.index[id(p)] not in self.outside.lent
+
+    def is_persistent(self, p: nn.Parameter) -> bool:
+        return self.slots[self.index[id(p)]].chunk < self.n_persist
+
+    def slot_of(self, p: nn.Parameter) -> Slot:
+        return self.slots[self.index[id(p)]]
+
+    def gather_shards(self, shard: torch.Tensor) -> torch.Tensor:
+        """A chunk-long host tensor from every rank's `shard` (a collective)."""
+        parts = [torch.empty_like(shard) for _ in range(self.world_size)]
+        with across_ranks("the all-gather of a sharded chunk's optimizer states"):
+            if dist.get_backend() == "gloo":
+                dist.all_gather(parts, shard)
+            else:
+                on_device = [t.to(self.device) for t in parts]
+                dist.all_gather(on_device, shard.to(self.device))
+                parts = [t.cpu() for t in on_device]
+        return torch.cat(parts)
+
+    def all_reduce(self, t: torch.Tensor, op, what: str) -> torch.Tensor:
+        """`t` reduced over the ranks in place (through the device where the backend needs it)."""
+        with across_ranks(what):
+            if dist.get_backend() == "gloo" or t.device == self.device:
+                dist.all_reduce(t, op=op)
+                return t
+            on_device = t.to(self.device)
+            dist.all_reduce(on_device, op=op)
+            return t.copy_(on_device)
 
     def gather(self, chunk: int) -> torch.Tensor:
         """Offloaded `chunk`'s parameters, whole, in a device buffer (the graphs' `gather` op; gather.py)."""

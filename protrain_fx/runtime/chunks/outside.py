@@ -29,6 +29,20 @@ from protrain_fx.runtime.chunks.param_class import as_plain
 from protrain_fx.runtime.chunks.step_state import StepState
 
 
+class ChunkMemory(Protocol):
+    """What an Outside reads of the chunks' memory (the ChunkStorage)."""
+
+    # chunk -> its master (persistent: whole, on the device; offloaded: this rank's shard)
+    master: dict[int, torch.Tensor]
+    flat: dict[int, torch.Tensor]  # persistent chunk -> its compute-dtype parameters, flat
+
+    def is_sharded(self, chunk: int) -> bool: ...
+
+    def shard_bounds(self) -> tuple[int, int]:
+        """This rank's elements of an offloaded chunk."""
+        ...
+
+
 class ChunkValues(Protocol):
     """What an Outside reads of the chunks (the ChunkManager)."""
 
@@ -36,23 +50,19 @@ class ChunkValues(Protocol):
     slots: list[Slot]
     index: dict[int, int]  # id(parameter) -> its index in `params`
     layout: ChunkLayout
-    n_persist: int
     world_size: int
     device: torch.device
     dtype: torch.dtype
     own_master: bool  # the parameters are their own master (persistent ones change with it)
-    # chunk -> its master (persistent: whole, on the device; offloaded: this rank's shard)
-    master: dict[int, torch.Tensor]
-    flat: dict[int, torch.Tensor]  # persistent chunk -> its compute-dtype parameters, flat
     step_state: StepState
 
+    @property
+    def n_persist(self) -> int: ...
+
+    @property
+    def storage(self) -> ChunkMemory: ...
+
     def is_persistent(self, p: nn.Parameter) -> bool: ...
-
-    def is_sharded(self, chunk: int) -> bool: ...
-
-    def shard_bounds(self) -> tuple[int, int]:
-        """This rank's elements of an offloaded chunk."""
-        ...
 
     def wait_for_update(self, chunk: int | None = None) -> None: ...
 
@@ -95,7 +105,7 @@ class Outside:
             if p._version != version:
                 slot = c.slots[i]
                 c.join_early_updates()
-                c.master[slot.chunk][slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+                c.storage.master[slot.chunk][slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
                 self._versions[i] = p._version
 
     def param_values(self, i: int) -> torch.Tensor:
@@ -106,7 +116,7 @@ class Outside:
         c.wait_for_update(slot.chunk)
         if slot.chunk < c.n_persist:
             return c.params[i].detach()
-        flat = self.full_values(slot.chunk) if c.world_size > 1 else c.master[slot.chunk]
+        flat = self.full_values(slot.chunk) if c.world_size > 1 else c.storage.master[slot.chunk]
         return flat[slot.offset : slot.offset + slot.numel].to(c.device, c.dtype).view(c.params[i].shape)
 
     def note_read_by_graph(self, params: Iterable[torch.Tensor], graph: object = None) -> None:
@@ -161,11 +171,11 @@ class Outside:
         c.wait_for_update(slot.chunk)
         c.join_early_updates()
         flat = value.detach().reshape(-1)
-        lo, hi = (0, c.layout.chunk_elems) if not c.is_sharded(slot.chunk) else c.shard_bounds()
+        lo, hi = (0, c.layout.chunk_elems) if not c.storage.is_sharded(slot.chunk) else c.storage.shard_bounds()
         s, e = max(a, lo), min(b, hi)
         if s < e:
             with torch.no_grad():
-                c.master[slot.chunk][s - lo : e - lo].copy_(flat[s - a : e - a])
+                c.storage.master[slot.chunk][s - lo : e - lo].copy_(flat[s - a : e - a])
         c.publish(slot.chunk)
         if i in self.lent:
             with torch.no_grad(), as_plain():
@@ -190,11 +200,11 @@ class Outside:
         if chunk < c.n_persist:
             if chunk in c.step_state.early:
                 c.join_early_updates()
-                return c.master[chunk].to("cpu", c.dtype)
-            return c.flat[chunk].to("cpu")
+                return c.storage.master[chunk].to("cpu", c.dtype)
+            return c.storage.flat[chunk].to("cpu")
         if c.world_size == 1:
-            return c.master[chunk].to(c.dtype, copy=True)
+            return c.storage.master[chunk].to(c.dtype, copy=True)
         out = torch.empty(c.layout.chunk_elems, dtype=c.dtype, device=c.device)
         with across_ranks(f"the all-gather of chunk {chunk}'s weights"):
-            dist.all_gather_into_tensor(out, c.master[chunk].to(c.device, c.dtype))
+            dist.all_gather_into_tensor(out, c.storage.master[chunk].to(c.device, c.dtype))
         return out.to("cpu")

@@ -38,22 +38,22 @@ class PlacementMixin:
         """Move every parameter's values into its chunk; offloaded parameters keep their shape (on the chunks'
         device), not their storage. Values loaded into a parameter before its chunks were built
         (`protrain_fx.load_state_dict`) come with their fp32 master (LOADED_MASTER_ATTR), which is taken."""
-        lo, hi = self.shard_bounds()
+        lo, hi = self.storage.shard_bounds()
         with torch.no_grad():
             pairs = zip(self.params, self.slots)
             for p, slot in progress(pairs, total=len(self.params), desc="parameters into chunks", unit="param"):
-                a, b = self._slot_range(slot)
+                a, b = self.storage.slot_range(slot)
                 loaded = p.__dict__.pop(LOADED_MASTER_ATTR, None)
                 values = (source(p) if loaded is None else loaded).reshape(-1)
                 if slot.chunk < self.n_persist:
-                    self.flat[slot.chunk][a:b].copy_(values)
-                    if self.master[slot.chunk] is not self.flat[slot.chunk]:
-                        self.master[slot.chunk][a:b].copy_(values)
-                    set_storage(p, self.flat[slot.chunk][a:b].view(p.shape))
+                    self.storage.flat[slot.chunk][a:b].copy_(values)
+                    if self.storage.master[slot.chunk] is not self.storage.flat[slot.chunk]:
+                        self.storage.master[slot.chunk][a:b].copy_(values)
+                    set_storage(p, self.storage.flat[slot.chunk][a:b].view(p.shape))
                     continue
                 s, e = max(a, lo), min(b, hi)  # this rank's part of the parameter
                 if s < e:
-                    self.master[slot.chunk][s - lo : e - lo].copy_(values[s - a : e - a])
+                    self.storage.master[slot.chunk][s - lo : e - lo].copy_(values[s - a : e - a])
                 if p.device != self.device or p.is_meta:
                     set_storage(p, torch.empty(p.shape, dtype=self.dtype, device=self.device))
                 p.untyped_storage().resize_(0)
@@ -69,23 +69,24 @@ class PlacementMixin:
         n = self.layout.n_chunk
         if not 0 <= n_persist <= n or (n_persist < n and n_buffer < 1):
             raise ValueError(f"plan n_persist={n_persist}, n_buffer={n_buffer} for {n} chunks")
-        old = self.master
-        self.n_persist, self.n_buffer = n_persist, (n_buffer if n_persist < n else 0)
-        check_ranks_agree(self.layout, self.n_persist, self.n_buffer)
+        old = self.storage.master
+        self.n_buffer = n_buffer if n_persist < n else 0
+        check_ranks_agree(self.layout, n_persist, self.n_buffer)
         self.pending_plan = None
         # (the host masters of the chunks that go to the device are freed below, before AdamW makes its states)
         freed = sum(old[c].untyped_storage().nbytes() for c in range(n_persist))
-        self._build(grad_slots, device_grad_slots, masters={c: old[c] for c in range(n_persist, n)}, freed=freed)
+        masters = {c: old[c] for c in range(n_persist, n)}
+        self._build(n_persist, grad_slots, device_grad_slots, masters=masters, freed=freed)
         with torch.no_grad():
             for c in range(n_persist):
                 whole = self.gather_shards(old.pop(c)) if self.world_size > 1 else old.pop(c)
-                self.master[c].copy_(whole)
-                if self.flat[c] is not self.master[c]:
-                    self.flat[c].copy_(whole)
+                self.storage.master[c].copy_(whole)
+                if self.storage.flat[c] is not self.storage.master[c]:
+                    self.storage.flat[c].copy_(whole)
                 del whole
                 for i in self._chunk_params[c]:
-                    a, b = self._slot_range(self.slots[i])
-                    set_storage(self.params[i], self.flat[c][a:b].view(self.params[i].shape))
+                    a, b = self.storage.slot_range(self.slots[i])
+                    set_storage(self.params[i], self.storage.flat[c][a:b].view(self.params[i].shape))
         self.outside.note_versions()
         log.info("chunks placed by the plan: %d of %d persistent, %d buffers", n_persist, n, self.n_buffer)
 
@@ -121,23 +122,26 @@ class PlacementMixin:
         if max(most_on_every_rank([0.0 if room else 1.0], self.device)):
             return False
         states = {c: self._chunk_states(c) for c in up + down}  # (a collective where sharded)
-        lo, hi = self.shard_bounds()
+        lo, hi = self.storage.shard_bounds()
         with torch.no_grad():
-            left = {c: self.master[c] for c in up}
-            values = {c: self.gather_shards(self.master[c]) if self.is_sharded(c) else self.master[c] for c in up}
-            masters = {c: self.master[c] for c in range(max(old, n_persist), n)}
-            masters.update({c: self.master[c][lo:hi].to("cpu", copy=True) for c in down})
-        kept = {c: (self.flat[c], self.master[c]) for c in range(min(old, n_persist))}
-        reused = list(self.host_grads.owned)
+            left = {c: self.storage.master[c] for c in up}
+            values = {
+                c: self.gather_shards(self.storage.master[c]) if self.storage.is_sharded(c) else self.storage.master[c]
+                for c in up
+            }
+            masters = {c: self.storage.master[c] for c in range(max(old, n_persist), n)}
+            masters.update({c: self.storage.master[c][lo:hi].to("cpu", copy=True) for c in down})
+        kept = {c: (self.storage.flat[c], self.storage.master[c]) for c in range(min(old, n_persist))}
+        reused = list(self.storage.host_grads.owned)
         self._drop_device_storage()
-        self.n_persist, self.n_buffer = n_persist, n_buffer
-        self._build(grad_slots, device_grad_slots, masters=masters, kept=kept, reused=reused)
+        self.n_buffer = n_buffer
+        self._build(n_persist, grad_slots, device_grad_slots, masters=masters, kept=kept, reused=reused)
         with torch.no_grad():
             for c in up:
-                self.master[c].copy_(values.pop(c))
-                if self.flat[c] is not self.master[c]:
-                    self.flat[c].copy_(self.master[c])
-                self._unpin(left.pop(c))
+                self.storage.master[c].copy_(values.pop(c))
+                if self.storage.flat[c] is not self.storage.master[c]:
+                    self.storage.flat[c].copy_(self.storage.master[c])
+                self.storage.unpin(left.pop(c))
         self._repoint_params(up, down)
         for c, (owner, moved) in states.items():
             if owner is not None:
@@ -148,7 +152,7 @@ class PlacementMixin:
     def _host_room(self, down: list[int], slots: int) -> bool:
         """Whether the host has room for what `place_again` adds: the masters and AdamW states of the chunks it
         offloads, and the gradient shards beyond those it takes again."""
-        added = HOST_STATES * len(down) + max(0, slots - len(self.host_grads.owned))
+        added = HOST_STATES * len(down) + max(0, slots - len(self.storage.host_grads.owned))
         try:
             host.check_host_memory(
                 added * self.layout.shard_elems * self.master_bytes,
@@ -200,15 +204,15 @@ class PlacementMixin:
         owners = {id(o): o for c in range(self.layout.n_chunk) if (o := self.owners.of(c)) is not None}
         for owner in owners.values():  # (their inner optimizers' views of the gradient buffers keep them alive)
             owner.let_go_of_grads(self)
-        self._drop_grads()
+        self.storage.drop_grads()
 
     def _repoint_params(self, up: list[int], down: list[int]) -> None:
         """The parameters of chunks now persistent view their flat chunk; those of chunks now offloaded hold no
         storage (their shape stays, on the chunks' device)."""
         for c in up:
             for i in self._chunk_params[c]:
-                a, b = self._slot_range(self.slots[i])
-                set_storage(self.params[i], self.flat[c][a:b].view(self.params[i].shape))
+                a, b = self.storage.slot_range(self.slots[i])
+                set_storage(self.params[i], self.storage.flat[c][a:b].view(self.params[i].shape))
         for c in down:
             for i in self._chunk_params[c]:
                 p = self.params[i]
@@ -221,4 +225,4 @@ class PlacementMixin:
         """The host memory a pending manager holds (its masters and gradient shard), which its plan reuses."""
         if self.pending_plan is None:
             return 0
-        return sum(m.untyped_storage().nbytes() for m in self.master.values()) + self.arena.numel()
+        return self.storage.host_bytes()

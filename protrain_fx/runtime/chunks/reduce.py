@@ -141,9 +141,9 @@ class ReduceMixin:
         """The fp32 device gradient a persistent chunk's gradient of this step goes into (`device_grads`).
         `accumulate`: the gradient adds to one of this step, which must still be there. (The worker thread touches
         only offloaded chunks' entries of `grad`.)"""
-        if accumulate and chunk not in self.grad:
+        if accumulate and chunk not in self.storage.grad:
             raise self._taken_step_error(chunk)
-        return self.device_grads.take(chunk)
+        return self.storage.device_grads.take(chunk)
 
     def _reduce_persistent_alone(
         self,
@@ -170,7 +170,7 @@ class ReduceMixin:
         inside `no_sync` it is added to this rank's sum instead, reduced at the step's last backward."""
         if self.sync_grads:
             if self.step_grads.reduce_now(chunk):  # reduce what this rank added up with this gradient, once
-                flat.add_(self.grad[chunk])
+                flat.add_(self.storage.grad[chunk])
                 accumulate = False
             with across_ranks(f"the all-reduce of chunk {chunk}'s gradients"):
                 self.step_grads.start(chunk, flat, dist.all_reduce(flat, async_op=True), accumulate)
@@ -204,8 +204,8 @@ class ReduceMixin:
         """Where an offloaded chunk's gradient shard lands on the host: its gradient shard (`host_grads`) for the
         step's first gradient, else `staging`, added into it once landed."""
         if not accumulate:
-            return self.host_grads.take(chunk)
-        if chunk not in self.grad:
+            return self.storage.host_grads.take(chunk)
+        if chunk not in self.storage.grad:
             raise self._taken_step_error(chunk)
         self.wait_for_update()  # the one staging shard is free once every pending copy is taken in
         if self.staging is None:
@@ -236,7 +236,7 @@ class ReduceMixin:
     ) -> list[torch.Tensor]:
         """Each parameter's gradient into its slot of the chunk-long `flat`, copied or, where `add`, added (one
         multi-tensor kernel for each: a chunk holds many small parameters); the slots written."""
-        views = [flat[slice(*self._slot_range(self.slot_of(p)))] for p in params]
+        views = [flat[slice(*self.storage.slot_range(self.slot_of(p)))] for p in params]
         for kind, op in ((False, torch._foreach_copy_), (True, torch._foreach_add_)):
             pairs = [(v, g.reshape(-1)) for v, g, a in zip(views, grads, add) if a == kind]
             if pairs:
@@ -258,7 +258,7 @@ class ReduceMixin:
         all-reduce, then copy)."""
         if dist.get_backend() == "gloo":
             dist.all_reduce(flat)
-            lo, hi = self.shard_bounds()
+            lo, hi = self.storage.shard_bounds()
             return shard.copy_(flat[lo:hi])
         dist.reduce_scatter_tensor(shard, flat)
         return shard
@@ -287,18 +287,18 @@ class ReduceMixin:
 
         def reduce(chunk: int) -> None:
             with across_ranks(f"the all-reduce of chunk {chunk}'s accumulated gradients"):
-                dist.all_reduce(self.grad[chunk])
-            self.grad[chunk].div_(self.reduce_world)
-            self.nonfinite.check([self.grad[chunk]])
+                dist.all_reduce(self.storage.grad[chunk])
+            self.storage.grad[chunk].div_(self.reduce_world)
+            self.nonfinite.check([self.storage.grad[chunk]])
 
         self.step_grads.reduce_sums(reduce)
 
     def _taken_step_error(self, chunk: int) -> RuntimeError:
         """A backward adds to the gradient of a chunk given back by the step already taken (no zero_grad)."""
         if chunk < self.n_persist:
-            shared = f"{self.device_grad_slots} gradient buffers among the persistent chunks (the GPU"
+            shared = f"{self.storage.device_grad_slots} gradient buffers among the persistent chunks (the GPU"
         else:
-            shared = f"{self.grad_slots} gradient shards among the offloaded chunks (the host"
+            shared = f"{self.storage.grad_slots} gradient shards among the offloaded chunks (the host"
         return RuntimeError(
             f"chunk {chunk} got a gradient to add to that of a step already taken: this plan shares {shared} has "
             "no room for one each), so their gradients do not outlive optimizer.step(); call "

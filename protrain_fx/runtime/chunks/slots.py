@@ -86,9 +86,8 @@ class SlotPool:
             grad = self.grads.pop(chunk, None)
             if grad is None:
                 return
-            if self._cuda:
-                stream = stream or torch.cuda.current_stream(self._device)
+            on = (stream or torch.cuda.current_stream(self._device)) if self._cuda else None
             if any(grad is t for t in self.owned):
-                self.free.append((grad, stream.record_event() if self._cuda else None))
-            elif self._cuda:
-                grad.record_stream(stream)
+                self.free.append((grad, on.record_event() if on is not None else None))
+            elif on is not None:
+                grad.record_stream(on)

@@ -179,21 +179,21 @@ class UpdatesMixin:
             """On the worker thread, once the copy has landed."""
             with torch.profiler.record_function("protrain::cpu_adamw"):
                 if accumulate:
-                    self.grad[chunk].add_(self.staging)
+                    self.storage.grad[chunk].add_(self.staging)
                 if update is not None:
                     start = time.perf_counter()
                     update()
                     if not speculative:  # (one kept for undoing is read again if the clip applies)
-                        self.host_updates.timed(self.master[chunk].numel(), time.perf_counter() - start)
-                        self.host_grads.give_back(chunk)
+                        self.host_updates.timed(self.storage.master[chunk].numel(), time.perf_counter() - start)
+                        self.storage.host_grads.give_back(chunk)
 
-        if update is not None and not speculative and self.shares_grads:
-            self.host_grads.giving.add(chunk)
+        if update is not None and not speculative and self.storage.shares_grads:
+            self.storage.host_grads.giving.add(chunk)
         self.host_updates.submit(chunk, copied, take_in)
 
     def _wait_for_a_give_back(self) -> bool:
         """Wait for a queued host update that gives its gradient shard back; False where none is queued."""
-        giving = [c for c in self.host_updates.queued() if c in self.host_grads.giving]
+        giving = [c for c in self.host_updates.queued() if c in self.storage.host_grads.giving]
         if not giving:
             return False
         self.wait_for_update(giving[0])
@@ -221,12 +221,12 @@ class UpdatesMixin:
         stream = self._optim_stream
         if stream is None:
             update()
-            self.device_grads.give_back(chunk)
+            self.storage.device_grads.give_back(chunk)
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.profiler.record_function("protrain::gpu_adamw_early"):
             update()
-        self.device_grads.give_back(chunk, stream)
+        self.storage.device_grads.give_back(chunk, stream)
         self._join_at_end()
 
     def update_in_step(self, chunk: int) -> None:
@@ -258,17 +258,17 @@ class UpdatesMixin:
         if chunk < self.n_persist:
             self.step_state.start(chunk)
             update()
-            self.device_grads.give_back(chunk)
+            self.storage.device_grads.give_back(chunk)
             return
         self.wait_for_update(chunk)  # its gradient copy is taken in
         self.step_state.start(chunk)
 
         def update_and_give_back() -> None:
             update()
-            self.host_grads.give_back(chunk)
+            self.storage.host_grads.give_back(chunk)
 
-        if self.shares_grads:
-            self.host_grads.giving.add(chunk)
+        if self.storage.shares_grads:
+            self.storage.host_grads.giving.add(chunk)
         self.host_updates.submit(chunk, None, update_and_give_back)
 
     def end_step(self, owner=None) -> None:

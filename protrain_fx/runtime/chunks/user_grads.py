@@ -35,25 +35,25 @@ class GradAccessMixin:
         """This rank's piece of parameter `i`'s gradient in its chunk: parameter-shaped where the rank holds it
         whole, else the flat elements `local_range(i)`."""
         slot = self.slots[i]
-        a, b = self._slot_range(slot)
-        grad = self.grad[slot.chunk]
-        if not self.is_sharded(slot.chunk):
+        a, b = self.storage.slot_range(slot)
+        grad = self.storage.grad[slot.chunk]
+        if not self.storage.is_sharded(slot.chunk):
             return grad[a:b].view(self.params[i].shape)
-        lo, hi = self.shard_bounds()
+        lo, hi = self.storage.shard_bounds()
         return grad[max(a, lo) - lo : max(min(b, hi), lo) - lo]
 
     def local_range(self, i: int) -> tuple[int, int]:
         """The elements of parameter `i` (flattened) whose gradient this rank holds."""
         slot = self.slots[i]
-        if not self.is_sharded(slot.chunk):
+        if not self.storage.is_sharded(slot.chunk):
             return 0, slot.numel
-        a, b = self._slot_range(slot)
-        lo, hi = self.shard_bounds()
+        a, b = self.storage.slot_range(slot)
+        lo, hi = self.storage.shard_bounds()
         s, e = max(a, lo), min(b, hi)
         return (s - a, e - a) if s < e else (0, 0)
 
     def grad_is_sharded(self, i: int) -> bool:
-        return self.is_sharded(self.slots[i].chunk)
+        return self.storage.is_sharded(self.slots[i].chunk)
 
     def _settle_grads(self, chunk: int, index: int | None = None) -> None:
         """Before a gradient of the chunk (parameter `index`'s, or any) is read or written outside the graphs:
@@ -70,9 +70,9 @@ class GradAccessMixin:
         self._settle_grads(chunk, i)
         if i not in self.step_grads.params:
             return None
-        if chunk not in self.grad:
+        if chunk not in self.storage.grad:
             raise RuntimeError(
-                f"the gradient of {self.slots[i].name!r} is gone: this plan shares {self.grad_slots} host gradient "
+                f"the gradient of {self.slots[i].name!r} is gone: this plan shares {self.storage.grad_slots} host gradient "
                 "shards among the offloaded chunks (the host has no room for one each), so a chunk's gradient lasts "
                 "only until its update; read .grad between backward() and optimizer.step()"
             )
@@ -134,7 +134,7 @@ class GradAccessMixin:
         this step: later gradients add to it)."""
         chunk = self.slots[i].chunk
         if chunk not in self.step_grads.chunks:
-            grad = self._device_grad(chunk, False) if chunk < self.n_persist else self.host_grads.take(chunk)
+            grad = self._device_grad(chunk, False) if chunk < self.n_persist else self.storage.host_grads.take(chunk)
             grad.zero_()
             self.step_grads.arrive(chunk)
             self.step_state.gradient()
@@ -173,7 +173,7 @@ class GradAccessMixin:
         which the next forward's gather of the chunk waits for (`zero_grad` after `step()` would otherwise hold the
         loop until every host update of the step has run, and the next forward would not start beside them)."""
         whole = len(dropped) == len(self.step_grads.with_grad(self._chunk_params[chunk]))
-        return whole and (not self.host_grads.shared or chunk in self.host_grads.giving)
+        return whole and (not self.storage.host_grads.shared or chunk in self.storage.host_grads.giving)
 
     def _drop(self, chunk: int, indices: Sequence[int]) -> None:
         """The parameters' gradients leave the chunk; a chunk left without any forgets its gradient (a shared
@@ -185,9 +185,9 @@ class GradAccessMixin:
             return
         self.step_grads.forget(chunk)
         if chunk < self.n_persist:
-            self.device_grads.give_back(chunk)
-        elif chunk not in self.host_grads.giving:
-            self.host_grads.give_back(chunk)
+            self.storage.device_grads.give_back(chunk)
+        elif chunk not in self.storage.host_grads.giving:
+            self.storage.host_grads.give_back(chunk)
 
     def _with_plain_grads(self, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """`grads`, each plus the plain tensor in its parameter's `.grad` (see `fold_plain_grads`)."""
