@@ -11,6 +11,7 @@ from protrain_fx.passes.contract import ChunkManagerLike, DumperLike, GraphRecor
 from protrain_fx.runtime.chunks import ChunkManager
 from protrain_fx.runtime.chunks.gather import ChunkSource
 from protrain_fx.runtime.chunks.outside import ChunkValues
+from protrain_fx.runtime.chunks.placement import PlacedChunks
 from protrain_fx.runtime.monitor import StepMonitor
 from protrain_fx.runtime.swap import SwapSpace
 
@@ -24,6 +25,10 @@ def chunk_source(manager: ChunkManager) -> ChunkSource:  # (what the manager's G
 
 
 def chunk_values(manager: ChunkManager) -> ChunkValues:  # (what the manager's Outside reads of it)
+    return manager
+
+
+def placed_chunks(manager: ChunkManager) -> PlacedChunks:  # (what the manager's ChunkPlacement reads of it)
     return manager
 
 

@@ -26,9 +26,9 @@ MUTATORS = {
     "difference_update",
     "setdefault",
 }
-# the manager's construction sets the plan's buffer count (and the plan a pending manager waits for), placement changes
-# them when it places the chunks (`place`, `place_again`); the persistent chunks' count is the storage's, set by `build`
-SHARED = {name: {"__init__.py", "placement.py"} for name in ("n_buffer", "pending_plan")}
+# no field is written by two modules: the plan's counts are the parts' (the persistent chunks' the storage's, the
+# buffers' and the plan a pending manager waits for the placement's), each set by its own methods
+SHARED: dict[str, set[str]] = {}
 
 
 def _self_attr(node: ast.AST) -> str | None:

@@ -209,9 +209,9 @@ def test_a_plan_whose_chunks_find_no_room_is_not_put_in_force(monkeypatch, tmp_p
     """A turn no plan fits is skipped; then `place_again` finding no room on the device or host (it returns False,
     nothing moved): the plan in force stays, training goes on as eager's, the loop is done, and replan.json names
     both turns' failures."""
-    from protrain_fx.runtime.chunks.placement import PlacementMixin
+    from protrain_fx.runtime.chunks.placement import ChunkPlacement
 
-    monkeypatch.setattr(PlacementMixin, "place_again", lambda self, *args: False)
+    monkeypatch.setattr(ChunkPlacement, "place_again", lambda self, *args: False)
     # no plan with these fits GPU_BYTES (the search's NoPlanFits: a plan with every field forced would run as asked)
     too_large = {"n_persist": 5, "n_checkpoint": 0}
     turns = [too_large, {"n_persist": 2, "n_buffer": 2}, {}]
@@ -235,7 +235,7 @@ def test_a_switch_lets_go_of_the_old_gradient_buffers():
     manager = model_manager(model)
     old = [weakref.ref(t) for t in manager.storage.device_grads.owned]
     assert len(old) == manager.n_persist > 1
-    assert manager.place_again(manager.n_persist, manager.n_buffer, None, 1)
+    assert manager.placement.place_again(manager.n_persist, manager.n_buffer, None, 1)
     gc.collect()
     assert manager.storage.device_grad_slots == 1 and not [ref for ref in old if ref() is not None]
 

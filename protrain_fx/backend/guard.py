@@ -167,7 +167,9 @@ class Guarded:
             self._decided()
             return
         if manager is not None and moves_chunks(plan, manager):
-            if not manager.place_again(plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots):
+            if not manager.placement.place_again(
+                plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots
+            ):
                 log.warning(
                     "graph %d: no room to place the chunks for the plan %s; kept", record.index, self.loop.reason
                 )

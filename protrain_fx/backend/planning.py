@@ -245,7 +245,9 @@ def _capacities(c: GraphCompile, manager) -> tuple[int | None, int | None, int]:
     if host is not None and not config.host_memory_bytes:
         workers = compile_workers_bytes()
         if manager is not None:
-            host += manager.pending_host_bytes  # (the masters of chunks waiting for this plan, which it reuses)
+            host += (
+                manager.placement.pending_host_bytes
+            )  # (the masters of chunks waiting for this plan, which it reuses)
     gpu, host = least_on_every_rank([config.gpu_memory_bytes or device_capacity(device), host], device)
     return gpu, host, workers
 

@@ -297,7 +297,7 @@ def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkMan
 def place_chunks(manager: ChunkManager, plan: Plan) -> None:
     """A prepared model's chunks where the first compile's plan puts them (`ChunkManager.place`)."""
     with real_tensors():  # called from the partitioner, under AOTAutograd's fake mode
-        manager.place(plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots)
+        manager.placement.place(plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots)
 
 
 def check_params_managed(manager: ChunkManager, param_map: Mapping, example_inputs: Sequence[Any]) -> None:

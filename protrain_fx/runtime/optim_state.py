@@ -194,7 +194,7 @@ class AdamWStates:
     @torch.no_grad()
     def chunk_states(self, manager, chunk: int) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """The AdamW states of a chunk's parameters that have any, whole (parameter-shaped, on the CPU; a sharded
-        chunk's gathered from every rank's pieces, a collective), for `ChunkManager.place_again`, which moves the
+        chunk's gathered from every rank's pieces, a collective), for `ChunkPlacement.place_again`, which moves the
         chunk: its inner optimizer and kept snapshot are dropped (they view the storage it leaves)."""
         manager.wait_for_update(chunk)
         inner = self._inner.pop((id(manager), chunk), None)

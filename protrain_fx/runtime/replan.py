@@ -8,7 +8,7 @@ into force between two steps, once per graph, on every rank alike:
     forward of step k + 1      `ClosedLoop.decide`: the calibration (the largest on any rank, so every rank searches
                                alike) and the search; with chunks, wait for a forward that starts between two steps
                                on every rank (not between the backward passes of an accumulated step)
-    then                       `ChunkManager.place_again` where the chunk fields change; the graph compiled again
+    then                       `ChunkPlacement.place_again` where the chunk fields change; the graph compiled again
                                with the new plan from its stored profile (backend/guard.py `Guarded`)
 
 The chunk fields change only where the graph is the only one that reads the model's chunks and ends in no graph
@@ -146,7 +146,9 @@ class ClosedLoop:
             if self.pending is None:
                 self.done = True
                 return None
-        if manager is not None and max(most_on_every_rank([0.0 if manager.between_steps else 1.0], self.device)):
+        if manager is not None and max(
+            most_on_every_rank([0.0 if manager.placement.between_steps else 1.0], self.device)
+        ):
             self.waits += 1
             if self.waits >= MAX_WAITS:
                 log.info("graph %d: no re-plan, no forward in %d started between two steps", record.index, MAX_WAITS)

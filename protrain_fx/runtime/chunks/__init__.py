@@ -47,7 +47,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `common.py` | the attributes set on parameters and models, `skips_nonfinite`, the errors for a replaced, tied or unfrozen parameter |
 | `storage.py` | `ChunkStorage` (`manager.storage`, a part of its own): the chunks' memory (`flat`, `master`, `grad`, the host arena, the gradient pools), built again by each placement, and where this rank's elements of a chunk are |
 | `slots.py` | `SlotPool`: the gradient buffers (device) or shards (host) a group of chunks shares in turn |
-| `placement.py` | the parameters moved into the chunks; `place` for a pending manager, `place_again` (a re-plan) |
+| `placement.py` | `ChunkPlacement` (`manager.placement`, a part of its own): the parameters moved into the chunks; `place` for a pending manager, `place_again` (a re-plan); the offloaded chunks' buffer count |
 | `gather.py` | `Gatherer` (`manager.gathering`, a part of its own): the offloaded chunks' device buffers, gather, prefetch, release |
 | `reduce.py` | the backward's gradients into the chunks, across ranks: three paths |
 | `arrivals.py` | `Arrivals` (`manager.arrivals`, a part of its own): when a chunk's gradient of the step is complete |
@@ -64,7 +64,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | `outside.py` | `Outside` (`manager.outside`, a part of its own): the model used outside the graphs: values read, lent |
 | `param_class.py` | `ChunkedParameter`, the chunked parameters' class: Python's calls on an offloaded one run on its values |
 
-This module holds `ChunkManager` itself: its construction, the parts built again at each placement (`_build`), and
+This module holds `ChunkManager` itself: its construction, the parts built again at each placement (`rebuild`), and
 what the others ask of the whole (which parameters it holds, the collectives over a chunk, publishing an update).
 """
 
@@ -101,7 +101,7 @@ from protrain_fx.runtime.chunks.common import (
 from protrain_fx.runtime.chunks.edits import Edits
 from protrain_fx.runtime.chunks.gather import Gatherer
 from protrain_fx.runtime.chunks.outside import Outside
-from protrain_fx.runtime.chunks.placement import PlacementMixin
+from protrain_fx.runtime.chunks.placement import ChunkPlacement
 from protrain_fx.runtime.chunks.reduce import ReduceMixin
 from protrain_fx.runtime.chunks.step_grads import StepGrads
 from protrain_fx.runtime.chunks.storage import ChunkStorage
@@ -126,7 +126,6 @@ __all__ = [
 
 
 class ChunkManager(
-    PlacementMixin,
     ReduceMixin,
     UpdatesMixin,
     GradAccessMixin,
@@ -169,7 +168,6 @@ class ChunkManager(
         self.layout = layout
         self.params = list(params)
         self.slots: list[Slot] = list(layout.slots)
-        self.n_buffer = n_buffer if n_persist < layout.n_chunk else 0
         self.device = torch.device(device) if device is not None else self.params[0].device
         self.dtype = self.params[0].dtype
         _check_master_dtype(master_dtype, self.dtype)
@@ -190,6 +188,9 @@ class ChunkManager(
             world_size=self.world_size,
             wait_for_a_give_back=self._wait_for_a_give_back,
         )
+        # where the chunks are: the buffers of the offloaded ones, the plan a pending manager waits for (placement.py)
+        n_buffer = n_buffer if n_persist < layout.n_chunk else 0
+        self.placement = ChunkPlacement(self, n_buffer, pending_plan)
         check_ranks_agree(layout, n_persist, n_buffer)
         self._index(model)
         self.outside = Outside(self)
@@ -200,10 +201,9 @@ class ChunkManager(
         self.edits = Edits(
             self.step_state, loss_scaled=self.dtype == torch.float16, undo_speculative=self.undo_speculative_updates
         )
-        self.pending_plan = dict(pending_plan) if pending_plan is not None else None
         assert self.pending_plan is None or n_persist == 0, "a pending manager offloads every chunk"
-        self._build(n_persist, grad_slots, device_grad_slots)
-        self._adopt(source or (lambda p: p.detach()))
+        self.rebuild(n_persist, grad_slots, device_grad_slots)
+        self.placement.adopt(source or (lambda p: p.detach()))
         self._attach(model)
         self.handle = ops.register(self)
 
@@ -240,7 +240,17 @@ class ChunkManager(
         """The persistent chunks (the first ones), as the storage was last built."""
         return self.storage.n_persist
 
-    def _build(
+    @property
+    def n_buffer(self) -> int:
+        """The offloaded chunks' device buffers, as the chunks were last placed."""
+        return self.placement.n_buffer
+
+    @property
+    def pending_plan(self) -> dict[str, Any] | None:
+        """The plan fields forced so far of a manager whose chunks wait for the first compile's plan; else None."""
+        return self.placement.pending_plan
+
+    def rebuild(
         self,
         n_persist: int,
         grad_slots: int | None,
@@ -252,7 +262,8 @@ class ChunkManager(
         freed: int = 0,
     ) -> None:
         """The chunks' storage for `n_persist` persistent chunks (`ChunkStorage.build`, which takes the other
-        arguments), and the parts built around it: the buffers of gathering and reducing, the update stream."""
+        arguments), and the parts built around it: the buffers of gathering and reducing, the update stream (at
+        construction, and when `placement` places the chunks)."""
         pending = self.pending_plan is not None
         self.storage.build(
             n_persist, grad_slots, device_grad_slots, masters, pending=pending, kept=kept, reused=reused, freed=freed
@@ -274,6 +285,11 @@ class ChunkManager(
             self.n_buffer,
             "; placed by the first compile's plan" if pending else "",
         )
+
+    def drop_buffers(self) -> None:
+        """Let go of the buffers of gathering and reducing (a placement builds them again, `rebuild`)."""
+        self.gathering.drop()
+        self._drop_reduce_storage()
 
     def _new_gatherer(self) -> Gatherer:
         """The part that loads the offloaded chunks into the plan's `n_buffer` device buffers (gather.py)."""

@@ -1,6 +1,6 @@
 """Gatherer: the offloaded chunks' parameters, whole, in device buffers while a compiled graph reads them.
 
-A part the ChunkManager composes (`manager.gathering`), made again by each `_build` (a re-plan) and holding all
+A part the ChunkManager composes (`manager.gathering`), made again by each `rebuild` (a re-plan) and holding all
 of its state:
 - `buffers`: the plan's `n_buffer` compute-dtype chunk buffers on the device;
 - `_landing`: where a master shard lands on the device before its cast into a buffer (None where the parameters are

@@ -47,7 +47,7 @@ class ReduceMixin:
         self.clip_norm_type: float | None = None  # the norm type of the last clip_grad_norm_ call (arrival norms)
 
     def _build_reduce(self) -> None:
-        """The reduce buffers, the copy stream to the host and the non-finite flags, for the chunks as `_build` made
+        """The reduce buffers, the copy stream to the host and the non-finite flags, for the chunks as `rebuild` made
         them."""
         cuda = self.device.type == "cuda"
         sharded = self.world_size > 1 and self.n_persist < self.layout.n_chunk  # (offloaded shards land in one)

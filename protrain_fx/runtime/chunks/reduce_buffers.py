@@ -1,6 +1,6 @@
 """ReduceBuffers: the fp32 chunk-long buffers the backward's gradients are reduced in, used in turn.
 
-A part the ChunkManager composes (`manager.reduce_buffers`, made again by each `_build`), holding all of its state:
+A part the ChunkManager composes (`manager.reduce_buffers`, made again by each `rebuild`), holding all of its state:
 the buffers (made at their first use, at most `count`), each one's shard across ranks where offloaded chunks are
 reduce-scattered into one, the copy to the host that last read each, and which is next.
 
