@@ -125,12 +125,12 @@ def test_replans_are_bounded(monkeypatch):
 
 
 def test_chunk_building_out_of_memory_is_searched_again(monkeypatch):
-    Inject(monkeypatch, "_build", armed=True)
+    Inject(monkeypatch, "rebuild", armed=True)
     losses, _, backend, _ = _run({"gpu_memory_bytes": BIG, "on_oom": "replan"})
     assert backend.graphs[0].capacity == int(BIG * SHRINK)
     expected, *_ = _run({"gpu_memory_bytes": BIG})
     assert losses == expected
-    Inject(monkeypatch, "_build", armed=True)
+    Inject(monkeypatch, "rebuild", armed=True)
     # (raised while compiling: Dynamo wraps it, its message kept)
     with pytest.raises(Exception, match="OutOfMemoryError: protrain: the chunk building of graph 0 ran out"):
         _run({"gpu_memory_bytes": BIG})
