@@ -171,12 +171,6 @@ class ChunkManager(
         self.device = torch.device(device) if device is not None else self.params[0].device
         self.dtype = self.params[0].dtype
         _check_master_dtype(master_dtype, self.dtype)
-        self.master_dtype_name = master_dtype  # (as the plan names it)
-        self.master_dtype = getattr(torch, master_dtype)
-        self.master_bytes = self.master_dtype.itemsize
-        # the parameters are their own master: a persistent chunk's update during the backward changes what the
-        # rest of the backward would read, so its graphs reduce it after those reads (passes/chunks.py)
-        self.own_master = self.dtype == self.master_dtype
         # the chunks' memory (storage.py), its persistent chunks those of the placement it was last built for
         self.storage = ChunkStorage(
             layout,
@@ -188,6 +182,16 @@ class ChunkManager(
             world_size=self.world_size,
             wait_for_a_give_back=self._wait_for_a_give_back,
         )
+        # the master dtype as the storage keeps it (the plan's name for it, its torch dtype and size). The parameters
+        # are their own master (`own_master`): a persistent chunk's update during the backward changes what the rest
+        # of the backward would read, so its graphs reduce it after those reads (passes/chunks.py)
+        storage = self.storage
+        self.master_dtype_name, self.master_dtype, self.master_bytes = (
+            storage.master_dtype_name,
+            storage.master_dtype,
+            storage.master_bytes,
+        )
+        self.own_master = storage.own_master
         # where the chunks are: the buffers of the offloaded ones, the plan a pending manager waits for (placement.py)
         n_buffer = n_buffer if n_persist < layout.n_chunk else 0
         self.placement = ChunkPlacement(self, n_buffer, pending_plan)
