@@ -87,14 +87,20 @@ class LayoutLike(Protocol):
     def slots(self) -> Sequence[SlotLike]: ...
 
 
-def check_ranks_agree(layout: LayoutLike, n_persist: int, n_buffer: int) -> None:
+def check_ranks_agree(layout: LayoutLike, n_persist: int, n_buffer: int, n_device_shard: int = 0) -> None:
     """Every rank must lay out the same parameters the same way and plan alike; raise on all ranks if not
     (a disagreement would otherwise hang in the first collective of unequal size). Chunks whole on every rank
     (a layout for one) reduce their gradients across all ranks too."""
     _, world_size = rank_and_world_size()
     if world_size == 1:
         return
-    mine = (layout.chunk_elems, layout.n_chunk, n_persist, n_buffer, [(s.name, s.numel) for s in layout.slots])
+    mine = (
+        layout.chunk_elems,
+        layout.n_chunk,
+        (n_persist, n_device_shard),
+        n_buffer,
+        [(s.name, s.numel) for s in layout.slots],
+    )
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, mine)
     differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
@@ -104,8 +110,9 @@ def check_ranks_agree(layout: LayoutLike, n_persist: int, n_buffer: int) -> None
         diff = [(n, k) for n, k in everyone[0][4] if names.get(n) != k][:3]
         raise ValueError(
             f"ranks {differ} disagree with rank 0 on the model or plan: rank 0 has {everyone[0][1]} chunks of "
-            f"{everyone[0][0]} elements (n_persist={everyone[0][2]}, n_buffer={everyone[0][3]}), rank {differ[0]} "
-            f"{first[1]} chunks of {first[0]} (n_persist={first[2]}, n_buffer={first[3]}); first parameters that "
+            f"{everyone[0][0]} elements ((n_persist, n_device_shard)={everyone[0][2]}, n_buffer={everyone[0][3]}), "
+            f"rank {differ[0]} {first[1]} chunks of {first[0]} ((n_persist, n_device_shard)={first[2]}, "
+            f"n_buffer={first[3]}); first parameters that "
             f"differ: {diff or 'their order'}. Build the same model and pass the same options on every rank"
         )
 

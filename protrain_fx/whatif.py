@@ -43,7 +43,7 @@ from protrain_fx.planner.chunking import ChunkLayout, ParamInfo, layout_at, sear
 from protrain_fx.planner.cost import CostModel, swap_interval
 from protrain_fx.planner.inputs import PlanningInputs, cost_model, settled
 from protrain_fx.planner.plan import Plan, master_bytes
-from protrain_fx.planner.search import NoPlanFits, plan_graph, states_alone
+from protrain_fx.planner.search import NoPlanFits, plan_fits, plan_graph, states_alone
 from protrain_fx.profiler.hardware import HOST_RESERVE_BYTES, HardwareProfile, compile_workers_bytes, host_share
 from protrain_fx.profiler.profile import GraphProfile, NodeProfile
 
@@ -254,17 +254,7 @@ class Machine:
         else:
             swapped = range(n_block // costs.swap_interval + 1)
             tries = [{**self.forced, "n_swap": k, "n_checkpoint": n_block - k, "n_selective": 0} for k in swapped]
-        for forced in tries:
-            try:
-                if self._fits(
-                    plan_graph(
-                        costs, forced, layout, self.gpu_bytes, self.host_bytes, machine_ranks=self.ranks_per_node
-                    )
-                ):
-                    return True
-            except NoPlanFits:
-                continue
-        return False
+        return any(plan_fits(costs, forced, layout, self.gpu_bytes, self.host_bytes) for forced in tries)
 
     def _fits(self, plan: Plan) -> bool:
         """Whether `plan` fits the GPU: a searched one does; one of only forced fields is kept over capacity, as

@@ -74,6 +74,7 @@ def synthetic(n_block=8, n_chunk=6, seed=0, block_saved=1 * GiB, chunk_elems=2**
         element_size=2,
         block_chunk=tuple(b * n_chunk // n_block for b in range(n_block)),
         chunk_params=(chunk_elems,) * n_chunk,
+        shard_params=(chunk_elems,) * n_chunk,
     )
 
 
@@ -113,4 +114,7 @@ def on_two_ranks(seconds: float, stretch: float = 1.0, delay: float = 0.0) -> Co
         collective_stretch_beside_matmul=stretch,
         matmul_delay_beside_collective=delay,
     )
-    return dataclasses.replace(model, hardware=hw, world_size=2, shard_elems=model.chunk_elems // 2)
+    shard = model.chunk_elems // 2
+    return dataclasses.replace(
+        model, hardware=hw, world_size=2, shard_elems=shard, shard_params=(shard,) * model.n_chunk
+    )

@@ -22,6 +22,8 @@ PLANS = {
     "all-persistent": {},
     "all-offloaded": {"n_persist": 0, "n_buffer": 3},
     "in-between": {"n_persist": 2, "n_buffer": 2},
+    # (one rank: its shard is the whole chunk, updated on the device, gathered into a buffer like an offloaded one)
+    "sharded-on-the-device": {"n_persist": 1, "n_device_shard": 1, "n_buffer": 2},
 }
 # fewer host gradient shards than offloaded chunks, shared in turn (the plan for a host short of memory)
 SHARED_GRADIENTS = {"n_persist": 0, "n_buffer": 3, "host_grad_slots": 1}
@@ -136,14 +138,14 @@ def chunk_states(manager, optimizer) -> dict[int, list[torch.Tensor]]:
 
 def device_bytes_held(manager, states) -> int:
     """The device bytes of the model states `manager` holds: its chunks, gradient, chunk and reduce buffers
-    (with their shards across ranks), masters, and the persistent chunks' AdamW `states` (chunk -> tensors)."""
-    persistent = range(manager.n_persist)
-    device = [*manager.storage.flat.values(), *manager.storage.device_grads.owned, *manager.gathering.device_tensors()]
-    device += manager.reduce_buffers.device_tensors()
-    device += [
-        manager.storage.master[c] for c in persistent if manager.storage.master[c] is not manager.storage.flat[c]
-    ]
-    return sum(t.numel() * t.element_size() for t in [*device, *(t for c in persistent for t in states[c])])
+    (with their shards across ranks), masters, the shards of the chunks sharded on the device (master and gradient),
+    and the AdamW `states` (chunk -> tensors) of the chunks updated on the device."""
+    storage = manager.storage
+    on_device = range(manager.n_persist + manager.n_device_shard)
+    device = [*storage.flat.values(), *storage.device_grads.owned, *manager.gathering.device_tensors()]
+    device += [*manager.reduce_buffers.device_tensors(), *storage.shard_grads.owned]
+    device += [storage.master[c] for c in on_device if storage.master.get(c) is not storage.flat.get(c)]
+    return sum(t.numel() * t.element_size() for t in [*device, *(t for c in on_device for t in states[c])])
 
 
 def test_offloaded_parameters_hold_no_storage_and_arena_is_exact():

@@ -73,6 +73,30 @@ def test_chunks_move_up_and_down_between_steps_bitwise():
         manager.placement.place_again(1, 0, None, None)
 
 
+def test_chunks_move_between_the_device_its_shards_and_the_host_bitwise():
+    """Between persistent, sharded on the device (here one rank's shard is the whole chunk, updated where the
+    device is) and offloaded, every way, the values stay; a pending manager is placed with shards on the device."""
+    params = _params()
+    before = [p.detach().clone() for p in params]
+    manager = _manager(params, n_persist=1, n_buffer=1, n_device_shard=2)
+    storage = manager.storage
+    assert list(storage.device_sharded()) == [1, 2] and list(storage.offloaded()) == [3]
+    assert storage.arena.numel() == 64 * 4 * 2  # (the one offloaded chunk's master and gradient shard)
+    assert [storage.on_host(c) for c in range(4)] == [False, False, False, True]
+    for n_persist, n_device_shard in [(0, 4), (2, 1), (0, 0), (1, 2), (4, 0), (0, 3)]:
+        assert manager.placement.place_again(n_persist, 1, None, None, n_device_shard)
+        assert (manager.n_persist, manager.n_device_shard) == (n_persist, n_device_shard)
+        assert all(torch.equal(v, b) for v, b in zip(_values(manager), before)), (n_persist, n_device_shard)
+        assert all(storage.grads_of(c) is storage.shard_grads for c in storage.device_sharded())
+    with pytest.raises(ValueError, match="n_device_shard=4"):
+        manager.placement.place_again(1, 1, None, None, 4)
+    params = _params()
+    pending = _manager(params, n_persist=0, n_buffer=1, pending_plan={"n_buffer": 1})
+    pending.placement.place(1, 1, None, None, 2)
+    assert (pending.n_persist, pending.n_device_shard) == (1, 2)
+    assert all(torch.equal(v, b) for v, b in zip(_values(pending), before))
+
+
 def test_no_placement_while_a_chunk_is_in_use():
     manager = _manager(_params(), n_persist=1, n_buffer=1)
     manager.gather(2)  # (a graph reads chunk 2 until it releases it)

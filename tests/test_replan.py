@@ -182,23 +182,26 @@ def _switch_to(monkeypatch, fields: dict) -> None:
 
 def test_plans_in_turn_move_the_chunks_to_the_host_and_back_and_train_on_like_eager(tmp_path):
     """The `replan` option as a list: after the first plan's (every chunk persistent) measured steps, 2 persistent
-    chunks (the others offloaded, their masters and AdamW states moved to the host), then `{}`, the plan the loop
-    keeps (all persistent again), each for its own measured steps; bitwise eager's throughout, and replan.json lists
-    the three plans with their reports."""
-    turns = [{"n_persist": 2, "n_buffer": 2}, {}]
+    chunks (the others offloaded, their masters and AdamW states moved to the host), then 1 persistent and 2 sharded
+    on the device (one from the device, one from the host), then `{}`, the plan the loop keeps (all persistent
+    again), each for its own measured steps; bitwise eager's throughout, and replan.json lists the plans with their
+    reports."""
+    turns = [{"n_persist": 2, "n_buffer": 2}, {"n_persist": 1, "n_device_shard": 2, "n_buffer": 2}, {}]
     options = {"replan": turns, "dump_dir": str(tmp_path)}
     steps = SWITCH_AT * (len(turns) + 1) + 1  # (the last forward finds the last report in: the loop is done)
     (ref_losses, ref, ref_opt), (losses, model, opt, backend), plans = _eager_and_protrain(options, steps)
     assert losses == ref_losses
     _assert_bitwise(ref, ref_opt, model, opt)
-    first, second, third = plans[0], plans[SWITCH_AT], plans[2 * SWITCH_AT]
-    assert first.n_persist == first.n_chunk and second.n_persist == 2 and third.n_persist == third.n_chunk
-    for i, plan in enumerate((first, second, third)):
+    in_turn = [plans[i * SWITCH_AT] for i in range(len(turns) + 1)]
+    first, last = in_turn[0], in_turn[-1]
+    assert first.n_persist == first.n_chunk and last.n_persist == last.n_chunk
+    assert [(p.n_persist, p.n_device_shard) for p in in_turn[1:-1]] == [(2, 0), (1, 2)]
+    for i, plan in enumerate(in_turn):
         assert all(p is plan for p in plans[i * SWITCH_AT : (i + 1) * SWITCH_AT]), i
-    assert model_manager(model).n_persist == third.n_persist and len(backend.graphs) == 1
+    assert model_manager(model).n_persist == last.n_persist and len(backend.graphs) == 1
     replan = json.loads((backend.graphs[0].dumper.dir / "replan.json").read_text())
     assert [t["forced"] for t in replan["turns"]] == [{}, *turns]
-    assert [t["plan"]["n_persist"] for t in replan["turns"]] == [first.n_persist, 2, third.n_persist]
+    assert [t["plan"]["n_persist"] for t in replan["turns"]] == [p.n_persist for p in in_turn]
     assert all(t["report"]["measured_step_s"] > 0 for t in replan["turns"]) and replan["switched"]
     # what each switch took: both moved the chunks; each compiled the forward again
     assert "switch_s" not in replan["turns"][0] and replan["switches_s"] == [t["switch_s"] for t in replan["turns"][1:]]

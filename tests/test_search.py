@@ -50,6 +50,37 @@ def test_search_finds_the_brute_force_optimum(seed):
         assert all(r[1] * (1 + TIE_REL) >= best[1] for r in runners_up)  # (ties go to the least rewritten)
 
 
+@pytest.mark.parametrize("seconds", [0.0005, 0.02])
+def test_search_with_chunks_sharded_on_the_device_finds_the_brute_force_optimum(seconds):
+    """Two ranks, whose chunks' collectives take `seconds`: each chunk persistent, sharded on the device or
+    offloaded. The search tries no chunk and the most that fit sharded on the device for every layout, then every
+    count for the layouts that win; brute force tries every count everywhere: the same best, from a GPU that holds
+    little to one that holds every chunk, with the host budgeted or not."""
+    model = on_two_ranks(seconds)
+    for capacity in capacities(model)[1::2]:
+        for host in (None, 2 * GiB):
+            fits = brute_force(model, capacity, host_bytes=host)
+            if not fits:
+                continue
+            best, runners_up = search(model, capacity, host_bytes=host)
+            assert best == rank(fits, capacity, alpha=model.alpha)[0], (capacity, host)
+            assert all(r[1] >= best[1] * (1 - TIE_REL) for r in runners_up)
+
+
+def test_chunks_go_to_the_gpus_where_together_they_hold_them_and_the_host_cannot():
+    """Two ranks, a GPU too small for every chunk whole and a host with no room for any: the chunks not persistent
+    are sharded across the GPUs, which together hold them; held on the host alone, no plan fits, and the error says
+    what sharding them on the GPUs gives."""
+    model = on_two_ranks(0.002)
+    capacity, host = capacities(model)[3], 1
+    layout = ChunkLayout(chunk_elems=model.chunk_elems, element_size=2, world_size=2, slots=(), n_chunk=model.n_chunk)
+    plan = plan_graph(model, {}, layout, capacity, host)
+    assert plan.n_persist < model.n_chunk and plan.n_device_shard == model.n_chunk - plan.n_persist
+    assert plan.predicted_reserved_bytes <= capacity and model.host_bytes(Candidate.of(plan)) == 0
+    with pytest.raises(NoPlanFits, match="with n_device_shard searched instead, the search plans n_persist="):
+        plan_graph(model, {"n_device_shard": 0}, layout, capacity, host)
+
+
 def test_step_bound_is_a_lower_bound_and_spares_most_timings(monkeypatch):
     """`step_bound_s` never exceeds `step_s`, also where the profile measured a copy faster beside other work than
     alone (noise: no copy is faster for company); the search times only the configurations it can still use."""

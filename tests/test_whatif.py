@@ -269,16 +269,20 @@ def _config(plan):
 def test_largest_model_with_the_host_shared_by_a_node():
     """Chunks offloaded to a host that binds: the node's host is shared by its ranks, each of which holds its shard
     of every offloaded chunk, so more ranks on one node fit about the same model, and the same ranks on as many
-    nodes (each with that host) about as many times larger."""
+    nodes (each with that host) about as many times larger. With chunks sharded across the GPUs too (searched), the
+    node's GPUs hold what its host cannot: a larger model fits."""
     saved, params = 4 * MiB, 64 * MiB
     source = synthetic(4, saved=saved, params=params)
     machine = {"gpu_memory_bytes": 4 * GiB, "host_memory_bytes": 6 * GiB, "host_reserve_bytes": 0}
     one = what_if(source, **machine, hardware=TWO_RANKS)
-    node = what_if(source, world_size=4, **machine, hardware=TWO_RANKS)
-    nodes = what_if(source, world_size=4, ranks_per_node=1, **machine, hardware=TWO_RANKS)
+    host_only = {"forced": {"n_device_shard": 0}, **machine, "hardware": TWO_RANKS}
+    node = what_if(source, world_size=4, **host_only)
+    nodes = what_if(source, world_size=4, ranks_per_node=1, **host_only)
     assert one.largest_plan.n_persist < one.largest_plan.n_chunk  # (the host holds what the GPU cannot)
     assert abs(node.largest_n_block - one.largest_n_block) <= 0.1 * one.largest_n_block
     assert nodes.largest_n_block >= 3 * one.largest_n_block
+    sharded = what_if(source, world_size=4, **machine, hardware=TWO_RANKS)
+    assert sharded.largest_n_block > node.largest_n_block and sharded.largest_plan.n_device_shard > 0
     assert nodes.largest_n_params == (nodes.largest_n_block + 1) * params
     with pytest.raises(NoPlanFits):
         what_if(source, **machine, hardware=TWO_RANKS, n_block=one.largest_n_block + 1, largest=False)
@@ -289,4 +293,4 @@ def test_largest_model_with_the_host_shared_by_a_node():
     assert one.largest_n_block - 2 <= over.largest_n_block <= one.largest_n_block
     assert "no plan fits" in str(over) and "largest that fits" in str(over)
     with pytest.raises(NoPlanFits, match="4 ranks share this machine's host"):  # (what the node lacks)
-        what_if(source, world_size=4, **machine, hardware=TWO_RANKS, n_block=2 * node.largest_n_block, largest=False)
+        what_if(source, world_size=4, **host_only, n_block=2 * node.largest_n_block, largest=False)

@@ -168,7 +168,7 @@ class Guarded:
             return
         if manager is not None and moves_chunks(plan, manager):
             if not manager.placement.place_again(
-                plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots
+                plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots, plan.n_device_shard
             ):
                 log.warning(
                     "graph %d: no room to place the chunks for the plan %s; kept", record.index, self.loop.reason

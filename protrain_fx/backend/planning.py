@@ -180,7 +180,9 @@ def _search_profile(
             persistent = [p for p in graph_params if manager.holds(p) and manager.is_persistent(p)]
             held = _nbytes(p for p in graph_params if manager.holds(p) and not manager.is_persistent(p))
             if device.type == "cuda":
-                held += costs.state_bytes(Candidate(manager.n_persist, manager.n_buffer))
+                held += costs.state_bytes(
+                    Candidate(manager.n_persist, manager.n_buffer, n_device_shard=manager.n_device_shard)
+                )
             else:
                 held += sum({storage_key(p): p.untyped_storage().nbytes() for p in persistent}.values())
         elif device.type == "cuda":  # the allocator counts every parameter of the model on the device
@@ -261,7 +263,10 @@ def _forced_by(options_plan: Mapping[str, Any], manager) -> dict[str, str]:
     if manager.pending_plan is not None:
         return {**{k: "protrain_fx.prepare's plan" for k in manager.pending_plan}, **origin}
     built = "the chunks already built (by protrain_fx.prepare or an earlier graph)"
-    return {**origin, **{k: built for k in ("n_persist", "n_buffer", "host_grad_slots", "device_grad_slots")}}
+    return {
+        **origin,
+        **{k: built for k in ("n_persist", "n_device_shard", "n_buffer", "host_grad_slots", "device_grad_slots")},
+    }
 
 
 def _regathers(param_map: dict[str, ParamEntry], layout, model) -> tuple[tuple[int, int], ...]:

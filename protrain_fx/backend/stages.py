@@ -353,7 +353,7 @@ def dump_plan(dumper: Dumper, record: GraphRecord, fw: fx.GraphModule, bw: fx.Gr
 
 def _cost_terms(costs: CostModel, plan: Plan) -> dict[str, Any]:
     """The plan's predicted step split into its terms, and what the models read (costs.json of a dump)."""
-    config = Candidate(plan.n_persist, plan.n_buffer, plan.n_swap, plan.n_checkpoint, plan.n_selective)
+    config = Candidate.of(plan)
     costs = dataclasses.replace(costs, forced_modes=plan.block_modes)
     return {
         **costs.phases(config),

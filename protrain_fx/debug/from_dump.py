@@ -64,9 +64,8 @@ def host_scale_of(graph_dir: str | Path) -> float | None:
         dumped = decisions(json.loads((folder / "plan.json").read_text()))
         profile, inputs = read_dump(folder)
         costs = cost_model(profile, inputs, dumped)
-        config = Candidate(
-            *(dumped.get(f.name, 0) for f in dataclasses.fields(Candidate))
-        )  # (older dumps: no n_selective)
+        # (older dumps: no n_selective, no n_device_shard)
+        config = Candidate(**{f.name: dumped.get(f.name, 0) for f in dataclasses.fields(Candidate)})
         report["predicted_host_adam_s_per_param"] = costs.host_adam_mean_s(config)
     return monitor.host_scale(report)
 

@@ -58,11 +58,20 @@ class StepBounds(CostFields):
         backward = sum(self.other_bwd_s) + sum(self.block_bwd_s) + terms.recompute_s
         if self.n_chunk == 0:
             return forward + backward
-        hw, per, load, offloaded = self.hardware, terms.per_chunk, self._load_floor_s(), self.n_chunk - config.n_persist
+        hw, per, load = self.hardware, terms.per_chunk, self._load_floor_s()
         assert per is not None, "mode_terms(config) splits the work per chunk where there are chunks"
-        uploads = (offloaded * load, max(0, offloaded - max(1, config.n_buffer)) * load)
+        # (a chunk sharded on the device loads with its all-gather alone; the backward loads again the lowest
+        # chunks beyond the buffers, those first)
+        host = config.n_persist + config.n_device_shard
+        offloaded, gathered = self.n_chunk - host, self.n_chunk - config.n_persist
+        again = max(0, gathered - max(1, config.n_buffer))
+        gather = self._gather_s()[0]
+        uploads = (
+            offloaded * load + config.n_device_shard * gather,
+            again * gather + max(0, offloaded - max(1, config.n_buffer)) * (load - gather),
+        )
         swapped = (terms.swapped_bytes / hw.d2h_bytes_per_s, terms.swapped_bytes / hw.h2d_bytes_per_s)
-        work = sum(self.chunk_params[config.n_persist :]) / self.world_size * self._host_floor_s()
+        work = sum(self.chunk_params[host:]) / self.world_size * self._host_floor_s()
         if not self.overlap:  # (the device's AdamW adds all its time, clipped or not)
             devices = forward + backward + sum(uploads) + sum(swapped) + self._gpu_optim_s(config)
             return devices + work * ((1 - clip_weight) * sum(host_scales) / len(host_scales) + clip_weight)
@@ -105,7 +114,7 @@ class StepBounds(CostFields):
         link = Link(self.hardware)
         forward, backward = self._forward_timeline(config, per, link), self._backward_timeline(config, per, link)
         bound = forward["end"] + backward["end"] + self._gpu_optim_s(config)
-        offloaded = range(config.n_persist, self.n_chunk)
+        offloaded = range(config.n_persist + config.n_device_shard, self.n_chunk)
         bounds = []
         for scale in host_scales:
             rate = self._host_floor_s() * scale / self.world_size

@@ -39,7 +39,7 @@ from typing import Any
 from protrain_fx.planner.cost import Candidate, CostModel
 from protrain_fx.planner.inputs import PlanningInputs, retimed
 from protrain_fx.planner.plan import Plan, decisions
-from protrain_fx.planner.search import SEARCHED, NoPlanFits, plan_graph, ranked_step_s, tie_rel
+from protrain_fx.planner.search import SEARCHED, NoPlanFits, forced_counts, plan_graph, ranked_step_s, tie_rel
 
 log = logging.getLogger(__name__)
 
@@ -138,16 +138,7 @@ def switch_margin(costs: CostModel) -> float:
 
 def searches(costs: CostModel, forced: Mapping[str, Any], layout) -> bool:
     """Whether `plan_graph` searches any field under `forced` (with every one forced it only times the plan)."""
-    counts = set(forced) & set(SEARCHED)
-    if "block_modes" in forced:
-        counts |= {"n_swap", "n_checkpoint", "n_selective"}
-    if not costs.prices_selective:
-        counts.add("n_selective")
-    if layout is None or forced.get("n_persist") == layout.n_chunk:
-        counts.add("n_buffer")
-    if layout is None:
-        counts.add("n_persist")
-    return not set(SEARCHED) <= counts
+    return not set(SEARCHED) <= set(forced_counts(costs, forced, layout))
 
 
 def ranked_s(costs: CostModel, plan: Plan) -> float:
@@ -185,7 +176,7 @@ def _forcing_plan(costs: CostModel, plan: Plan) -> CostModel:
 
 
 def _candidate(plan: Plan) -> Candidate:
-    return Candidate(*(getattr(plan, k) for k in SEARCHED))
+    return Candidate.of(plan)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,6 +66,12 @@ class Candidate:
     n_swap: int = 0
     n_checkpoint: int = 0
     n_selective: int = 0
+    n_device_shard: int = 0  # the chunks after the persistent ones sharded across the ranks on the device
+
+    @classmethod
+    def of(cls, plan: Any) -> Candidate:
+        """The searched fields of `plan` (a Plan, or anything with its fields as attributes)."""
+        return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +113,7 @@ class CostModel(MemoryModel, Timeline, StepBounds):
     world_size: int = 1
     block_chunk: tuple[int, ...] = ()  # chunk holding each block's parameters
     chunk_params: tuple[int, ...] = ()  # parameter elements in each chunk (padding excluded)
+    shard_params: tuple[int, ...] = ()  # the most parameter elements a rank's shard of each chunk holds
     # (chunk, the chunk beside whose forward compute it is gathered again): a chunk the forward reads again after
     # other chunks (a tied embedding read by the head), where it is not persistent
     regathers: tuple[tuple[int, int], ...] = ()
@@ -260,8 +267,13 @@ class CostModel(MemoryModel, Timeline, StepBounds):
 def _layout_fields(layout: ChunkLayout) -> dict:
     """The CostModel fields a chunk layout gives: its sizes, and each chunk's parameter elements (padding excluded)."""
     chunk_params = [0] * layout.n_chunk
+    shard_params = [[0] * layout.world_size for _ in range(layout.n_chunk)]  # chunk -> rank -> elements
+    shard = layout.shard_elems
     for slot in layout.slots:
         chunk_params[slot.chunk] += slot.numel
+        for rank in range(slot.offset // shard, (slot.offset + slot.numel - 1) // shard + 1):
+            lo, hi = max(slot.offset, rank * shard), min(slot.offset + slot.numel, (rank + 1) * shard)
+            shard_params[slot.chunk][rank] += hi - lo
     return dict(
         n_chunk=layout.n_chunk,
         chunk_elems=layout.chunk_elems,
@@ -269,6 +281,7 @@ def _layout_fields(layout: ChunkLayout) -> dict:
         element_size=layout.element_size,
         world_size=layout.world_size,
         chunk_params=tuple(chunk_params),
+        shard_params=tuple(max(ranks) for ranks in shard_params),
     )
 
 

@@ -44,6 +44,7 @@ class CostFields(Protocol):
     world_size: int
     block_chunk: tuple[int, ...]
     chunk_params: tuple[int, ...]
+    shard_params: tuple[int, ...]
     regathers: tuple[tuple[int, int], ...]
     least_buffers: tuple[int, ...]
     forced_modes: tuple[str, ...]

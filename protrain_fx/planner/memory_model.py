@@ -17,7 +17,9 @@ must fit the GPU):
     until the backward reaches b (prefetches beyond that run only within the budget, so add no peak), but for
     those the backward of a block beyond b + swap_interval reads, which stay on the device;
   states: persistent chunks (parameters, master, AdamW's two states, and their gradients: one each, or
-    `device_grad_slots` shared), chunk buffers, the landing shard and the reduce buffers of offloaded chunks,
+    `device_grad_slots` shared), the shards of the chunks sharded on the device (master, gradient, and AdamW's two
+    states over the parameters of the rank's shard holding the most), chunk buffers, the landing shard of
+    offloaded chunks and the reduce buffers of sharded ones,
     all but the parameters and buffers in the master dtype (fp32, or the parameters', which then need no
     master: the plan's `master_dtype`); with chunks the gradients the profile kept are taken out too (the
     runtime reduces them away per chunk).
@@ -120,21 +122,24 @@ class MemoryModel(CostFields):
         persistent = config.n_persist * self.chunk_elems * (self.element_size + master)
         persistent += self.device_grad_slots(config) * self.chunk_elems * self.master_bytes
         persistent += sum(self.chunk_params[: config.n_persist]) * ADAM_STATES * self.master_bytes
+        shards = range(config.n_persist, config.n_persist + config.n_device_shard)  # (master and gradient each)
+        on_device = len(shards) * self.shard_elems * 2 * self.master_bytes
+        on_device += sum(self.shard_params[c] for c in shards) * ADAM_STATES * self.master_bytes
         buffers = config.n_buffer * self.chunk_elems * self.element_size
-        offloaded = self.n_chunk - config.n_persist
-        landing = self.shard_elems * self.master_bytes if offloaded and master else 0
-        # what gradients are reduced in: an offloaded chunk's always, a persistent one's across several ranks
-        buffered = offloaded + (config.n_persist if self.world_size > 1 else 0)
+        sharded = self.n_chunk - config.n_persist
+        landing = self.shard_elems * self.master_bytes if sharded > config.n_device_shard and master else 0
+        # what gradients are reduced in: a sharded chunk's always, a persistent one's across several ranks
+        buffered = sharded + (config.n_persist if self.world_size > 1 else 0)
         reduce = min(REDUCE_BUFFERS, buffered) * self.chunk_elems * self.master_bytes
-        if self.world_size > 1 and offloaded:  # each buffer's shard the offloaded chunks' gradients are scattered to
+        if self.world_size > 1 and sharded:  # each buffer's shard the sharded chunks' gradients are scattered to
             reduce += min(REDUCE_BUFFERS, buffered) * self.shard_elems * self.master_bytes
-        return persistent + buffers + landing + reduce
+        return persistent + on_device + buffers + landing + reduce
 
     def host_bytes(self, config: Candidate, grad_slots: int | None = None, terms: ModeTerms | None = None) -> int:
         """Host bytes of this rank the configuration needs (runtime/chunks/: what its host check asks for): per
         offloaded chunk its shard's master and host AdamW states, `grad_slots` gradient shards (default
         `grad_slots(config)`), and the swap space of the swapped blocks' activations (runtime/swap.py)."""
-        offloaded = self.n_chunk - config.n_persist
+        offloaded = self.n_offloaded(config)
         slots = self.grad_slots(config) if grad_slots is None else grad_slots
         chunks = self.shard_elems * self.master_bytes * (offloaded * HOST_STATES + slots)
         return chunks + (terms or self.mode_terms(config, chunks=False)).swapped_bytes
@@ -143,7 +148,7 @@ class MemoryModel(CostFields):
         """The host gradient shards the offloaded chunks of `config` get (the user's, if forced): one each where
         `host_budget` has room (or is not set), else as many as it has, and no fewer than MIN_GRAD_SLOTS
         (`least_host_bytes`), which they share (runtime/chunks/slots.py)."""
-        offloaded = self.n_chunk - config.n_persist
+        offloaded = self.n_offloaded(config)
         if self.forced_grad_slots is not None:
             return min(offloaded, self.forced_grad_slots)
         if self.host_budget is None or not offloaded:
@@ -162,7 +167,12 @@ class MemoryModel(CostFields):
 
     def least_host_bytes(self, config: Candidate, terms: ModeTerms | None = None) -> int:
         """The least host memory `config` trains in: its offloaded chunks sharing MIN_GRAD_SLOTS gradient shards."""
-        return self.host_bytes(config, min(self.n_chunk - config.n_persist, MIN_GRAD_SLOTS), terms)
+        return self.host_bytes(config, min(self.n_offloaded(config), MIN_GRAD_SLOTS), terms)
+
+    def n_offloaded(self, config: Candidate) -> int:
+        """The chunks `config` offloads: sharded on the host (after the persistent ones and those sharded on the
+        device)."""
+        return self.n_chunk - config.n_persist - config.n_device_shard
 
     def peak_bytes(self, config: Candidate, terms: ModeTerms | None = None) -> int:
         """The highest allocated bytes of a step (what torch.cuda.max_memory_allocated reports)."""

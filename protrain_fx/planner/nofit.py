@@ -29,7 +29,9 @@ def _gib(n: float | None) -> str:
 
 
 def _config(config: Candidate) -> str:
-    return " ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config))
+    """Its fields as `name=value`, but no chunk sharded on the device where there is none (one rank)."""
+    fields = [f.name for f in dataclasses.fields(config) if f.name != "n_device_shard" or config.n_device_shard]
+    return " ".join(f"{name}={getattr(config, name)}" for name in fields)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,10 @@ LEAST_BUFFERS, LEAST_BUFFERS_RECOMPUTING = 2, 3
 class Plan:
     n_persist: int = 0  # chunks kept on the GPU (the first n_persist in execution order)
     n_buffer: int = 0  # pre-allocated GPU buffers for non-persistent chunks
+    # chunks after the persistent ones sharded across the ranks on the GPUs (ZeRO-3 on the device): each rank holds
+    # its shard's master, gradient and AdamW states there, gathered into the buffers like an offloaded chunk and
+    # updated on the GPU; the chunks after them are offloaded (sharded on the host, updated by the CPU)
+    n_device_shard: int = 0
     n_swap: int = 0  # blocks whose activations are swapped to CPU memory
     n_checkpoint: int = 0  # blocks recomputed in backward
     n_selective: int = 0  # blocks whose cheap ops (norms, activations, casts, dropout) are recomputed in backward
@@ -116,6 +120,7 @@ PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
 CHUNK_FIELDS = (
     "n_persist",
     "n_buffer",
+    "n_device_shard",
     "n_chunk",
     "chunk_bytes",
     "n_clip_overlap",
@@ -186,12 +191,16 @@ def _int_field(forced: Mapping[str, Any], key: str, default: int) -> int:
     return value
 
 
-def grad_slot_fields(forced: Mapping[str, Any], n_chunk: int, n_persist: int) -> dict[str, int]:
+def grad_slot_fields(
+    forced: Mapping[str, Any], n_chunk: int, n_persist: int, n_device_shard: int = 0
+) -> dict[str, int]:
     """The gradient shards the offloaded chunks share on the host and the buffers the persistent chunks share on the
-    device, as forced (more than one per chunk: one each) or one each."""
+    device, as forced (more than one per chunk: one each) or one each. (Chunks sharded on the device hold one
+    gradient shard each.)"""
+    offloaded = n_chunk - n_persist - n_device_shard
     return {
         "host_grad_slots": _grad_slots(
-            forced, "host_grad_slots", n_chunk - n_persist, "chunks are offloaded (gradient shards on the host)"
+            forced, "host_grad_slots", offloaded, "chunks are offloaded (gradient shards on the host)"
         ),
         "device_grad_slots": _grad_slots(
             forced, "device_grad_slots", n_persist, "chunks are persistent (gradient buffers on the device)"
@@ -280,17 +289,25 @@ def make_plan(
     if n_persist < layout.n_chunk and n_buffer < 1:
         raise ValueError("options['plan']['n_buffer'] must be at least 1 when some chunks are not persistent")
     _check_buffers(n_buffer, layout.n_chunk)
-    n_clip_overlap = _int_field(forced, "n_clip_overlap", 0)
-    if n_clip_overlap > layout.n_chunk - n_persist:
+    n_device_shard = _int_field(forced, "n_device_shard", 0)
+    if n_device_shard > layout.n_chunk - n_persist:
         raise ValueError(
-            f"options['plan']['n_clip_overlap']={n_clip_overlap} exceeds the {layout.n_chunk - n_persist} offloaded "
-            "chunks (n_chunk - n_persist)"
+            f"options['plan']['n_device_shard']={n_device_shard} exceeds the {layout.n_chunk - n_persist} chunks after "
+            "the persistent ones (n_chunk - n_persist)"
         )
-    slots = grad_slot_fields(forced, layout.n_chunk, n_persist)
+    offloaded = layout.n_chunk - n_persist - n_device_shard
+    n_clip_overlap = _int_field(forced, "n_clip_overlap", 0)
+    if n_clip_overlap > offloaded:
+        raise ValueError(
+            f"options['plan']['n_clip_overlap']={n_clip_overlap} exceeds the {offloaded} offloaded chunks (n_chunk - "
+            "n_persist - n_device_shard)"
+        )
+    slots = grad_slot_fields(forced, layout.n_chunk, n_persist, n_device_shard)
     host_grad_slots, device_grad_slots = slots["host_grad_slots"], slots["device_grad_slots"]
     return Plan(
         n_persist=n_persist,
         n_buffer=n_buffer,
+        n_device_shard=n_device_shard,
         n_chunk=layout.n_chunk,
         n_block=n_block,
         chunk_bytes=layout.chunk_bytes,

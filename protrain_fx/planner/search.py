@@ -104,9 +104,11 @@ def _block_counts(model: CostModel, forced: Mapping[str, Any]):
                     yield n_swap, n_checkpoint, n_selective
 
 
-def candidates(model: CostModel, forced: Mapping[str, Any]):
-    """Every configuration the search considers, in rows of one block layout and increasing n_persist (so of
-    increasing memory)."""
+def candidates(model: CostModel, forced: Mapping[str, Any], *, every_shard: bool = True):
+    """Every configuration the search considers, in rows of one block layout, buffer count and count of chunks
+    sharded on the device, and increasing n_persist (so of increasing memory). Chunks sharded on the device: as
+    forced, else every count where several ranks shard them (`every_shard`; else none: `_scan` adds the most
+    that fit), none with one rank."""
     both_forced = {"n_buffer", "n_persist"} <= forced.keys()  # (then the chunk pass says what the graph needs)
     for counts in _block_counts(model, forced):
         if model.n_chunk == 0:
@@ -116,18 +118,30 @@ def candidates(model: CostModel, forced: Mapping[str, Any]):
         # recomputed block reads; and at least what the graphs hold at once (the chunk passes reject fewer)
         least = LEAST_BUFFERS_RECOMPUTING if counts[1] or counts[2] else LEAST_BUFFERS
         for n_buffer in _values(forced, "n_buffer", range(least, max((MAX_BUFFER, *model.least_buffers)) + 1)):
-            row = []
-            for n_persist in _values(forced, "n_persist", range(model.n_chunk + 1)):
-                offloaded = model.n_chunk - n_persist
-                if offloaded and n_buffer < _needed(model, n_persist) and not both_forced:
-                    continue
-                if offloaded and n_buffer > offloaded and "n_buffer" not in forced:
-                    # (a forced count is the user's: more buffers than chunks only costs memory; so does the least
-                    # count where the user's n_persist leaves fewer chunks offloaded)
-                    if "n_persist" not in forced or n_buffer != least:
+            shards = range(model.n_chunk + 1) if every_shard and model.world_size > 1 else [0]
+            for n_device_shard in _values(forced, "n_device_shard", shards):
+                row = []
+                for n_persist in _values(forced, "n_persist", range(model.n_chunk - n_device_shard + 1)):
+                    offloaded = model.n_chunk - n_persist  # (gathered: sharded on the device or the host)
+                    if offloaded and n_buffer < _needed(model, n_persist) and not both_forced:
                         continue
-                row.append(Candidate(n_persist, n_buffer if offloaded else 0, *counts))
-            yield row
+                    if offloaded and n_buffer > offloaded and "n_buffer" not in forced:
+                        # (a forced count is the user's: more buffers than chunks only costs memory; so does the
+                        # least count where the user's n_persist leaves fewer chunks offloaded)
+                        if "n_persist" not in forced or n_buffer != least:
+                            continue
+                    n_swap, n_checkpoint, n_selective = counts
+                    row.append(
+                        Candidate(
+                            n_persist,
+                            n_buffer if offloaded else 0,
+                            n_swap,
+                            n_checkpoint,
+                            n_selective,
+                            n_device_shard=n_device_shard,
+                        )
+                    )
+                yield row
 
 
 def _needed(model: CostModel, n_persist: int) -> int:
@@ -171,15 +185,25 @@ def _no_fit(model: CostModel, forced, smallest, least_host, capacity_bytes, host
     return NoPlanFits(smallest[0], smallest[1], capacity_bytes, n_chunk=model.n_chunk, batch=batch)
 
 
-def _scan(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, Any], host_bytes: int | None, by_modes):
+def _scan(
+    model: CostModel,
+    capacity_bytes: int | None,
+    forced: Mapping[str, Any],
+    host_bytes: int | None,
+    by_modes,
+    *,
+    every_shard: bool = False,
+):
     """The configurations that fit the GPU and the host, as (config, peak); the one of least GPU memory, as
     (reserved, config); and of those that fit the GPU but not the host, the one of least host memory, as (host
-    bytes, config) (None where none)."""
+    bytes, config) (None where none). Chunks sharded on the device (several ranks, unless forced): each
+    configuration with none and with the most that fit (`_most_device_shards`); `every_shard`: every count."""
     fitting: list[tuple[Candidate, int]] = []
     smallest: tuple[int, Candidate] | None = None
     least_host: tuple[int, Candidate] | None = None
     seen: set[Candidate] = set()
-    for row in candidates(model, forced):
+    most = model.world_size > 1 and "n_device_shard" not in forced and not every_shard
+    for row in candidates(model, forced, every_shard=every_shard):
         for config in row:  # n_persist upwards: GPU memory only grows along a row, host memory only shrinks
             terms = by_modes(config)
             peak = model.peak_bytes(config, terms)
@@ -188,14 +212,63 @@ def _scan(model: CostModel, capacity_bytes: int | None, forced: Mapping[str, Any
                 smallest = (reserved, config)
             if capacity_bytes is not None and reserved > capacity_bytes:
                 break
-            if host_bytes is not None and (host := model.least_host_bytes(config, terms)) > host_bytes:
-                if least_host is None or host < least_host[0]:
-                    least_host = (host, config)
-                continue
-            if config not in seen:
-                seen.add(config)
-                fitting.append((config, peak))
+            variants = [config, _most_device_shards(model, config, capacity_bytes, terms)] if most else [config]
+            for variant in variants:
+                if host_bytes is not None and (host := model.least_host_bytes(variant, terms)) > host_bytes:
+                    if least_host is None or host < least_host[0]:
+                        least_host = (host, variant)
+                    continue
+                if variant not in seen:
+                    seen.add(variant)
+                    fitting.append((variant, model.peak_bytes(variant, terms)))
     return fitting, smallest, least_host
+
+
+def _most_device_shards(model: CostModel, config: Candidate, capacity_bytes: int | None, terms: ModeTerms) -> Candidate:
+    """`config` with as many of the chunks after its persistent ones sharded on the device as fit `capacity_bytes`
+    (all where it is not known): the count the search tries first (`search`). (Memory grows with the count: found
+    by bisection.)"""
+
+    def fits(n: int) -> bool:
+        sharded = dataclasses.replace(config, n_device_shard=n)
+        return (
+            capacity_bytes is None or model.reserved_bytes(sharded, model.peak_bytes(sharded, terms)) <= capacity_bytes
+        )
+
+    lo, hi = config.n_device_shard, model.n_chunk - config.n_persist
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return dataclasses.replace(config, n_device_shard=lo)
+
+
+def _every_shard_of_the_best(
+    model: CostModel,
+    fits: list[Ranked],
+    fitting: list[tuple[Candidate, int]],
+    capacity_bytes: int | None,
+    forced: Mapping[str, Any],
+    by_modes: _ByModes,
+) -> list[tuple[Candidate, int]]:
+    """`fitting`, and for the block layouts and buffer counts of the best and runners-up among `fits` (timed,
+    each with no chunk or the most sharded on the device), every configuration of any n_persist and count
+    sharded on the device that fits: where a chunk goes is searched in full for the layouts that win, not for
+    every layout (the counts multiply the configurations by the chunks)."""
+    best, runners_up = rank(fits, capacity_bytes, alpha=model.alpha, tie=tie_rel(model), offset=model.step_offset_s)
+    layouts = {(c.n_swap, c.n_checkpoint, c.n_selective, c.n_buffer) for c, _, _ in [best, *runners_up] if c.n_buffer}
+    seen, more = {c for c, _ in fitting}, list(fitting)
+    for n_swap, n_checkpoint, n_selective, n_buffer in sorted(layouts):
+        fixed = {
+            **forced,
+            "n_swap": n_swap,
+            "n_checkpoint": n_checkpoint,
+            "n_selective": n_selective,
+            "n_buffer": n_buffer,
+        }
+        found, _, _ = _scan(model, capacity_bytes, fixed, model.host_budget, by_modes, every_shard=True)
+        more += [(c, peak) for c, peak in found if c not in seen]
+        seen.update(c for c, _ in found)
+    return more
 
 
 def search(
@@ -214,6 +287,9 @@ def search(
     if not fitting:
         raise _no_fit(model, forced, smallest, least_host, capacity_bytes, host_bytes)
     fits = _timed(model, fitting, by_modes)
+    if model.world_size > 1 and "n_device_shard" not in forced:
+        fitting = _every_shard_of_the_best(model, fits, fitting, capacity_bytes, forced, by_modes)
+        fits = _timed(model, fitting, by_modes)
     log.info("timed %d of the %d configurations that fit", len(fits), len(fitting))
     return rank(fits, capacity_bytes, alpha=model.alpha, tie=tie_rel(model), offset=model.step_offset_s)
 
@@ -413,7 +489,7 @@ def plan_graph(
     make_plan(costs.n_block, forced, layout, swap_interval=costs.swap_interval)  # the user's fields, checked
     assert layout is None or costs.master_bytes == master_bytes(forced), "CostModel.build got another master_dtype"
     model = _forcing(costs, forced)
-    counts = _forced_counts(model, forced, layout)
+    counts = forced_counts(model, forced, layout)
     runners_up: list[Ranked] = []
     if all(k in counts for k in SEARCHED):
         best = _timed_as_forced(model, Candidate(**counts), capacity_bytes)
@@ -439,6 +515,31 @@ def plan_graph(
     return dataclasses.replace(plan, runners_up=tuple(_to_plan(model, forced, layout, r) for r in runners_up))
 
 
+def plan_fits(
+    costs: CostModel,
+    forced: Mapping[str, Any],
+    layout: ChunkLayout | None,
+    capacity_bytes: int | None,
+    host_bytes: int | None = None,
+) -> bool:
+    """Whether `plan_graph` finds a plan that fits under `forced` (one of forced fields only: whether it is predicted
+    within `capacity_bytes`), as it searches (the same host budget and last resort), timing none."""
+    forced = dict(forced)
+    make_plan(costs.n_block, forced, layout, swap_interval=costs.swap_interval)  # the user's fields, checked
+    model = _forcing(costs, forced)
+    counts = forced_counts(model, forced, layout)
+    if all(k in counts for k in SEARCHED):
+        return capacity_bytes is None or model.reserved_bytes(Candidate(**counts)) <= capacity_bytes
+    if "n_persist" not in counts:
+        model = dataclasses.replace(model, host_budget=host_bytes)
+    shares = (False, True) if layout is not None and "device_grad_slots" not in forced else (False,)
+    for share in shares:
+        tried = dataclasses.replace(model, share_device_grads=share)
+        if _scan(tried, capacity_bytes, counts, tried.host_budget, _ByModes(tried))[0]:
+            return True
+    return False
+
+
 def _forcing(costs: CostModel, forced: Mapping[str, Any]) -> CostModel:
     """`costs` with the forced fields that are no count of the search: the block modes and the gradient slots."""
     if "host_grad_slots" in forced:
@@ -450,7 +551,7 @@ def _forcing(costs: CostModel, forced: Mapping[str, Any]) -> CostModel:
     return costs
 
 
-def _forced_counts(costs: CostModel, forced: Mapping[str, Any], layout: ChunkLayout | None) -> dict[str, int]:
+def forced_counts(costs: CostModel, forced: Mapping[str, Any], layout: ChunkLayout | None) -> dict[str, int]:
     """The searched fields (`SEARCHED`) the search takes as they are: those forced, the mode counts of forced block
     modes, no selective block where the profile does not price them, and no chunk fields without a layout (no
     buffer where every chunk is forced persistent)."""
@@ -460,6 +561,8 @@ def _forced_counts(costs: CostModel, forced: Mapping[str, Any], layout: ChunkLay
         counts.update({key: modes.count(mode) for key, mode in MODE_COUNTS.items()})
     if not costs.prices_selective:
         counts.setdefault("n_selective", 0)
+    if costs.world_size == 1:  # (one rank shards nothing: a chunk whole on the device is persistent)
+        counts.setdefault("n_device_shard", 0)
     if layout is None:
         counts.update(n_persist=0, n_buffer=0)
     elif counts.get("n_persist") == layout.n_chunk:
@@ -508,9 +611,7 @@ def _to_plan(
         fields["host_grad_slots"] = costs.grad_slots(config)
         fields["device_grad_slots"] = costs.device_grad_slots(config)
     if chosen and layout is not None:  # how many offloaded chunks update during the backward of a clipped step
-        options = (
-            [forced["n_clip_overlap"]] if "n_clip_overlap" in forced else range(layout.n_chunk - config.n_persist + 1)
-        )
+        options = [forced["n_clip_overlap"]] if "n_clip_overlap" in forced else range(costs.n_offloaded(config) + 1)
         clipped_s, fields["n_clip_overlap"] = min((costs.step_s(config, clipped=k), k) for k in options)
     elif chosen:
         clipped_s = step_s

@@ -35,7 +35,10 @@ each is laid out chunk by chunk on three lanes, the compute and the link's two w
     copy of the chunk that used that buffer before;
   a chunk gathered again at the forward's end is in fact one of the backward's buffered ones, and the one it
     displaced is uploaded: as many uploads;
-  with one buffer a chunk's load cannot overlap the compute of the chunk before it (one buffer, in use).
+  with one buffer a chunk's load cannot overlap the compute of the chunk before it (one buffer, in use);
+  a chunk sharded on the device (`n_device_shard`, after the persistent ones) loads with its all-gather alone (no
+    upload), reduce-scatters its gradient and copies nothing to the host: its update runs on the device, as a
+    persistent chunk's does, over its shard's parameters.
 Each copy runs at each moment at the rate measured beside what runs then: copies the other way, the host's AdamW
 (which slows copies to the device), both or neither (`Link`, from an earlier pass of the
 timelines). On the CPU (no overlap) everything runs in line.
@@ -125,15 +128,21 @@ class Timeline(CostFields):
         """The host AdamW's mean seconds per parameter over the offloaded chunks' updates of a step of `config`,
         at the rates beside the copies the timelines put there: what the step monitor measures in training. None
         where nothing is offloaded."""
-        params = sum(self.chunk_params[config.n_persist :]) / self.world_size
+        params = sum(self.chunk_params[config.n_persist + config.n_device_shard :]) / self.world_size
         return self.phases(config)["cpu_optim_s"] / params if params else None
+
+    def _on_device(self, config: Candidate) -> list[int]:
+        """Per chunk updated on the device (the persistent ones, then those sharded there), the parameter elements
+        a rank updates."""
+        sharded = range(config.n_persist, config.n_persist + config.n_device_shard)
+        return [*self.chunk_params[: config.n_persist], *(self.shard_params[c] for c in sharded)]
 
     def _gpu_optim_s(
         self, config: Candidate, reduced: Sequence[float] | None = None, end: float = 0.0, *, early: bool = True
     ) -> float:
         """What the persistent chunks' AdamW on the device adds to the step. Each starts on the optimizer stream
         once its chunk's gradient is reduced (`reduced`, per chunk: `_backward_timeline`'s copy_end), the last
-        chunk first, one at a time (runtime/chunks/ `_step_persistent_early`). Until the backward's compute ends
+        chunk first, one at a time (runtime/chunks/ `_step_on_device_early`). Until the backward's compute ends
         (`end`) it runs beside it, `stretch` times as long as alone, and lengthens the backward by its time alone
         times 1 - hidden × matmul share: `hidden`, the share of it that matmuls hide (hardware profile), and the
         matmul share, the backward's time in kernels bound by arithmetic (`is_matmul`; the rest, bound by memory
@@ -142,13 +151,13 @@ class Timeline(CostFields):
         most that is hidden: a lower bound, `step_bound_s`). `early` False (gradient clipping: updates wait for
         `AdamW.step()`) or no overlap (the CPU): every update adds all its time."""
         rate = self.hardware.device_adam_s(self.master_bytes)
-        alone = [self.chunk_params[c] * rate for c in range(config.n_persist)]
+        alone = [params * rate for params in self._on_device(config)]
         if not early or not self.overlap:
             return sum(alone)
         hw = self.hardware
         exposed = 1 - hw.device_adam_hidden_beside_matmul * self.backward_matmul_share
         added, lane = 0.0, 0.0
-        for c in reversed(range(config.n_persist)):
+        for c in reversed(range(len(alone))):
             if reduced is None:
                 beside = alone[c] if c else 0.0  # (of its time alone, what runs beside the backward)
             else:
@@ -213,13 +222,18 @@ class Timeline(CostFields):
         starts, once the link is free; their buffer is not waited for). On the CPU everything runs in line.
         `per`: `_per_chunk(config)`. Returns the end and the copies' (start, end) each way."""
         n, persist, (gather, slower) = self.n_chunk, config.n_persist, self._gather_s()
+        host = persist + config.n_device_shard  # (the first chunk offloaded)
         shard = self.shard_elems * self.master_bytes  # an offloaded shard's master going up, its gradient down
         t, up, down = 0.0, 0.0, 0.0
         h2d: list[tuple[float, float]] = []
         d2h: list[tuple[float, float]] = []
         if not self.overlap:
             for c in range(n):
-                load = link.seconds("h2d", shard, t, forward=True) + gather if c >= persist else 0.0
+                load = (
+                    (link.seconds("h2d", shard, t, forward=True) if c >= host else 0.0) + gather
+                    if c >= persist
+                    else 0.0
+                )
                 load += per["regather"][c] * (link.seconds("h2d", shard, t, forward=True) + gather)
                 t += load + per["forward"][c] + link.seconds("d2h", per["swap_out"][c], t, forward=True)
             return {"end": t, "h2d": h2d, "d2h": d2h}
@@ -229,7 +243,8 @@ class Timeline(CostFields):
             while following < n and following - buffers < max(c, persist):  # a buffer is free for it
                 freed = end[following - buffers] if following - buffers >= persist else 0.0
                 start = max(up, freed, ready[following] if ready is not None else 0.0)
-                up = loaded[following] = link.copy("h2d", shard, start, h2d, forward=True) + gather
+                landed = link.copy("h2d", shard, start, h2d, forward=True) if following >= host else start
+                up = loaded[following] = landed + gather
                 following, gathers = following + 1, gathers + 1
             start = max(t, loaded.get(c, 0.0))
             again = 0.0
@@ -257,6 +272,7 @@ class Timeline(CostFields):
         the end of each chunk's reduce and copy, the backward's compute end, and the copies' (start, end) each
         way."""
         n, persist, (gather, slower) = self.n_chunk, config.n_persist, self._gather_s()
+        host = persist + config.n_device_shard  # (the first chunk offloaded)
         all_reduce, all_reduce_slower = self._all_reduce_s()
         reduce_scatter, all_reduce_alone = self._collective_s("reduce_scatter"), self._collective_s("all_reduce")
         shard = self.shard_elems * self.master_bytes  # an offloaded shard's master going up, its gradient down
@@ -267,8 +283,8 @@ class Timeline(CostFields):
         reduced: list[int] = []  # offloaded chunks in the order they took a reduce buffer
         h2d: list[tuple[float, float]] = []
         d2h: list[tuple[float, float]] = []
-        slots = self.grad_slots(config) if host_ends is not None else n - persist  # (the bound's first pass: none)
-        shared = slots < n - persist
+        slots = self.grad_slots(config) if host_ends is not None else n - host  # (the bound's first pass: none)
+        shared = slots < n - host
         # when each shard is given back (`shared`: only with `host_ends`)
         freed = sorted(e for e in host_ends if e is not None) if shared and host_ends is not None else []
         beside = 0.0  # what the collectives running beside the next chunk's compute add to it
@@ -277,7 +293,8 @@ class Timeline(CostFields):
             if self.overlap:
                 while following < len(order) and following - buffers < done:  # a buffer is free for it
                     start = max(up, end[order[following - buffers]])
-                    up = loaded[order[following]] = link.copy("h2d", shard, start, h2d) + gather
+                    landed = link.copy("h2d", shard, start, h2d) if order[following] >= host else start
+                    up = loaded[order[following]] = landed + gather
                     following, beside = following + 1, beside + slower
                 start = max(t, loaded.get(c, 0.0))
                 t, beside = start + per["backward"][c] + per["recompute"][c] + beside, 0.0
@@ -285,15 +302,19 @@ class Timeline(CostFields):
                     up = link.copy("h2d", per["swap_in"][c], max(up, start), h2d)
                     t = max(t, up)
             else:
-                load = link.seconds("h2d", shard, t) + gather if c in uploaded else 0.0
+                load = (link.seconds("h2d", shard, t) if c >= host else 0.0) + gather if c in uploaded else 0.0
                 t += load + per["backward"][c] + per["recompute"][c] + link.seconds("h2d", per["swap_in"][c], t)
             end[c] = t
-            if c >= persist:
+            if c >= host:
                 if len(reduced) >= REDUCE_BUFFERS:  # its buffer's last copy must have ended
                     t = max(t, copy_end[reduced[-REDUCE_BUFFERS]])
                 if shared and len(reduced) >= slots:  # a gradient shard on the host must have been given back
                     t = max(t, freed[len(reduced) - slots])
                 reduced.append(c)
+            if persist <= c < host:  # a reduce-scatter into its shard on the device, then its update may start
+                t += reduce_scatter
+                copy_end[c] = t
+                continue
             if c >= persist:  # a reduce-scatter: the compute stream waits for it (runtime/chunks/reduce.py)
                 t += reduce_scatter
                 begin = max(t, link_free) if self.overlap else t
@@ -301,7 +322,7 @@ class Timeline(CostFields):
                 begin, beside = max(t, link_free) + all_reduce, beside + all_reduce_slower
             else:
                 begin = t + all_reduce_alone  # (nothing runs beside it)
-            copy = link.seconds("d2h", shard, begin) if c >= persist else 0.0
+            copy = link.seconds("d2h", shard, begin) if c >= host else 0.0
             copy_end[c] = begin + copy
             if self.overlap:
                 link_free = copy_end[c]
@@ -325,12 +346,12 @@ class Timeline(CostFields):
         if clipped is not None:
             adam = hw.host_adam_s(False, False, self.master_bytes)
             undo = hw.host_undo_s(self.master_bytes) / adam if adam > 0 else 0.0
-            for c in range(config.n_persist, n):
+            for c in range(config.n_persist + config.n_device_shard, n):
                 if c < n - clipped:
                     arrival[c] = max(arrival[c], next_forward)
                 else:
                     work[c] += undo
-        pending, clock = set(range(config.n_persist, n)), 0.0
+        pending, clock = set(range(config.n_persist + config.n_device_shard, n)), 0.0
         ends: list[float | None] = [None] * n
         spans: list[tuple[float, float]] = []
         if pending:  # (built only where the host has work: the search visits many configurations)
@@ -382,7 +403,10 @@ class Timeline(CostFields):
         link, host = Link(hw), None
         for _ in range(2):  # (the first pass at the idle rates, then at those beside what it laid out)
             forward = self._forward_timeline(config, per, link)
-            backward = self._backward_timeline(config, per, link, host["ends"] if host else None)
+            # (in a clipped step no update gives its gradient shard back during the backward: the runtime takes
+            # host memory for the step where the shared ones are held, runtime/chunks/storage.py)
+            given_back = host["ends"] if host and clipped is None else None
+            backward = self._backward_timeline(config, per, link, given_back)
             gpu_optim = self._gpu_optim_s(config, backward["copy_end"], backward["end"], early=clipped is None)
             next_forward = backward["end"] + gpu_optim
             host = self._host_timeline(config, forward, backward, next_forward, clipped)

@@ -289,6 +289,7 @@ def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkMan
             grad_slots=plan.host_grad_slots,
             device_grad_slots=plan.device_grad_slots,
             master_dtype=plan.master_dtype,
+            n_device_shard=plan.n_device_shard,
         )
     model.__dict__[MODEL_ATTR] = manager
     return manager
@@ -297,7 +298,9 @@ def build_manager(model: nn.Module, layout: ChunkLayout, plan: Plan) -> ChunkMan
 def place_chunks(manager: ChunkManager, plan: Plan) -> None:
     """A prepared model's chunks where the first compile's plan puts them (`ChunkManager.place`)."""
     with real_tensors():  # called from the partitioner, under AOTAutograd's fake mode
-        manager.placement.place(plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots)
+        manager.placement.place(
+            plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots, plan.n_device_shard
+        )
 
 
 def check_params_managed(manager: ChunkManager, param_map: Mapping, example_inputs: Sequence[Any]) -> None:
@@ -327,6 +330,7 @@ def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str
     else:
         actual.update(
             n_persist=manager.n_persist,
+            n_device_shard=manager.n_device_shard,
             host_grad_slots=manager.storage.grad_slots,
             device_grad_slots=manager.storage.device_grad_slots,
         )
@@ -336,7 +340,7 @@ def plan_fields_of(manager: ChunkManager, forced: Mapping[str, Any]) -> dict[str
     # above the chunks that share them are one each, as the plan made them)
     asked = dict(forced)
     if manager.pending_plan is None:
-        made = grad_slot_fields(forced, manager.layout.n_chunk, manager.n_persist)
+        made = grad_slot_fields(forced, manager.layout.n_chunk, manager.n_persist, manager.n_device_shard)
         asked.update((k, v) for k, v in made.items() if k in forced)
     clash = {
         k: (forced[k], v)

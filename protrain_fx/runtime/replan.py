@@ -83,8 +83,9 @@ def compute_of(report: dict, costs: CostModel, plan: Plan, device: torch.device)
 def moves_chunks(plan: Plan, manager) -> bool:
     """Whether putting `plan` in force changes where the model's chunks are, or their gradient buffers."""
     n_buffer = manager.n_buffer if manager.n_persist < manager.layout.n_chunk else 0
-    now = (manager.n_persist, n_buffer, manager.storage.grad_slots, manager.storage.device_grad_slots)
-    return now != (plan.n_persist, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots)
+    storage = manager.storage
+    now = (manager.n_persist, storage.n_device_shard, n_buffer, storage.grad_slots, storage.device_grad_slots)
+    return now != (plan.n_persist, plan.n_device_shard, plan.n_buffer, plan.host_grad_slots, plan.device_grad_slots)
 
 
 @dataclasses.dataclass

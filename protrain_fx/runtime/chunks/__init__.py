@@ -146,6 +146,7 @@ class ChunkManager(
         device_grad_slots: int | None = None,
         master_dtype: str = "float32",
         pending_plan: Mapping[str, Any] | None = None,
+        n_device_shard: int = 0,
     ):
         """`device` is where the chunks compute (default: the parameters' device). `source(p)` gives a
         parameter's values when they are not in `p` itself yet (a meta-device model); it is called in layout
@@ -156,8 +157,9 @@ class ChunkManager(
         `master_dtype`, the plan's ("float32", or the parameters' own dtype where MASTER_BYTES names it).
         `pending_plan`: the chunks wait for the first compile's search to place them (`place`); until then every
         chunk is offloaded, each master shard in host memory of its own, and these are the plan fields forced so far
-        (`protrain_fx.prepare` without `n_persist`)."""
-        _check_plan(layout, n_persist, n_buffer)
+        (`protrain_fx.prepare` without `n_persist`). `n_device_shard`: the chunks after the persistent ones
+        sharded across the ranks on the device (the plan's)."""
+        _check_plan(layout, n_persist, n_buffer, n_device_shard)
         rank, world = rank_and_world_size()
         assert layout.world_size in (1, world), "chunk layout was made for another world size"
         # gradients are averaged over all `reduce_world` ranks; chunks are sharded across `world_size` of them
@@ -195,7 +197,7 @@ class ChunkManager(
         # where the chunks are: the buffers of the offloaded ones, the plan a pending manager waits for (placement.py)
         n_buffer = n_buffer if n_persist < layout.n_chunk else 0
         self.placement = ChunkPlacement(self, n_buffer, pending_plan)
-        check_ranks_agree(layout, n_persist, n_buffer)
+        check_ranks_agree(layout, n_persist, n_buffer, n_device_shard)
         self._index(model)
         self.outside = Outside(self)
         self.step_grads = StepGrads()  # the step's gradients, shared by reducing and the gradient access
@@ -206,7 +208,7 @@ class ChunkManager(
             self.step_state, loss_scaled=self.dtype == torch.float16, undo_speculative=self.undo_speculative_updates
         )
         assert self.pending_plan is None or n_persist == 0, "a pending manager offloads every chunk"
-        self.rebuild(n_persist, grad_slots, device_grad_slots)
+        self.rebuild(n_persist, grad_slots, device_grad_slots, n_device_shard=n_device_shard)
         self.placement.adopt(source or (lambda p: p.detach()))
         self._attach(model)
         self.handle = ops.register(self)
@@ -245,6 +247,12 @@ class ChunkManager(
         return self.storage.n_persist
 
     @property
+    def n_device_shard(self) -> int:
+        """The chunks after the persistent ones sharded across the ranks on the device, as the storage was last
+        built."""
+        return self.storage.n_device_shard
+
+    @property
     def n_buffer(self) -> int:
         """The offloaded chunks' device buffers, as the chunks were last placed."""
         return self.placement.n_buffer
@@ -261,6 +269,7 @@ class ChunkManager(
         device_grad_slots: int | None,
         masters: dict[int, torch.Tensor] | None = None,
         *,
+        n_device_shard: int = 0,
         kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
         reused: Sequence[torch.Tensor] = (),
         freed: int = 0,
@@ -270,21 +279,30 @@ class ChunkManager(
         construction, and when `placement` places the chunks)."""
         pending = self.pending_plan is not None
         self.storage.build(
-            n_persist, grad_slots, device_grad_slots, masters, pending=pending, kept=kept, reused=reused, freed=freed
+            n_persist,
+            grad_slots,
+            device_grad_slots,
+            masters,
+            n_device_shard=n_device_shard,
+            pending=pending,
+            kept=kept,
+            reused=reused,
+            freed=freed,
         )
         self.gathering = self._new_gatherer()
         self._build_reduce()
         self._build_updates()
         log.info(
-            "chunks: %d of %.1f MiB (master %s; %d persistent on %s with %d gradient buffers, %d offloaded, a %.1f "
-            "MiB host arena, %d buffers%s)",
+            "chunks: %d of %.1f MiB (master %s; %d persistent on %s with %d gradient buffers, %d sharded there, %d "
+            "offloaded, a %.1f MiB host arena, %d buffers%s)",
             self.layout.n_chunk,
             self.layout.chunk_bytes / 2**20,
             self.master_dtype,
             n_persist,
             self.device,
             self.storage.device_grad_slots,
-            self.layout.n_chunk - n_persist,
+            n_device_shard,
+            len(self.storage.offloaded()),
             self.storage.arena.numel() / 2**20,
             self.n_buffer,
             "; placed by the first compile's plan" if pending else "",
@@ -296,8 +314,8 @@ class ChunkManager(
         self._drop_reduce_storage()
 
     def _new_gatherer(self) -> Gatherer:
-        """The part that loads the offloaded chunks into the plan's `n_buffer` device buffers (gather.py)."""
-        offloaded = self.n_persist < self.layout.n_chunk
+        """The part that loads the sharded chunks into the plan's `n_buffer` device buffers (gather.py)."""
+        offloaded = len(self.storage.offloaded()) > 0  # (a master shard on the device is cast from where it is)
         return Gatherer(
             self,
             n_buffer=self.n_buffer,
@@ -318,7 +336,7 @@ class ChunkManager(
         return self.storage.version(chunk)
 
     def publish(self, chunk: int) -> None:
-        """After an update: a persistent chunk's parameters take the fp32 master's values; an offloaded chunk's
+        """After an update: a persistent chunk's parameters take the fp32 master's values; a sharded chunk's
         next gather loads the new master (a buffered copy is stale now). A persistent chunk updated during the
         backward publishes at `end_step` instead."""
         if chunk < self.n_persist and chunk not in self.step_state.early and not self.own_master:
@@ -422,9 +440,14 @@ class ChunkManager(
             raise replaced_param_error(name)
 
 
-def _check_plan(layout: ChunkLayout, n_persist: int, n_buffer: int) -> None:
+def _check_plan(layout: ChunkLayout, n_persist: int, n_buffer: int, n_device_shard: int = 0) -> None:
     if not 0 <= n_persist <= layout.n_chunk:
         raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
+    if not 0 <= n_device_shard <= layout.n_chunk - n_persist:
+        raise ValueError(
+            f"plan n_device_shard={n_device_shard} must be between 0 and the {layout.n_chunk - n_persist} chunks "
+            f"after the n_persist={n_persist} persistent ones"
+        )
     if n_persist < layout.n_chunk and n_buffer < 1:
         raise ValueError(f"plan n_buffer={n_buffer}: non-persistent chunks need at least 1 buffer")
 

@@ -1,4 +1,4 @@
-"""Gatherer: the offloaded chunks' parameters, whole, in device buffers while a compiled graph reads them.
+"""Gatherer: the sharded chunks' parameters, whole, in device buffers while a compiled graph reads them.
 
 A part the ChunkManager composes (`manager.gathering`), made again by each `rebuild` (a re-plan) and holding all
 of its state:
@@ -15,7 +15,8 @@ of its state:
 What it reads of the chunks, it reads through `ChunkSource` (the manager): a chunk's master shard, its version,
 whether its host update is pending, and waiting for that update.
 
-`gather` copies this rank's master shard to the device, casts it into a buffer and all-gathers the rest; a chunk
+`gather` copies this rank's master shard to the device (a chunk sharded on the device: casts it from where it is),
+casts it into a buffer and all-gathers the rest; a chunk
 still in a buffer at its next gather (backward right after forward) is not copied again unless updated since, and
 `prefetch` loads the next chunk ahead on the copy stream. Casting on the device costs PCIe bytes, which overlap
 compute, instead of a host cast after every update, which would lengthen the host optimizer.
@@ -36,7 +37,7 @@ class ChunkSource(Protocol):
     """What a Gatherer reads of the chunks (the ChunkManager)."""
 
     def master_shard(self, chunk: int) -> torch.Tensor:
-        """This rank's master shard of an offloaded chunk (host memory)."""
+        """This rank's master shard of a sharded chunk (host memory, or the device's for a chunk sharded there)."""
         ...
 
     def version(self, chunk: int) -> int:
@@ -147,12 +148,14 @@ class Gatherer:
         self._buffered_version[chunk] = self.source.version(chunk)
         self._resident[chunk] = slot
         stream = self.copy_stream
+        master = self.source.master_shard(chunk)
         if stream is not None:
             stream.wait_event(self._freed[slot])
+            if master.device == self.device:  # (sharded on the device: updated on the compute stream)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             mine = buffer[lo:hi]
-            master = self.source.master_shard(chunk)
-            if self._landing is None:
+            if self._landing is None or master.device == self.device:  # (cast on the device where it is)
                 mine.copy_(master, non_blocking=True)
             else:
                 self._landing.copy_(master, non_blocking=True)

@@ -22,10 +22,11 @@ import torch
 class NonfiniteFlags:
     """The step's inf/NaN flag and its copies (module docstring)."""
 
-    def __init__(self, n_chunk: int, n_persist: int, device: torch.device):
+    def __init__(self, n_chunk: int, on_device: int, device: torch.device):
+        """`on_device`: the chunks updated on the device (the first ones: persistent, then sharded there)."""
         self.found = torch.zeros(1, device=device)  # 1 once a gradient of this step is not finite
         self._host = torch.zeros(n_chunk, pin_memory=device.type == "cuda")  # offloaded chunk -> its update's flag
-        self._early = torch.zeros(n_persist, device=device)  # persistent chunk -> its early update's flag
+        self._early = torch.zeros(on_device, device=device)  # chunk updated on the device -> its early update's flag
 
     def check(self, grads: Sequence[torch.Tensor]) -> None:
         """Set `found` to 1 if one of `grads` is inf or NaN (module docstring)."""
@@ -41,7 +42,7 @@ class NonfiniteFlags:
         return flag
 
     def early(self, chunk: int) -> torch.Tensor:
-        """The flag as of now, copied into the persistent `chunk`'s device flag; that flag."""
+        """The flag as of now, copied into the device flag of `chunk` (updated on the device); that flag."""
         flag = self._early[chunk]
         flag.copy_(self.found[0])
         return flag

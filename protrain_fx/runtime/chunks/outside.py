@@ -203,7 +203,7 @@ class Outside:
                 return c.storage.master[chunk].to("cpu", c.dtype)
             return c.storage.flat[chunk].to("cpu")
         if c.world_size == 1:
-            return c.storage.master[chunk].to(c.dtype, copy=True)
+            return c.storage.master[chunk].to("cpu", c.dtype, copy=True)
         out = torch.empty(c.layout.chunk_elems, dtype=c.dtype, device=c.device)
         with across_ranks(f"the all-gather of chunk {chunk}'s weights"):
             dist.all_gather_into_tensor(out, c.storage.master[chunk].to(c.device, c.dtype))

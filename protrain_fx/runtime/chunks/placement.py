@@ -68,6 +68,7 @@ class PlacedChunks(Protocol):
         device_grad_slots: int | None,
         masters: dict[int, torch.Tensor] | None = None,
         *,
+        n_device_shard: int = 0,
         kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
         reused: Sequence[torch.Tensor] = (),
         freed: int = 0,
@@ -117,26 +118,34 @@ class ChunkPlacement:
                     set_storage(p, torch.empty(p.shape, dtype=c.dtype, device=c.device))
                 p.untyped_storage().resize_(0)
 
-    def place(self, n_persist: int, n_buffer: int, grad_slots: int | None, device_grad_slots: int | None) -> None:
+    def place(
+        self,
+        n_persist: int,
+        n_buffer: int,
+        grad_slots: int | None,
+        device_grad_slots: int | None,
+        n_device_shard: int = 0,
+    ) -> None:
         """Put a pending manager's chunks where the first compile's plan says: the first `n_persist` chunks' masters
-        go to the device (a sharded one gathered from every rank: a collective), their host shards are freed; the
-        others keep theirs, pinned now. The values are the masters' as they were, bitwise."""
+        go to the device (a sharded one gathered from every rank: a collective), and the next `n_device_shard`'s
+        shards, their host shards freed; the others keep theirs, pinned now. The values are the masters' as they
+        were, bitwise."""
         c, storage = self.chunks, self.chunks.storage
         assert self.pending_plan is not None, "place() is for a manager built to wait for its plan"
         assert c.step_grads.idle() and not c.host_updates.queued() and not c.gathering.in_use, (
             "chunks placed after training started"
         )
         n = c.layout.n_chunk
-        if not 0 <= n_persist <= n or (n_persist < n and n_buffer < 1):
-            raise ValueError(f"plan n_persist={n_persist}, n_buffer={n_buffer} for {n} chunks")
+        _check_places(n, n_persist, n_buffer, n_device_shard)
         old = storage.master
         self.n_buffer = n_buffer if n_persist < n else 0
-        check_ranks_agree(c.layout, n_persist, self.n_buffer)
+        check_ranks_agree(c.layout, n_persist, self.n_buffer, n_device_shard)
         self.pending_plan = None
         # (the host masters of the chunks that go to the device are freed below, before AdamW makes its states)
-        freed = sum(old[i].untyped_storage().nbytes() for i in range(n_persist))
+        freed = sum(old[i].untyped_storage().nbytes() for i in range(n_persist + n_device_shard))
         masters = {i: old[i] for i in range(n_persist, n)}
-        c.rebuild(n_persist, grad_slots, device_grad_slots, masters=masters, freed=freed)
+        masters.update({i: old[i].to(c.device, copy=True) for i in range(n_persist, n_persist + n_device_shard)})
+        c.rebuild(n_persist, grad_slots, device_grad_slots, masters=masters, n_device_shard=n_device_shard, freed=freed)
         with torch.no_grad():
             for chunk in range(n_persist):
                 whole = c.gather_shards(old.pop(chunk)) if c.world_size > 1 else old.pop(chunk)
@@ -145,7 +154,13 @@ class ChunkPlacement:
                     storage.flat[chunk].copy_(whole)
                 del whole
         self._repoint_params(list(range(n_persist)), [])
-        log.info("chunks placed by the plan: %d of %d persistent, %d buffers", n_persist, n, self.n_buffer)
+        log.info(
+            "chunks placed by the plan: %d of %d persistent, %d sharded on the device, %d buffers",
+            n_persist,
+            n,
+            n_device_shard,
+            self.n_buffer,
+        )
 
     @property
     def between_steps(self) -> bool:
@@ -156,66 +171,97 @@ class ChunkPlacement:
         busy = (c.gathering.in_use, c.outside.lent)
         return c.step_grads.idle() and not any(busy) and not c.step_state.busy
 
-    def place_again(self, n_persist: int, n_buffer: int, grad_slots: int | None, device_grad_slots: int | None) -> bool:
+    def place_again(
+        self,
+        n_persist: int,
+        n_buffer: int,
+        grad_slots: int | None,
+        device_grad_slots: int | None,
+        n_device_shard: int = 0,
+    ) -> bool:
         """Put a trained manager's chunks where a new plan says, between two steps (`between_steps`; every rank
         calls it: collectives). Chunks that become persistent go to the device (a sharded one gathered from every
-        rank's shard), those that become offloaded to the host (this rank's shard), each with its masters and AdamW
-        states bitwise as they were; the others keep their storage, and the host gradient shards are taken again
-        before new ones (what the arena held for them and for the masters of chunks now persistent stays allocated;
-        masters pinned on their own are let go). Returns False, with nothing changed on any rank, where a rank's
-        host or device has no room for what it adds."""
+        rank's shard), those that become sharded keep this rank's shard, on the device or the host as the plan
+        says; each moves with its masters and AdamW states bitwise as they were; the others keep their storage,
+        and the host gradient shards are taken again before new ones (what the arena held for them and for the
+        masters of chunks now on the device stays allocated; masters pinned on their own are let go). Returns
+        False, with nothing changed on any rank, where a rank's host or device has no room for what it adds."""
         c, storage = self.chunks, self.chunks.storage
         n = c.layout.n_chunk
         n_buffer = n_buffer if n_persist < n else 0
         assert self.pending_plan is None and self.between_steps, "chunks placed again during a step"
-        if not 0 <= n_persist <= n or (n_persist < n and n_buffer < 1):
-            raise ValueError(f"plan n_persist={n_persist}, n_buffer={n_buffer} for {n} chunks")
-        check_ranks_agree(c.layout, n_persist, n_buffer)
+        _check_places(n, n_persist, n_buffer, n_device_shard)
+        check_ranks_agree(c.layout, n_persist, n_buffer, n_device_shard)
         c.wait_for_update()
         if c.device.type == "cuda":  # (copies and updates on the side streams are done)
             torch.cuda.synchronize(c.device)
-        old = storage.n_persist
-        up, down = list(range(old, n_persist)), list(range(n_persist, old))
-        slots = n - n_persist if grad_slots is None else grad_slots
-        room = self._host_room(down, slots) and self._device_room(up)
+        was = [_place_of(i, storage.n_persist, storage.n_device_shard) for i in range(n)]
+        now = [_place_of(i, n_persist, n_device_shard) for i in range(n)]
+        moved = [i for i in range(n) if was[i] != now[i]]
+        up = [i for i in moved if now[i] == PERSISTENT]
+        down = [i for i in moved if was[i] == PERSISTENT]
+        to_host = [i for i in moved if now[i] == HOST]
+        slots = n - n_persist - n_device_shard if grad_slots is None else grad_slots
+        to_shard = [i for i in moved if now[i] == DEVICE_SHARD]
+        room = self._host_room(to_host, slots) and self._device_room(up, to_shard)
         if max(most_on_every_rank([0.0 if room else 1.0], c.device)):
             return False
-        states = {chunk: self._chunk_states(chunk) for chunk in up + down}  # (a collective where sharded)
-        lo, hi = storage.shard_bounds()
+        states = {chunk: self._chunk_states(chunk) for chunk in moved}  # (a collective where sharded)
+        left = {i: storage.master[i] for i in moved if was[i] != PERSISTENT}
         with torch.no_grad():
-            left = {i: storage.master[i] for i in up}
             values = {i: c.gather_shards(storage.master[i]) if storage.is_sharded(i) else storage.master[i] for i in up}
-            masters = {i: storage.master[i] for i in range(max(old, n_persist), n)}
-            masters.update({i: storage.master[i][lo:hi].to("cpu", copy=True) for i in down})
-        kept = {i: (storage.flat[i], storage.master[i]) for i in range(min(old, n_persist))}
+            masters = self._masters_going(was, now)
+        kept = {i: (storage.flat[i], storage.master[i]) for i in range(n) if was[i] == now[i] == PERSISTENT}
         assert storage.host_grads is not None, "place_again before the chunks were built"
         reused = list(storage.host_grads.owned)
+        old = (storage.n_persist, storage.n_device_shard)
         self._drop_device_storage()
         self.n_buffer = n_buffer
-        c.rebuild(n_persist, grad_slots, device_grad_slots, masters=masters, kept=kept, reused=reused)
+        c.rebuild(
+            n_persist, grad_slots, device_grad_slots, masters, n_device_shard=n_device_shard, kept=kept, reused=reused
+        )
         with torch.no_grad():
             for chunk in up:
                 storage.master[chunk].copy_(values.pop(chunk))
                 if storage.flat[chunk] is not storage.master[chunk]:
                     storage.flat[chunk].copy_(storage.master[chunk])
-                storage.unpin(left.pop(chunk))
+        for chunk, master in left.items():
+            if now[chunk] != HOST:
+                storage.unpin(master)
         self._repoint_params(up, down)
-        for chunk, (owner, moved) in states.items():
+        for chunk, (owner, moved_states) in states.items():
             if owner is not None:
-                owner.adopt_chunk_states(c, chunk, moved)
-        log.info("chunks placed again: %d of %d persistent (was %d), %d buffers", n_persist, n, old, self.n_buffer)
+                owner.adopt_chunk_states(c, chunk, moved_states)
+        log.info(
+            "chunks placed again: %d of %d persistent, %d sharded on the device (were %d, %d), %d buffers",
+            *(n_persist, n, n_device_shard, *old, self.n_buffer),
+        )
         return True
 
-    def _host_room(self, down: list[int], slots: int) -> bool:
+    def _masters_going(self, was: list[str], now: list[str]) -> dict[int, torch.Tensor]:
+        """Each chunk's master shard where `now` shards it (`was`, `now`: each chunk's place before and after): a
+        persistent chunk's slice for this rank, and a shard that changes side, copied to the device or the host."""
+        c, storage = self.chunks, self.chunks.storage
+        lo, hi = storage.shard_bounds()
+        target = {HOST: torch.device("cpu"), DEVICE_SHARD: c.device}
+        masters = {}
+        for i, place in enumerate(now):
+            if place == PERSISTENT:
+                continue
+            master = storage.master[i][lo:hi] if was[i] == PERSISTENT else storage.master[i]
+            masters[i] = master if was[i] == place else master.to(target[place], copy=True)
+        return masters
+
+    def _host_room(self, to_host: list[int], slots: int) -> bool:
         """Whether the host has room for what `place_again` adds: the masters and AdamW states of the chunks it
         offloads, and the gradient shards beyond those it takes again."""
         storage = self.chunks.storage
         owned = len(storage.host_grads.owned) if storage.host_grads is not None else 0
-        added = HOST_STATES * len(down) + max(0, slots - owned)
+        added = HOST_STATES * len(to_host) + max(0, slots - owned)
         try:
             host.check_host_memory(
                 added * self.chunks.layout.shard_elems * storage.master_bytes,
-                f"the {len(down)} chunks a re-plan offloads",
+                f"the {len(to_host)} chunks a re-plan offloads",
                 f"{storage.master_dtype_name} master shards, AdamW states and gradient shards",
                 "training goes on under the plan in force",
             )
@@ -224,12 +270,13 @@ class ChunkPlacement:
             return False
         return True
 
-    def _device_room(self, up: list[int]) -> bool:
+    def _device_room(self, up: list[int], to_shard: list[int]) -> bool:
         """Whether the device has room now, beside what it holds between steps, for the chunks `place_again` makes
-        persistent: their parameters, masters, AdamW states and gradients, with DEVICE_ROOM_SLACK for the
-        allocator. (The CPU's memory is the host's: checked there.)"""
+        persistent (`up`: their parameters, masters, AdamW states and gradients) or shards there (`to_shard`: this
+        rank's shard of master, AdamW states and gradient), with DEVICE_ROOM_SLACK for the allocator. (The CPU's
+        memory is the host's: checked there.)"""
         c, storage = self.chunks, self.chunks.storage
-        if c.device.type != "cuda" or not up:
+        if c.device.type != "cuda" or not (up or to_shard):
             return True
         torch.cuda.empty_cache()
         capacity = device_capacity(c.device)
@@ -237,13 +284,15 @@ class ChunkPlacement:
         free = capacity - torch.cuda.memory_allocated(c.device)
         master = 0 if storage.own_master else storage.master_bytes  # (a master apart from the parameters)
         per_elem = c.dtype.itemsize + master + (HOST_STATES - 1) * storage.master_bytes + storage.master_bytes
-        needed = int(len(up) * c.layout.chunk_elems * per_elem * DEVICE_ROOM_SLACK)
+        shards = len(to_shard) * c.layout.shard_elems * (HOST_STATES + 1) * storage.master_bytes
+        needed = int((len(up) * c.layout.chunk_elems * per_elem + shards) * DEVICE_ROOM_SLACK)
         if needed <= free:
             return True
         log.warning(
-            "the chunks stay where they are: making %d more persistent needs about %.2f GiB of the device, which has "
-            "%.2f GiB free of %.2f GiB between steps",
+            "the chunks stay where they are: making %d more persistent and sharding %d more there needs about %.2f GiB "
+            "of the device, which has %.2f GiB free of %.2f GiB between steps",
             len(up),
+            len(to_shard),
             needed / 2**30,
             free / 2**30,
             capacity / 2**30,
@@ -268,7 +317,7 @@ class ChunkPlacement:
         c.storage.drop_grads()
 
     def _repoint_params(self, up: list[int], down: list[int]) -> None:
-        """The parameters of chunks now persistent view their flat chunk; those of chunks now offloaded hold no
+        """The parameters of chunks now persistent view their flat chunk; those of chunks persistent no more hold no
         storage (their shape stays, on the chunks' device)."""
         c, storage = self.chunks, self.chunks.storage
         for chunk in up:
@@ -286,3 +335,18 @@ class ChunkPlacement:
     def pending_host_bytes(self) -> int:
         """The host memory a pending manager holds (its masters and gradient shard), which its plan reuses."""
         return 0 if self.pending_plan is None else self.chunks.storage.host_bytes()
+
+
+# where a chunk is: whole on the device, sharded across the ranks on the device, or sharded on the host
+PERSISTENT, DEVICE_SHARD, HOST = "persistent", "device shard", "host"
+
+
+def _place_of(chunk: int, n_persist: int, n_device_shard: int) -> str:
+    return PERSISTENT if chunk < n_persist else DEVICE_SHARD if chunk < n_persist + n_device_shard else HOST
+
+
+def _check_places(n: int, n_persist: int, n_buffer: int, n_device_shard: int) -> None:
+    if not 0 <= n_persist <= n or not 0 <= n_device_shard <= n - n_persist or (n_persist < n and n_buffer < 1):
+        raise ValueError(
+            f"plan n_persist={n_persist}, n_device_shard={n_device_shard}, n_buffer={n_buffer} for {n} chunks"
+        )

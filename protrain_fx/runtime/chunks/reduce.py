@@ -5,10 +5,11 @@
 - a persistent chunk across ranks: into a reduce buffer, all-reduced without blocking and landed in its gradient
   later (`_reduce_persistent_across_ranks`, `_land_reductions`), so the backward computes on while the collective
   runs; inside `no_sync` each rank adds up its own until the step's last backward, which reduces the sum once;
-- an offloaded chunk: into a reduce buffer, reduce-scattered (every time: a rank holds only its shard), and copied
-  to the host without blocking (`_reduce_offloaded`), straight into its gradient shard where it is the step's first,
-  else into `staging` and added; once the chunk's last expected gradient is in, its host update is queued behind the
-  copy (runtime/chunks/updates.py).
+- a sharded chunk: into a reduce buffer, reduce-scattered (every time: a rank holds only its shard); offloaded,
+  copied to the host without blocking (`_reduce_offloaded`), straight into its gradient shard where it is the step's
+  first, else into `staging` and added, and once the chunk's last expected gradient is in, its host update is queued
+  behind the copy (runtime/chunks/updates.py); sharded on the device, into its gradient shard there, and its update
+  may start as a persistent chunk's does (`_land_device_shard`).
 
 State it owns:
 - `reduce_buffers`, the part that holds the buffers gradients are reduced in, used in turn (reduce_buffers.py);
@@ -61,7 +62,8 @@ class ReduceMixin:
         self.staging: torch.Tensor | None = None  # host fp32 shard a second gradient of one step lands in (lazily)
         self._d2h_stream = torch.cuda.Stream(self.device) if cuda else None  # device-to-host gradient copies
         # whether a gradient of this step is inf or NaN, and as each update during the backward saw it (nonfinite.py)
-        self.nonfinite = NonfiniteFlags(self.layout.n_chunk, self.n_persist, self.device)
+        on_device = self.n_persist + self.n_device_shard  # (the chunks updated on the device)
+        self.nonfinite = NonfiniteFlags(self.layout.n_chunk, on_device, self.device)
 
     def _drop_reduce_storage(self) -> None:
         """Let go of the reduce buffers and the landing shard (a placement builds them again)."""
@@ -155,7 +157,7 @@ class ReduceMixin:
     ) -> None:
         """One rank: the gradients straight into the chunk's fp32 gradient; where a parameter has no gradient yet
         this step its slot holds a stale value, which is overwritten here or never read (the optimizer skips that
-        parameter). Then the chunk's update may start (`_step_persistent_early`)."""
+        parameter). Then the chunk's update may start (`_step_on_device_early`)."""
         grad = self._device_grad(chunk, accumulate)
         seen = [self.index[id(p)] in self.step_grads.params for p in params]
         written = self._write_grads(grad, params, grads, seen)
@@ -163,7 +165,7 @@ class ReduceMixin:
         self.nonfinite.check(written if any(seen) else grads)
         self.step_grads.got(indices)
         self.param_grads.publish(indices)
-        self._step_persistent_early(chunk)
+        self._step_on_device_early(chunk)
 
     def _reduce_persistent_across_ranks(self, chunk: int, flat: torch.Tensor, accumulate: bool) -> None:
         """Several ranks: the reduce buffer `flat` is all-reduced without blocking (landed by `_land_reductions`);
@@ -194,11 +196,24 @@ class ReduceMixin:
         if self.clip_norm_type is not None:  # (zeros where a parameter got no gradient: the flat buffer was zeroed)
             norm = None if accumulate else torch.linalg.vector_norm(shard, self.clip_norm_type)
             self.step_grads.note_norm(chunk, self.clip_norm_type, norm)
+        if not self.storage.on_host(chunk):
+            self._land_device_shard(chunk, shard, accumulate)
+            self.reduce_buffers.read_by(slot, None)  # (read on the compute stream, which the next taker is on)
+            return
         self.wait_for_update(chunk)  # the previous gradient copy of this chunk is taken in
         copied, found = self._copy_to_host(chunk, shard, self._host_target(chunk, accumulate))
         update, speculative = self._update_on_arrival(chunk, found)
         self.reduce_buffers.read_by(slot, copied)  # (reused once this copy has ended)
         self._queue_host_update(chunk, copied, accumulate, update, speculative)
+
+    def _land_device_shard(self, chunk: int, shard: torch.Tensor, accumulate: bool) -> None:
+        """A chunk sharded on the device: its reduced `shard` into its gradient shard there (added to the step's
+        where it has one), then its update, which starts now where a persistent chunk's would."""
+        if accumulate and chunk not in self.storage.grad:
+            raise self._taken_step_error(chunk)
+        grad = self.storage.grads_of(chunk).take(chunk)
+        grad.add_(shard) if accumulate else grad.copy_(shard)
+        self._step_on_device_early(chunk)
 
     def _host_target(self, chunk: int, accumulate: bool) -> torch.Tensor:
         """Where an offloaded chunk's gradient shard lands on the host: its gradient shard (`host_grads`) for the
@@ -276,7 +291,7 @@ class ReduceMixin:
             self.nonfinite.check([flat])
             grad = self._device_grad(chunk, accumulate)
             grad.add_(flat) if accumulate else grad.copy_(flat)
-            self._step_persistent_early(chunk)
+            self._step_on_device_early(chunk)
 
         self.step_grads.land(land)
 

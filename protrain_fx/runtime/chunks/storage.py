@@ -4,15 +4,19 @@
 State it owns:
 - `flat`: persistent chunk -> its parameters, one flat compute-dtype tensor on the device (the parameters view it);
 - `master`: chunk -> its master (persistent: the whole chunk on the device, `flat` itself where the parameters are
-  their own master; offloaded: this rank's shard on the host, in `arena` or, for a pending manager, on its own);
-- `grad`: chunk -> its gradient of this step (persistent: the whole chunk on the device; offloaded: this rank's
-  shard on the host), lent by the two `SlotPool`s `device_grads` and `host_grads` (runtime/chunks/slots.py);
+  their own master; sharded on the device: this rank's shard on the device; offloaded: this rank's shard on the
+  host, in `arena` or, for a pending manager, on its own);
+- `grad`: chunk -> its gradient of this step (persistent: the whole chunk on the device; sharded on the device: this
+  rank's shard there; offloaded: this rank's shard on the host), lent by the `SlotPool`s `device_grads`,
+  `shard_grads` (one each) and `host_grads` (runtime/chunks/slots.py);
 - `arena`: the host memory allocated once at its exact size for the offloaded masters and gradient shards (pinned
   on CUDA, unregistered when the storage is collected); `_pinned`: the master shards pinned on their own (a
   prepared model's, those `place_again` offloads), let go by `unpin` when they move to the device;
 - `grad_slots`, `device_grad_slots`: how many gradients the offloaded and the persistent chunks share;
 - `versions`: chunk -> the updates published into it (what a gathered copy is checked against);
-- `n_persist`: the persistent chunks of the placement built (the first ones).
+- `n_persist`: the persistent chunks of the placement built (the first ones); `n_device_shard`: the chunks after
+  them sharded across the ranks on the device (gathered like offloaded ones, updated on the device); the rest are
+  offloaded.
 
 Host memory is checked by `host.check_host_memory`, called through its module (tests stand in for it there).
 """
@@ -64,12 +68,14 @@ class ChunkStorage:
         # the address of a master shard pinned on its own (not in the arena) -> what unpins and lets it go
         self._pinned: dict[int, Callable[[], None]] = {}
         self.n_persist = n_persist
+        self.n_device_shard = 0
         self.flat: dict[int, torch.Tensor] = {}
         self.master: dict[int, torch.Tensor] = {}
         self.grad: dict[int, torch.Tensor] = {}
         self.arena = torch.empty(0, dtype=torch.uint8)
         self.grad_slots = self.device_grad_slots = 0
         self.device_grads: SlotPool | None = None
+        self.shard_grads: SlotPool | None = None
         self.host_grads: SlotPool | None = None
 
     def build(
@@ -79,21 +85,27 @@ class ChunkStorage:
         device_grad_slots: int | None,
         masters: dict[int, torch.Tensor] | None = None,
         *,
+        n_device_shard: int = 0,
         pending: bool = False,
         kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
         reused: Sequence[torch.Tensor] = (),
         freed: int = 0,
     ) -> None:
-        """The storage of `n_persist` persistent chunks, zero-filled; `masters`: the offloaded chunks' host master
-        shards, already filled (`place`, `place_again`), pinned here where they are not yet. `pending`: the chunks
+        """The storage of `n_persist` persistent chunks and `n_device_shard` sharded on the device, zero-filled;
+        `masters`: the sharded chunks' master shards, already filled (`place`, `place_again`; on the device for a
+        chunk sharded there), those on the host pinned here where they are not yet. `pending`: the chunks
         wait for their plan (every one offloaded; its master shards on their own, unpinned). `kept`: persistent
         chunk -> its (flat, master) kept as they are; `reused`: host gradient shards taken again before new ones
         (`place_again`, which checked the host for what it adds); `freed`: host bytes the caller frees before
         training allocates the AdamW states (`place`: the masters of the chunks it moves to the device)."""
-        self.n_persist = n_persist
+        assert 0 <= n_device_shard <= self.layout.n_chunk - n_persist and not (pending and n_device_shard), (
+            f"{n_device_shard} chunks sharded on the device (make_plan)"
+        )
+        self.n_persist, self.n_device_shard = n_persist, n_device_shard
         self.flat, self.master, self.grad = {}, {}, {}
         self._build_persistent(kept or {})
         self._build_device_grads(device_grad_slots)
+        self._build_device_shards(masters)
         self._build_host(grad_slots, masters, pending, reused, freed)
 
     def _build_persistent(self, kept: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -123,6 +135,45 @@ class ChunkStorage:
             owned, range(self.n_persist), self.grad, device=self.device, for_step=self._device_grad_for_step
         )
 
+    def _build_device_shards(self, masters: dict[int, torch.Tensor] | None) -> None:
+        """The chunks sharded on the device: this rank's master shard (those of `masters` moved there) and its
+        gradient shard, one each (`shard_grads`)."""
+        shard = self.layout.shard_elems
+        chunks = self.device_sharded()
+        for c in chunks:
+            given = masters[c] if masters is not None else None
+            if given is None:
+                self.master[c] = torch.zeros(shard, dtype=self.master_dtype, device=self.device)
+            else:
+                assert given.device == self.device, f"chunk {c}'s master shard given on {given.device}"
+                self.master[c] = given
+        owned = [torch.zeros(shard, dtype=self.master_dtype, device=self.device) for _ in chunks]
+        self.shard_grads = SlotPool(owned, chunks, self.grad, device=self.device, for_step=self._device_grad_for_step)
+
+    def device_sharded(self) -> range:
+        """The chunks sharded across the ranks on the device."""
+        return range(self.n_persist, self.n_persist + self.n_device_shard)
+
+    def offloaded(self) -> range:
+        """The chunks sharded across the ranks on the host (updated by the host AdamW)."""
+        return range(self.n_persist + self.n_device_shard, self.layout.n_chunk)
+
+    def on_host(self, chunk: int) -> bool:
+        """Whether `chunk` is offloaded: its master shard on the host, updated by the host AdamW."""
+        return chunk >= self.n_persist + self.n_device_shard
+
+    def grads_of(self, chunk: int) -> SlotPool:
+        """The pool that lends `chunk` its gradient."""
+        pool = (
+            self.device_grads
+            if chunk < self.n_persist
+            else self.host_grads
+            if self.on_host(chunk)
+            else self.shard_grads
+        )
+        assert pool is not None, f"chunk {chunk}'s gradients are let go (drop_grads)"
+        return pool
+
     def _build_host(
         self,
         grad_slots: int | None,
@@ -135,7 +186,7 @@ class ChunkStorage:
         after checking that the host has room for them and for their AdamW states, counting the `freed` bytes as
         available (unless some are reused: the caller checked what it adds)."""
         shard = self.layout.shard_elems
-        offloaded = list(range(self.n_persist, self.layout.n_chunk))
+        offloaded = list(self.offloaded())
         slots = len(offloaded) if grad_slots is None else grad_slots
         assert 0 < slots <= len(offloaded) or slots == len(offloaded) == 0, f"{slots} gradient shards (make_plan)"
         self.grad_slots = slots
@@ -184,13 +235,15 @@ class ChunkStorage:
             unpin()
 
     def drop_grads(self) -> None:
-        """Let go of the chunks' gradients and the persistent chunks' gradient buffers (`build` makes them again)."""
+        """Let go of the chunks' gradients and the device gradient buffers and shards (`build` makes them again)."""
         self.grad = {}
-        self.device_grads = None
+        self.device_grads = self.shard_grads = None
 
     def _device_grad_for_step(self, chunk: int) -> torch.Tensor:
         """A persistent chunk's gradient for this step where every shared buffer is held (this step's updates wait
-        for `AdamW.step()`, or the chunk's gradient comes in parts): device memory, where the GPU has it."""
+        for `AdamW.step()`, or the chunk's gradient comes in parts): device memory, where the GPU has it. (A chunk
+        sharded on the device holds its own shard: never called for it.)"""
+        assert chunk < self.n_persist, f"chunk {chunk} holds its own gradient shard on the device"
         try:
             return torch.empty(self.layout.chunk_elems, dtype=self.master_dtype, device=self.device)
         except torch.OutOfMemoryError as e:
@@ -207,7 +260,7 @@ class ChunkStorage:
     def _host_grad_for_step(self, chunk: int) -> torch.Tensor:
         """An offloaded chunk's gradient shard for this step where every shared one is held and no pending update
         gives one back (this step's updates wait for `AdamW.step()`): plain host memory, where the host has it."""
-        offloaded = self.layout.n_chunk - self.n_persist
+        offloaded = len(self.offloaded())
         host.check_host_memory(
             self.layout.shard_elems * self.master_bytes,
             f"chunk {chunk}'s gradients",
@@ -234,10 +287,10 @@ class ChunkStorage:
 
     def grad_is_shared(self, chunk: int) -> bool:
         """Whether the chunk's gradient is given back after its update (its buffer or shard is shared)."""
-        return self.shares_device_grads if chunk < self.n_persist else self.shares_grads
+        return self.grads_of(chunk).shared
 
     def master_shard(self, chunk: int) -> torch.Tensor:
-        """This rank's master shard of offloaded `chunk` (Gatherer's ChunkSource)."""
+        """This rank's master shard of sharded `chunk`, on the device or the host (Gatherer's ChunkSource)."""
         return self.master[chunk]
 
     def version(self, chunk: int) -> int:
@@ -249,7 +302,7 @@ class ChunkStorage:
         self.versions[chunk] = self.versions.get(chunk, 0) + 1
 
     def shard_bounds(self) -> tuple[int, int]:
-        """This rank's elements of an offloaded chunk."""
+        """This rank's elements of a sharded chunk."""
         shard = self.layout.shard_elems
         return self.rank * shard, (self.rank + 1) * shard
 

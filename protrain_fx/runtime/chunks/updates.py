@@ -1,9 +1,9 @@
 """UpdatesMixin: when each chunk's AdamW update runs, and the step it belongs to.
 
 A chunk's update runs on one of three paths:
-- early: as soon as its gradient is complete, during the backward: a persistent chunk's on the device, on a stream
-  beside the rest of the backward (`_step_persistent_early`; its compute-dtype parameters take the new master at
-  `end_step`, those that are their own master change at once), an offloaded chunk's on the worker thread behind the
+- early: as soon as its gradient is complete, during the backward: a persistent chunk's, or one sharded on the
+  device, on the device, on a stream beside the rest of the backward (`_step_on_device_early`; a persistent chunk's
+  compute-dtype parameters take the new master at `end_step`, those that are their own master change at once), an offloaded chunk's on the worker thread behind the
   copy of its gradient shard (`_update_on_arrival`, `_queue_host_update`), overlapping the rest of the backward;
 - deferred: in `AdamW.step()` (`submit_update`), where something must see every gradient first (`defer_updates`:
   the first step, float16 loss scaling or nonfinite='skip', gradients or hyperparameters changed between backward()
@@ -94,7 +94,8 @@ class UpdatesMixin:
         """The stream of persistent chunks' updates during the backward, beside it (memory-bound AdamW next to its
         matmuls)."""
         cuda = self.device.type == "cuda"
-        self._optim_stream = torch.cuda.Stream(self.device) if cuda and self.n_persist else None
+        on_device = self.n_persist + self.n_device_shard
+        self._optim_stream = torch.cuda.Stream(self.device) if cuda and on_device else None
 
     @property
     def skips_nonfinite(self) -> bool:
@@ -199,8 +200,9 @@ class UpdatesMixin:
         self.wait_for_update(giving[0])
         return True
 
-    def _step_persistent_early(self, chunk: int) -> None:
-        """Update a persistent chunk as soon as its gradient is final (reduced across ranks), when updates need
+    def _step_on_device_early(self, chunk: int) -> None:
+        """Update a persistent chunk, or one sharded on the device (its shard; its next gather loads the new
+        master), as soon as its gradient is final (reduced across ranks), when updates need
         not wait for `AdamW.step()` (`defer_updates`): on CUDA on the optimizer stream, beside the rest of the
         backward. Only the fp32 master and states change now; the compute-dtype parameters, which the rest of the
         backward may still read, take the new master at `end_step`. Parameters that are their own master (an fp32
@@ -219,14 +221,15 @@ class UpdatesMixin:
         found = self.nonfinite.early(chunk)  # as of now: later gradients' flags do not reach this update
         update = self._start_update(chunk, found_inf=found)
         stream = self._optim_stream
+        grads = self.storage.grads_of(chunk)
         if stream is None:
             update()
-            self.storage.device_grads.give_back(chunk)
+            grads.give_back(chunk)
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.profiler.record_function("protrain::gpu_adamw_early"):
             update()
-        self.storage.device_grads.give_back(chunk, stream)
+        grads.give_back(chunk, stream)
         self._join_at_end()
 
     def update_in_step(self, chunk: int) -> None:
@@ -253,12 +256,12 @@ class UpdatesMixin:
         torch.autograd.Variable._execution_engine.queue_callback(join)
 
     def submit_update(self, chunk: int, update: Callable[[], None]) -> None:
-        """Start a chunk's update now (from `AdamW.step()`): a persistent chunk's on the device, an offloaded
-        chunk's on the worker thread."""
-        if chunk < self.n_persist:
+        """Start a chunk's update now (from `AdamW.step()`): a persistent chunk's, or one sharded on the device,
+        on the device, an offloaded chunk's on the worker thread."""
+        if not self.storage.on_host(chunk):
             self.step_state.start(chunk)
             update()
-            self.storage.device_grads.give_back(chunk)
+            self.storage.grads_of(chunk).give_back(chunk)
             return
         self.wait_for_update(chunk)  # its gradient copy is taken in
         self.step_state.start(chunk)
@@ -302,8 +305,9 @@ class UpdatesMixin:
 
     def wait_for_update(self, chunk: int | None = None) -> None:
         """Block until the CPU optimizer step of `chunk` (of every chunk if None) is done; a persistent chunk's
-        update during the backward is waited for on the device (the current stream waits for it)."""
-        if chunk is None or chunk < self.n_persist:
+        update during the backward (or a chunk's sharded on the device) is waited for on the device (the current
+        stream waits for it)."""
+        if chunk is None or not self.storage.on_host(chunk):
             self.join_early_updates()
         self.host_updates.wait(chunk)
 

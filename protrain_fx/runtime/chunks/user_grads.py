@@ -134,7 +134,9 @@ class GradAccessMixin:
         this step: later gradients add to it)."""
         chunk = self.slots[i].chunk
         if chunk not in self.step_grads.chunks:
-            grad = self._device_grad(chunk, False) if chunk < self.n_persist else self.storage.host_grads.take(chunk)
+            grad = (
+                self._device_grad(chunk, False) if chunk < self.n_persist else self.storage.grads_of(chunk).take(chunk)
+            )
             grad.zero_()
             self.step_grads.arrive(chunk)
             self.step_state.gradient()
@@ -173,7 +175,8 @@ class GradAccessMixin:
         which the next forward's gather of the chunk waits for (`zero_grad` after `step()` would otherwise hold the
         loop until every host update of the step has run, and the next forward would not start beside them)."""
         whole = len(dropped) == len(self.step_grads.with_grad(self._chunk_params[chunk]))
-        return whole and (not self.storage.host_grads.shared or chunk in self.storage.host_grads.giving)
+        grads = self.storage.grads_of(chunk)
+        return whole and (not grads.shared or chunk in grads.giving)
 
     def _drop(self, chunk: int, indices: Sequence[int]) -> None:
         """The parameters' gradients leave the chunk; a chunk left without any forgets its gradient (a shared
@@ -184,10 +187,9 @@ class GradAccessMixin:
                 self._piece(i).zero_()
             return
         self.step_grads.forget(chunk)
-        if chunk < self.n_persist:
-            self.storage.device_grads.give_back(chunk)
-        elif chunk not in self.storage.host_grads.giving:
-            self.storage.host_grads.give_back(chunk)
+        grads = self.storage.grads_of(chunk)
+        if chunk not in grads.giving:
+            grads.give_back(chunk)
 
     def _with_plain_grads(self, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """`grads`, each plus the plain tensor in its parameter's `.grad` (see `fold_plain_grads`)."""
