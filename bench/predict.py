@@ -137,7 +137,7 @@ _KEPT = ("plan", "seconds", "costs", "predicted_vs_measured", "replan", "replann
 def format_table(rows: list[dict]) -> str:
     header = (
         "forced",
-        "n_persist/buffer/swap/ckpt/selective",
+        "n_persist/buffer/swap/ckpt/selective[/device_shard]",
         "pred ms",
         "meas ms",
         "err",
@@ -327,8 +327,10 @@ def from_dump(args: argparse.Namespace) -> int:
 
 
 def _fields(plan: dict) -> str:
-    """The searched fields of a plan (a plan dumped before selective blocks has no n_selective: 0)."""
-    return "/".join(str(plan.get(k, 0)) for k in SEARCHED)
+    """The searched fields of a plan (a plan dumped before selective blocks has no n_selective: 0), the chunks
+    sharded on the device only where there are some."""
+    fields = [k for k in SEARCHED if k != "n_device_shard" or plan.get(k)]
+    return "/".join(str(plan.get(k, 0)) for k in fields)
 
 
 def _pct(x: float | None) -> str:

@@ -242,8 +242,8 @@ class Machine:
         """Whether a plan of the model at `n_block` blocks fits this machine, searched among those that drop every
         block's activations (swapped or checkpointed, fewest swapped first: swapping takes host memory; no
         selective block, which keeps more than a checkpointed one): no plan that keeps some fits where none of
-        these does, and each such search is one over the chunk fields only. Block modes the user forced are
-        searched as forced."""
+        these does, and each such search is one over the chunk fields only, and times none (`plan_fits`). Block
+        modes the user forced are searched as forced."""
         try:
             self._states_fit(inputs, n_block)  # (at once where the chunks alone do not fit)
         except NoPlanFits:

@@ -13,7 +13,7 @@ from protrain_fx.runtime.chunks.nonfinite import NonfiniteFlags
 
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
 def test_a_nonfinite_gradient_sets_the_flag_until_the_step_is_over(bad):
-    flags = NonfiniteFlags(n_chunk=3, n_persist=1, device=torch.device("cpu"))
+    flags = NonfiniteFlags(n_chunk=3, on_device=1, device=torch.device("cpu"))
     flags.check([torch.ones(4), torch.zeros(2, dtype=torch.bfloat16)])
     assert flags.found.item() == 0
     flags.check([torch.tensor([1.0, bad], dtype=torch.bfloat16)])
@@ -24,7 +24,7 @@ def test_a_nonfinite_gradient_sets_the_flag_until_the_step_is_over(bad):
 
 
 def test_an_update_sees_the_flag_as_it_started():
-    flags = NonfiniteFlags(n_chunk=3, n_persist=1, device=torch.device("cpu"))
+    flags = NonfiniteFlags(n_chunk=3, on_device=1, device=torch.device("cpu"))
     early, host = flags.early(0), flags.to_host(2)
     flags.check([torch.tensor([math.nan])])
     assert early.item() == 0 and host.item() == 0  # (started before the nonfinite gradient)
@@ -33,6 +33,6 @@ def test_an_update_sees_the_flag_as_it_started():
 
 def test_a_norm_past_the_float32_range_counts_as_nonfinite():
     """(The check sums the gradients' norms in fp32: gradients that large mean training has failed anyway.)"""
-    flags = NonfiniteFlags(n_chunk=1, n_persist=0, device=torch.device("cpu"))
+    flags = NonfiniteFlags(n_chunk=1, on_device=0, device=torch.device("cpu"))
     flags.check([torch.full((4,), 3e38)])
     assert flags.found.item() == 1

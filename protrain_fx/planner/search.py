@@ -123,6 +123,8 @@ def candidates(model: CostModel, forced: Mapping[str, Any], *, every_shard: bool
                 row = []
                 for n_persist in _values(forced, "n_persist", range(model.n_chunk - n_device_shard + 1)):
                     offloaded = model.n_chunk - n_persist  # (gathered: sharded on the device or the host)
+                    if n_device_shard > offloaded:  # (a forced n_persist leaves fewer)
+                        continue
                     if offloaded and n_buffer < _needed(model, n_persist) and not both_forced:
                         continue
                     if offloaded and n_buffer > offloaded and "n_buffer" not in forced:
@@ -500,7 +502,9 @@ def plan_graph(
         try:
             best, runners_up, model = _search_with_last_resort(model, capacity_bytes, counts, may_share)
         except NoPlanFits as error:
-            searchable = {k: forced[k] for k in FORCEABLE if k in forced}
+            # (with one rank no chunk is sharded on the device, whatever is searched: not a field to name)
+            one_rank = {"n_device_shard"} if costs.world_size == 1 else set()
+            searchable = {k: forced[k] for k in FORCEABLE if k in forced and k not in one_rank}
             released = _released(costs, searchable, layout, capacity_bytes, host_bytes) if searchable else None
             raise error.told(
                 forced=searchable,
@@ -561,7 +565,9 @@ def forced_counts(costs: CostModel, forced: Mapping[str, Any], layout: ChunkLayo
         counts.update({key: modes.count(mode) for key, mode in MODE_COUNTS.items()})
     if not costs.prices_selective:
         counts.setdefault("n_selective", 0)
-    if costs.world_size == 1:  # (one rank shards nothing: a chunk whole on the device is persistent)
+    # (one rank shards nothing: a chunk whole on the device is persistent; a forced n_clip_overlap is of offloaded
+    # chunks, which sharding them on the device would take away)
+    if costs.world_size == 1 or forced.get("n_clip_overlap"):
         counts.setdefault("n_device_shard", 0)
     if layout is None:
         counts.update(n_persist=0, n_buffer=0)

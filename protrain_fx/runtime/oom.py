@@ -53,8 +53,9 @@ def plan_summary(plan: Any) -> str:
     """One line: the plan's decisions and its predicted peak."""
     if plan is None:
         return "no plan"
+    sharded = f"n_device_shard={plan.n_device_shard} " if plan.n_device_shard else ""
     return (
-        f"n_persist={plan.n_persist} n_buffer={plan.n_buffer} of {plan.n_chunk} chunks, n_swap={plan.n_swap} "
+        f"n_persist={plan.n_persist} {sharded}n_buffer={plan.n_buffer} of {plan.n_chunk} chunks, n_swap={plan.n_swap} "
         f"n_checkpoint={plan.n_checkpoint} n_selective={plan.n_selective} of {plan.n_block} blocks (predicted peak "
         f"{_gib(plan.predicted_peak_bytes)})"
     )
