@@ -14,6 +14,7 @@ import torch.distributed as dist
 from helpers import OFFLOADED
 from spawn import gloo_rank, join, run_rank, spawn, spawn_gloo
 
+from protrain_fx.config import MIN_MEMORY_BYTES
 from protrain_fx.distributed import most_on_every_rank
 
 
@@ -92,7 +93,7 @@ def test_ranks_train_bfloat16_masters_like_eager():
     spawn(_worker, 2, [("llama", {"n_persist": 1, "n_buffer": 1, "master_dtype": "bfloat16"})])
 
 
-def _meta_worker(rank, world, rendezvous, errors):
+def _meta_worker(rank, world, rendezvous, host_bytes, errors):
     join("gloo", rank, world, rendezvous)
     monkeypatch = pytest.MonkeyPatch()
     try:
@@ -126,12 +127,16 @@ def _meta_worker(rank, world, rendezvous, errors):
         shard = manager.layout.shard_elems  # each rank holds its own shard of every master, not the model
         assert manager.pending_plan == {} and all(m.numel() == shard for m in manager.storage.master.values())
         options = {"executor": "eager", "gpu_memory_bytes": int(ample.predicted_reserved_bytes * 0.8)}
+        if host_bytes is not None:
+            options["host_memory_bytes"] = host_bytes
         opt = protrain_fx.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         compiled = torch.compile(model, backend=protrain_fx.ProTrainBackend(options), dynamic=False)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
         assert train(compiled, "toy", 4, opt=opt) == train(ref, "toy", 4, opt=ref_opt), f"rank {rank}"
         plan = protrain_fx.plan_of(model)
         assert plan.n_persist < plan.n_chunk and manager.n_persist == plan.n_persist, plan
+        if host_bytes is not None:  # (the GPUs together hold what the host cannot: sharded there)
+            assert plan.n_device_shard > 0 and manager.n_device_shard == plan.n_device_shard, plan
         state = protrain_fx.full_state_dict(model)  # a collective: every rank calls it
         copied = copy.deepcopy(model).state_dict()  # (so is a deep copy, where chunks are sharded)
         for name, value in ref.state_dict().items():
@@ -145,11 +150,13 @@ def _meta_worker(rank, world, rendezvous, errors):
         dist.destroy_process_group()
 
 
-def test_meta_model_prepared_without_a_plan_across_ranks():
+@pytest.mark.parametrize("host_bytes", [None, MIN_MEMORY_BYTES], ids=["host", "no-host"])
+def test_meta_model_prepared_without_a_plan_across_ranks(host_bytes):
     """A meta-device model prepared with no plan on 2 ranks: each rank fills only its own master shards, the ranks
-    search one plan at the first compile (every chunk persistent with memory to spare, some offloaded under the
-    smaller GPU), and train bitwise like eager; a deep copy holds the same values."""
-    spawn(_meta_worker, 2)
+    search one plan at the first compile (every chunk persistent with memory to spare, some not under the smaller
+    GPU: sharded on the GPUs where the host has no room), and train bitwise like eager; a deep copy holds the same
+    values."""
+    spawn(_meta_worker, 2, host_bytes)
 
 
 @pytest.mark.multigpu

@@ -4,7 +4,10 @@ chunks and swap space fit the host memory).
     best, runners_up = search(model, capacity_bytes, forced={"n_swap": 0})
 
 Exhaustive over n_swap, n_checkpoint, n_selective (where the profile prices it: planner/selective.py), n_buffer
-and n_persist with the paper's pruning:
+and n_persist with the paper's pruning; with several ranks also over n_device_shard (the chunks after the persistent
+ones sharded on the device), in two stages: each configuration with none and with the most that fit, then every
+count for the block layouts and buffer counts of the best and runners-up (`_every_shard_of_the_best`; every count
+everywhere would multiply the configurations by the chunks):
 - n_swap is bounded by the swap interval: each swapped block needs swap_interval blocks of compute to hide its
   copy behind, so n_swap <= n_block // swap_interval;
 - what depends on the block modes alone (the activation peak, the recompute seconds, the per-chunk split) is
@@ -252,13 +255,13 @@ def _every_shard_of_the_best(
     forced: Mapping[str, Any],
     by_modes: _ByModes,
 ) -> list[tuple[Candidate, int]]:
-    """`fitting`, and for the block layouts and buffer counts of the best and runners-up among `fits` (timed,
-    each with no chunk or the most sharded on the device), every configuration of any n_persist and count
-    sharded on the device that fits: where a chunk goes is searched in full for the layouts that win, not for
-    every layout (the counts multiply the configurations by the chunks)."""
+    """For the block layouts and buffer counts of the best and runners-up among `fits` (timed, each with no chunk or
+    the most sharded on the device), every configuration of any n_persist and count sharded on the device that fits,
+    but those of `fitting` (already searched): where a chunk goes is searched in full for the layouts that win, not
+    for every layout (the counts multiply the configurations by the chunks)."""
     best, runners_up = rank(fits, capacity_bytes, alpha=model.alpha, tie=tie_rel(model), offset=model.step_offset_s)
     layouts = {(c.n_swap, c.n_checkpoint, c.n_selective, c.n_buffer) for c, _, _ in [best, *runners_up] if c.n_buffer}
-    seen, more = {c for c, _ in fitting}, list(fitting)
+    seen, more = {c for c, _ in fitting}, []
     for n_swap, n_checkpoint, n_selective, n_buffer in sorted(layouts):
         fixed = {
             **forced,
@@ -290,8 +293,10 @@ def search(
         raise _no_fit(model, forced, smallest, least_host, capacity_bytes, host_bytes)
     fits = _timed(model, fitting, by_modes)
     if model.world_size > 1 and "n_device_shard" not in forced:
-        fitting = _every_shard_of_the_best(model, fits, fitting, capacity_bytes, forced, by_modes)
-        fits = _timed(model, fitting, by_modes)
+        # (those of the first stage not timed stay so: the times it took can only lower the bar they missed)
+        more = _every_shard_of_the_best(model, fits, fitting, capacity_bytes, forced, by_modes)
+        fitting = [(c, peak) for c, _, peak in fits] + more
+        fits = _timed(model, fitting, by_modes, known={c: step for c, step, _ in fits})
     log.info("timed %d of the %d configurations that fit", len(fits), len(fitting))
     return rank(fits, capacity_bytes, alpha=model.alpha, tie=tie_rel(model), offset=model.step_offset_s)
 
@@ -326,19 +331,25 @@ def ranked_step_s(model: CostModel) -> Callable[[Candidate], float]:
 
 
 def _timed(
-    model: CostModel, fitting: list[tuple[Candidate, int]], by_modes: _ByModes
+    model: CostModel,
+    fitting: list[tuple[Candidate, int]],
+    by_modes: _ByModes,
+    known: Mapping[Candidate, float] | None = None,
 ) -> list[tuple[Candidate, float, int]]:
     """(config, step seconds as ranked, peak) of those of `fitting` ((config, peak) pairs) whose step time `rank`
     can use: the ties of the fastest (within `tie_rel`) and the N_RUNNERS_UP + 1 fastest (the best and its
     runners-up). They are timed in the order of a lower bound of their step time, until the bound passes both:
     every one left is slower. Each bound weighs the bounds of the three step times `ranked_step_s` weighs alike:
-    first `step_floor_s`, refined to `step_bound_s` when the configuration comes first with it. In the order of
-    `fitting`."""
-    ranked, tie = ranked_step_s(model), tie_rel(model)
+    first `step_floor_s`, refined to `step_bound_s` when the configuration comes first with it. `known`: ranked
+    step times already taken, not taken again. In the order of `fitting`."""
+    ranked, tie, known = ranked_step_s(model), tie_rel(model), known or {}
     weighed = {"host_scales": (1.0, HOST_SLOWDOWN), "clip_weight": CLIP_WEIGHT}
     below = 1 - BOUND_ROUNDING  # (a bound that adds up to the step time may round above it)
     # (lower bound, refined, index); a floor that comes first is refined, a refined bound is timed
-    heap = [(model.step_floor_s(c, by_modes(c), **weighed) * below, False, i) for i, (c, _) in enumerate(fitting)]
+    heap = [
+        (known[c] * below, True, i) if c in known else (model.step_floor_s(c, by_modes(c), **weighed) * below, False, i)
+        for i, (c, _) in enumerate(fitting)
+    ]
     heapq.heapify(heap)
     times: list[float] = []  # step times so far, ascending
     steps: dict[int, float] = {}
@@ -350,7 +361,7 @@ def _timed(
         if not refined:
             heapq.heappush(heap, (model.step_bound_s(config, by_modes(config), **weighed) * below, True, i))
             continue
-        steps[i] = ranked(config)
+        steps[i] = known[config] if config in known else ranked(config)
         bisect.insort(times, steps[i])
     return [(fitting[i][0], steps[i], fitting[i][1]) for i in sorted(steps)]
 

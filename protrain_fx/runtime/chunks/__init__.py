@@ -1,7 +1,7 @@
 """ChunkManager: owns the parameters, gradients and optimizer states of one model, in chunks (paper §3.1).
 
-Layout (planner/chunking.py) decides which parameter is where; the plan decides `n_persist` and
-`n_buffer`. Then:
+Layout (planner/chunking.py) decides which parameter is where; the plan decides `n_persist`, `n_device_shard`
+and `n_buffer`. Then:
 
 - the master dtype (the plan's `master_dtype`): what the master weights, gradients and AdamW states are kept in.
   float32 by default, below; with "bfloat16" on a bfloat16 model the parameters are their own master and
@@ -16,7 +16,11 @@ Layout (planner/chunking.py) decides which parameter is where; the plan decides 
   persistent chunks share that many fp32 gradients: a chunk takes one at its first gradient of the step and
   gives it back once its update is queued; a step whose updates wait for `AdamW.step()` takes those it lacks
   from the allocator for the step.
-- non-persistent chunks: each rank holds its shard (fp32 master, fp32 gradient) in one host arena allocated
+- chunks sharded on the device (the plan's `n_device_shard`, after the persistent ones; several ranks): each rank
+  holds its shard's fp32 master, gradient and AdamW states on the device; gathered as offloaded chunks are
+  (below, with no copy from the host), reduce-scattered into the shard's gradient there, and updated on the device
+  as persistent chunks are (ZeRO-3 on the device; storage.py).
+- offloaded chunks (the rest): each rank holds its shard (fp32 master, fp32 gradient) in one host arena allocated
   once at its exact size (host.py: pinned with `cudaHostRegister` on CUDA, not the power-of-two host
   allocator; unregistered when the manager is collected). The parameters' own storage is emptied
   (`resize_(0)`): the compiled graphs read them through `gather`, which copies this rank's fp32 master shard

@@ -16,9 +16,8 @@ What it reads of the chunks, it reads through `ChunkSource` (the manager): a chu
 whether its host update is pending, and waiting for that update.
 
 `gather` copies this rank's master shard to the device (a chunk sharded on the device: casts it from where it is),
-casts it into a buffer and all-gathers the rest; a chunk
-still in a buffer at its next gather (backward right after forward) is not copied again unless updated since, and
-`prefetch` loads the next chunk ahead on the copy stream. Casting on the device costs PCIe bytes, which overlap
+casts it into a buffer and all-gathers the rest; a chunk still in a buffer at its next gather (backward right after
+forward) is not copied again unless updated since, and `prefetch` loads the next chunk ahead on the copy stream. Casting on the device costs PCIe bytes, which overlap
 compute, instead of a host cast after every update, which would lengthen the host optimizer.
 """
 
