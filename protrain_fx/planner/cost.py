@@ -59,7 +59,8 @@ def node_s(node: NodeProfile, hardware: HardwareProfile) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """The searched fields of a plan (paper: n_persist, n_buffer, n_swap, n_checkpoint; and n_selective)."""
+    """The searched fields of a plan (paper: n_persist, n_buffer, n_swap, n_checkpoint; and n_selective, and with
+    several ranks n_device_shard)."""
 
     n_persist: int = 0
     n_buffer: int = 0

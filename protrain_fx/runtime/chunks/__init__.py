@@ -49,7 +49,7 @@ The manager is one object per model, `ChunkManager`, made of parts, each in its 
 | module | owns |
 | --- | --- |
 | `common.py` | the attributes set on parameters and models, `skips_nonfinite`, the errors for a replaced, tied or unfrozen parameter |
-| `storage.py` | `ChunkStorage` (`manager.storage`, a part of its own): the chunks' memory (`flat`, `master`, `grad`, the host arena, the gradient pools), built again by each placement, and where this rank's elements of a chunk are |
+| `storage.py` | `ChunkStorage` (`manager.storage`, a part of its own): the chunks' memory (`flat`, `master`, `grad`, the host arena, the gradient pools), built again by each placement, which chunks are where (persistent, sharded on the device, offloaded), and where this rank's elements of a chunk are |
 | `slots.py` | `SlotPool`: the gradient buffers (device) or shards (host) a group of chunks shares in turn |
 | `placement.py` | `ChunkPlacement` (`manager.placement`, a part of its own): the parameters moved into the chunks; `place` for a pending manager, `place_again` (a re-plan); the offloaded chunks' buffer count |
 | `gather.py` | `Gatherer` (`manager.gathering`, a part of its own): the offloaded chunks' device buffers, gather, prefetch, release |

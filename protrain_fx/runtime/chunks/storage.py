@@ -136,8 +136,8 @@ class ChunkStorage:
         )
 
     def _build_device_shards(self, masters: dict[int, torch.Tensor] | None) -> None:
-        """The chunks sharded on the device: this rank's master shard (those of `masters` moved there) and its
-        gradient shard, one each (`shard_grads`)."""
+        """The chunks sharded on the device: this rank's master shard (that of `masters` where given, on the device)
+        and its gradient shard, one each (`shard_grads`)."""
         shard = self.layout.shard_elems
         chunks = self.device_sharded()
         for c in chunks:
@@ -164,13 +164,10 @@ class ChunkStorage:
 
     def grads_of(self, chunk: int) -> SlotPool:
         """The pool that lends `chunk` its gradient."""
-        pool = (
-            self.device_grads
-            if chunk < self.n_persist
-            else self.host_grads
-            if self.on_host(chunk)
-            else self.shard_grads
-        )
+        if chunk < self.n_persist:
+            pool = self.device_grads
+        else:
+            pool = self.host_grads if self.on_host(chunk) else self.shard_grads
         assert pool is not None, f"chunk {chunk}'s gradients are let go (drop_grads)"
         return pool
 
