@@ -207,7 +207,7 @@ def _scan(
     smallest: tuple[int, Candidate] | None = None
     least_host: tuple[int, Candidate] | None = None
     seen: set[Candidate] = set()
-    most = model.world_size > 1 and "n_device_shard" not in forced and not every_shard
+    most = _shards_searched(model, forced) and not every_shard
     for row in candidates(model, forced, every_shard=every_shard):
         for config in row:  # n_persist upwards: GPU memory only grows along a row, host memory only shrinks
             terms = by_modes(config)
@@ -245,6 +245,11 @@ def _most_device_shards(model: CostModel, config: Candidate, capacity_bytes: int
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return dataclasses.replace(config, n_device_shard=lo)
+
+
+def _shards_searched(model: CostModel, forced: Mapping[str, Any]) -> bool:
+    """Whether the search places chunks sharded on the device: with several ranks, unless the count is forced."""
+    return model.world_size > 1 and "n_device_shard" not in forced
 
 
 def _every_shard_of_the_best(
@@ -292,7 +297,7 @@ def search(
     if not fitting:
         raise _no_fit(model, forced, smallest, least_host, capacity_bytes, host_bytes)
     fits = _timed(model, fitting, by_modes)
-    if model.world_size > 1 and "n_device_shard" not in forced:
+    if _shards_searched(model, forced):
         # (those of the first stage not timed stay so: the times it took can only lower the bar they missed)
         more = _every_shard_of_the_best(model, fits, fitting, capacity_bytes, forced, by_modes)
         fitting = [(c, peak) for c, _, peak in fits] + more

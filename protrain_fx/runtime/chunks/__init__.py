@@ -105,7 +105,7 @@ from protrain_fx.runtime.chunks.common import (
 from protrain_fx.runtime.chunks.edits import Edits
 from protrain_fx.runtime.chunks.gather import Gatherer
 from protrain_fx.runtime.chunks.outside import Outside
-from protrain_fx.runtime.chunks.placement import ChunkPlacement
+from protrain_fx.runtime.chunks.placement import ChunkPlacement, check_places
 from protrain_fx.runtime.chunks.reduce import ReduceMixin
 from protrain_fx.runtime.chunks.step_grads import StepGrads
 from protrain_fx.runtime.chunks.storage import ChunkStorage
@@ -163,7 +163,7 @@ class ChunkManager(
         chunk is offloaded, each master shard in host memory of its own, and these are the plan fields forced so far
         (`protrain_fx.prepare` without `n_persist`). `n_device_shard`: the chunks after the persistent ones
         sharded across the ranks on the device (the plan's)."""
-        _check_plan(layout, n_persist, n_buffer, n_device_shard)
+        check_places(layout.n_chunk, n_persist, n_buffer, n_device_shard)
         rank, world = rank_and_world_size()
         assert layout.world_size in (1, world), "chunk layout was made for another world size"
         # gradients are averaged over all `reduce_world` ranks; chunks are sharded across `world_size` of them
@@ -442,18 +442,6 @@ class ChunkManager(
             if self.holds(p):
                 raise tied_param_error(name, self.slot_of(p).name)
             raise replaced_param_error(name)
-
-
-def _check_plan(layout: ChunkLayout, n_persist: int, n_buffer: int, n_device_shard: int = 0) -> None:
-    if not 0 <= n_persist <= layout.n_chunk:
-        raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {layout.n_chunk} chunks")
-    if not 0 <= n_device_shard <= layout.n_chunk - n_persist:
-        raise ValueError(
-            f"plan n_device_shard={n_device_shard} must be between 0 and the {layout.n_chunk - n_persist} chunks "
-            f"after the n_persist={n_persist} persistent ones"
-        )
-    if n_persist < layout.n_chunk and n_buffer < 1:
-        raise ValueError(f"plan n_buffer={n_buffer}: non-persistent chunks need at least 1 buffer")
 
 
 def _check_master_dtype(master_dtype: str, dtype: torch.dtype) -> None:

@@ -136,7 +136,7 @@ class ChunkPlacement:
             "chunks placed after training started"
         )
         n = c.layout.n_chunk
-        _check_places(n, n_persist, n_buffer, n_device_shard)
+        check_places(n, n_persist, n_buffer, n_device_shard)
         old = storage.master
         self.n_buffer = n_buffer if n_persist < n else 0
         check_ranks_agree(c.layout, n_persist, self.n_buffer, n_device_shard)
@@ -190,7 +190,7 @@ class ChunkPlacement:
         n = c.layout.n_chunk
         n_buffer = n_buffer if n_persist < n else 0
         assert self.pending_plan is None and self.between_steps, "chunks placed again during a step"
-        _check_places(n, n_persist, n_buffer, n_device_shard)
+        check_places(n, n_persist, n_buffer, n_device_shard)
         check_ranks_agree(c.layout, n_persist, n_buffer, n_device_shard)
         c.wait_for_update()
         if c.device.type == "cuda":  # (copies and updates on the side streams are done)
@@ -345,8 +345,14 @@ def _place_of(chunk: int, n_persist: int, n_device_shard: int) -> str:
     return PERSISTENT if chunk < n_persist else DEVICE_SHARD if chunk < n_persist + n_device_shard else HOST
 
 
-def _check_places(n: int, n_persist: int, n_buffer: int, n_device_shard: int) -> None:
-    if not 0 <= n_persist <= n or not 0 <= n_device_shard <= n - n_persist or (n_persist < n and n_buffer < 1):
+def check_places(n: int, n_persist: int, n_buffer: int, n_device_shard: int = 0) -> None:
+    """A ValueError where the plan's places do not suit `n` chunks."""
+    if not 0 <= n_persist <= n:
+        raise ValueError(f"plan n_persist={n_persist} must be between 0 and the {n} chunks")
+    if not 0 <= n_device_shard <= n - n_persist:
         raise ValueError(
-            f"plan n_persist={n_persist}, n_device_shard={n_device_shard}, n_buffer={n_buffer} for {n} chunks"
+            f"plan n_device_shard={n_device_shard} must be between 0 and the {n - n_persist} chunks after the "
+            f"n_persist={n_persist} persistent ones"
         )
+    if n_persist < n and n_buffer < 1:
+        raise ValueError(f"plan n_buffer={n_buffer}: non-persistent chunks need at least 1 buffer")
